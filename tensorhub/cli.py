@@ -1,0 +1,89 @@
+"""``tensorhub`` command line: the reference server, the demo, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def _server(args: argparse.Namespace) -> int:
+    from tensorhub.server import serve
+
+    try:
+        asyncio.run(serve(args.host, args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _bench_pull(args: argparse.Namespace) -> int:
+    from tensorhub.bench import pull
+    from tensorhub.bench.payload import parse_size
+
+    for readers in args.readers:
+        cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, reps=args.reps,
+                                   chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers)
+        json_path = args.json if len(args.readers) == 1 else (args.json and args.json.replace(".json", f"-r{readers}.json"))
+        pull.run(cfg, json_path=json_path)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tensorhub import demo
+    from tensorhub.bench.payload import parse_size
+
+    return demo.run(size=parse_size(args.size), versions=args.versions, readers=args.readers)
+
+
+def _readers(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--readers takes a number or a list like 1,2,4, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("--readers must be >= 1")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tensorhub", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    server = sub.add_parser("server", help="run a reference server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
+    server.add_argument("--agent-ttl", type=float, default=10.0, help="seconds an agent lives without heartbeat")
+    server.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a read lease lives without renewal")
+    server.set_defaults(func=_server)
+
+    demo = sub.add_parser("demo", help="embedded server, one publisher, readers pulling new versions")
+    demo.add_argument("--size", default="256MiB", help="bytes per version (default 256MiB)")
+    demo.add_argument("--versions", type=int, default=4, help="versions to publish (default 4)")
+    demo.add_argument("--readers", type=int, default=2, help="reader processes (default 2)")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks against baselines run in the same process tree")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    pull = bench_sub.add_parser("pull", help="TensorHub pull vs raw NIXL READ of the same bytes")
+    pull.add_argument("--size", default="1GiB", help="bytes per version (default 1GiB)")
+    pull.add_argument("--readers", type=_readers, default=[1], help="reader processes, or a list like 1,2,4")
+    pull.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
+    pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
+    pull.add_argument("--read-workers", type=int, default=2, help="chunk reads in flight per reader")
+    pull.add_argument("--json", help="write the results here as JSON")
+    pull.set_defaults(func=_bench_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

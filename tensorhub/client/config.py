@@ -1,0 +1,39 @@
+"""Settings of a Hub client. Plain values, so recipes can build them from dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from tensorhub.chunks import DEFAULT_CHUNK_SIZE
+from tensorhub.topology import Labels, Reliability
+
+
+@dataclass(kw_only=True, slots=True)
+class HubConfig:
+    name: str = ""  # shown in messages and plans; default host:pid
+    labels: Labels = field(default_factory=Labels.local)
+    reliability: Reliability = Reliability.RELIABLE
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # bytes per chunk of the versions this hub publishes
+    read_workers: int = 2  # chunk reads in flight at once
+    chunk_timeout_s: float = 10.0  # a chunk read making no progress this long = source lost
+    pull_timeout_s: float = 600.0  # a whole pull, failovers included
+    rpc_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
+    connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable
+
+    @classmethod
+    def from_dict(cls, values: dict) -> HubConfig:
+        """Build from plain values (e.g. a Hydra node); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"HubConfig has no field(s) {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(values)
+        if "labels" in values:
+            values["labels"] = Labels.parse(values["labels"])
+        if "reliability" in values and not isinstance(values["reliability"], Reliability):
+            try:
+                values["reliability"] = Reliability(values["reliability"])
+            except ValueError:
+                raise ValueError(f"HubConfig.reliability must be 'reliable' or 'spot', not {values['reliability']!r}") from None
+        return cls(**values)

@@ -1,0 +1,285 @@
+"""The reference server's client stub: plain Python in, frozen dataclasses out.
+Protobuf and grpc stay inside this module; gRPC failures become TensorHub errors."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from tensorhub.errors import (
+    AlreadyPublished,
+    InvalidRequest,
+    ServerUnavailable,
+    TensorHubError,
+    VersionNotFound,
+)
+from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.planner import Source
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.topology import Labels, Reliability
+from tensorhub.transport import MemoryKind, Region
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+_MANIFESTS_CACHED = 16
+_RELEASE_DELAY_S = 0.005
+
+# Retry idempotent calls while the server restarts or briefly refuses.
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "tensorhub.v1.ReferenceService"}],
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.05s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+
+_KIND = {MemoryKind.DRAM: pb.MEMORY_KIND_DRAM, MemoryKind.VRAM: pb.MEMORY_KIND_VRAM}
+_KIND_BACK = {v: k for k, v in _KIND.items()}
+
+
+class AgentUnknown(TensorHubError):
+    """The server does not know this agent (it restarted or the agent expired)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteReplica:
+    """A replica a reader may read: what the planner ranks, and how to read it."""
+
+    source: Source
+    agent_id: str
+    kind: MemoryKind
+    regions: np.ndarray  # (tensors x 3): addr, nbytes, device id
+    metadata: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    model: str
+    version: int
+    manifest: Manifest
+    chunk_size: int
+    replicas: tuple[RemoteReplica, ...]
+    lease_id: str = ""  # a read lease on every replica, when asked for
+    lease_ttl_s: float = 0.0
+    lease_sent_at: float = 0.0  # time.monotonic() before the request left
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    version: int
+    complete_replicas: int
+    filling_replicas: int
+    total_bytes: int
+
+
+class ReferenceClient:
+    """Thread-safe: one channel, shared by every thread of the process."""
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.service_config", _SERVICE_CONFIG),
+                ("grpc.enable_retries", 1),
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_send_message_length", 16 << 20),
+            ],
+        )
+        self._stub = pb_grpc.ReferenceServiceStub(self._channel)
+        # One thread for calls nobody waits on (lease releases): cheaper than
+        # grpc's future(), which starts a thread per call.
+        self._background = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-rpc")
+        # Manifests by fingerprint: the server omits one the client already has.
+        self._manifests: dict[str, Manifest] = {}
+        self._last_fingerprint: dict[str, str] = {}
+        self._cache_lock = threading.Lock()
+        self._releases: list[str] = []  # leases to release, not yet sent
+
+    def close(self) -> None:
+        self._background.shutdown(wait=True)
+        self._channel.close()
+
+    def _call(self, method: Callable[..., T], request: Any, *, timeout: float | None = None,
+              not_found: Callable[[str], Exception] | None = None) -> T:
+        try:
+            return method(request, timeout=timeout or self.timeout_s, wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise self._translate(e, not_found) from None
+
+    def _translate(self, e: grpc.RpcError, not_found: Callable[[str], Exception] | None) -> Exception:
+        code, detail = e.code(), e.details() or ""
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return ServerUnavailable(self.address, f"{code.name}: {detail}")
+        if code == grpc.StatusCode.NOT_FOUND and not_found is not None:
+            return not_found(detail)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequest(detail)
+        if code == grpc.StatusCode.ALREADY_EXISTS:
+            return AlreadyPublished(detail)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and "not registered" in detail:
+            return AgentUnknown(detail)
+        return TensorHubError(f"reference server at {self.address} answered {code.name}: {detail}")
+
+    # ---------------------------------------------------------------- agents
+
+    def register_agent(self, agent_id: str, name: str, labels: Labels, reliability: Reliability) -> tuple[str, float]:
+        """Returns the server's instance id and its read-lease TTL."""
+        resp = self._call(self._stub.RegisterAgent, pb.RegisterAgentRequest(
+            agent_id=agent_id,
+            name=name,
+            labels=pb.Labels(host=labels.host, rack=labels.rack, zone=labels.zone),
+            reliability=pb.RELIABILITY_SPOT if reliability is Reliability.SPOT else pb.RELIABILITY_RELIABLE,
+        ))
+        return resp.instance_id, resp.lease_ttl_s
+
+    def heartbeat(self, agent_id: str, replica_ids: list[str], *, timeout: float | None = None) -> tuple[str, bool, list[str]]:
+        """Returns (server instance id, whether it knows the agent, replicas it lost)."""
+        resp = self._call(self._stub.Heartbeat, pb.HeartbeatRequest(agent_id=agent_id, replica_ids=replica_ids),
+                          timeout=timeout)
+        return resp.instance_id, resp.agent_known, list(resp.unknown_replicas)
+
+    # ---------------------------------------------------------------- holders
+
+    def publish(self, *, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
+                chunk_size: int, kind: MemoryKind, regions: list[Region], metadata: bytes,
+                complete: bool, bitmap: bytes, origin: bool) -> None:
+        self._call(self._stub.Publish, pb.PublishRequest(
+            agent_id=agent_id,
+            replica_id=replica_id,
+            model=model,
+            version=version,
+            manifest=pb.Manifest(
+                tensors=[pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+                         for t in manifest.tensors],
+                fingerprint=manifest.fingerprint,
+            ),
+            chunk_size=chunk_size,
+            memory=pb.ReplicaMemory(
+                kind=_KIND[kind],
+                regions=[pb.Region(addr=r.addr, size=r.size, device_id=r.device_id) for r in regions],
+                nixl_metadata=metadata,
+            ),
+            state=pb.REPLICA_STATE_COMPLETE if complete else pb.REPLICA_STATE_FILLING,
+            chunk_bitmap=bytes(bitmap),
+            origin=origin,
+        ), not_found=lambda d: VersionNotFound(model, version, d))
+
+    def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
+        self._call(self._stub.ReportChunks, pb.ReportChunksRequest(
+            agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete))
+
+    def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float) -> tuple[bool, int]:
+        """Withdraw a replica and wait on the server for its readers to finish.
+        Returns (drained, leases still outstanding). An unknown replica counts as drained."""
+        try:
+            resp = self._call(
+                self._stub.Unpublish,
+                pb.UnpublishRequest(agent_id=agent_id, replica_id=replica_id, drain_timeout_s=drain_timeout_s),
+                timeout=drain_timeout_s + self.timeout_s,
+                not_found=lambda d: KeyError(d),
+            )
+        except KeyError:
+            return True, 0
+        return resp.drained, resp.leases_outstanding
+
+    # ---------------------------------------------------------------- readers
+
+    def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
+                group_round: int = 0, lease: bool = False) -> Resolved:
+        """Which version to read and who holds it. ``lease=True`` also leases every
+        replica returned, saving a round trip on small pulls."""
+        request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
+                                    known_fingerprint=self._last_fingerprint.get(model, ""),
+                                    release_leases=self._take_releases())
+        if version is None:
+            request.latest = True
+        else:
+            request.version = version
+        sent = time.monotonic()
+        resp = self._call(self._stub.Resolve, request,
+                          not_found=lambda d: VersionNotFound(model, "latest" if version is None else version, d))
+        manifest = self._manifests.get(resp.fingerprint)
+        if manifest is None or resp.HasField("manifest"):
+            manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes)
+                                      for t in resp.manifest.tensors))
+            with self._cache_lock:
+                self._manifests[resp.fingerprint] = manifest
+                while len(self._manifests) > _MANIFESTS_CACHED:
+                    self._manifests.pop(next(iter(self._manifests)))
+        self._last_fingerprint[model] = resp.fingerprint
+        return Resolved(model, resp.version, manifest, resp.chunk_size, tuple(_replica(r) for r in resp.replicas),
+                        resp.lease_id, resp.lease_ttl_s, sent)
+
+    def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
+        resp = self._call(self._stub.AcquireReadLease,
+                          pb.AcquireReadLeaseRequest(agent_id=agent_id, replica_ids=replica_ids))
+        return resp.lease_id, list(resp.granted), resp.ttl_s
+
+    def renew_lease(self, agent_id: str, lease_id: str) -> float:
+        resp = self._call(self._stub.RenewReadLease, pb.RenewReadLeaseRequest(agent_id=agent_id, lease_id=lease_id),
+                          not_found=lambda d: TensorHubError(d))
+        return resp.ttl_s
+
+    def release_lease_async(self, agent_id: str, lease_id: str) -> None:
+        """Release a lease without waiting. It rides on the next resolve if one
+        comes within a few milliseconds (a pull loop costs no extra round trip),
+        else a background thread sends it. The lease also expires by itself."""
+        with self._cache_lock:
+            self._releases.append(lease_id)
+        self._background.submit(self._flush_releases, agent_id)
+
+    def _take_releases(self) -> list[str]:
+        with self._cache_lock:
+            taken, self._releases = self._releases, []
+        return taken
+
+    def _flush_releases(self, agent_id: str) -> None:
+        time.sleep(_RELEASE_DELAY_S)
+        for lease_id in self._take_releases():
+            try:
+                self._stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=agent_id, lease_id=lease_id),
+                                            timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                log.debug("release lease %s: %s", lease_id, e.code())
+
+    def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None:
+        self._call(self._stub.ReportLost, pb.ReportLostRequest(agent_id=agent_id, replica_id=replica_id, reason=reason))
+
+    # ---------------------------------------------------------------- queries
+
+    def list_versions(self, model: str) -> list[VersionInfo]:
+        resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))
+        return [VersionInfo(v.version, v.complete_replicas, v.filling_replicas, v.total_bytes) for v in resp.versions]
+
+
+def _replica(msg: pb.ReplicaInfo) -> RemoteReplica:
+    labels = Labels(msg.labels.host, msg.labels.rack, msg.labels.zone)
+    source = Source(
+        replica_id=msg.replica_id,
+        agent_name=msg.agent_name,
+        labels=labels,
+        reliability=Reliability.SPOT if msg.reliability == pb.RELIABILITY_SPOT else Reliability.RELIABLE,
+        complete=msg.state == pb.REPLICA_STATE_COMPLETE,
+        bitmap=msg.chunk_bitmap,
+        origin=msg.origin,
+        active_reads=msg.active_reads,
+    )
+    regions = np.array([(r.addr, r.size, r.device_id) for r in msg.memory.regions], dtype=np.uint64).reshape(-1, 3)
+    return RemoteReplica(source, msg.agent_id, _KIND_BACK[msg.memory.kind], regions, msg.memory.nixl_metadata)

@@ -1,0 +1,69 @@
+"""Typed errors. Each message names the model, version and source involved and
+says what the caller can do about it."""
+
+from __future__ import annotations
+
+
+class TensorHubError(Exception):
+    """Base class of every error TensorHub raises on purpose."""
+
+
+class ServerUnavailable(TensorHubError):
+    """The reference server could not be reached before the deadline."""
+
+    def __init__(self, address: str, detail: str = "") -> None:
+        self.address = address
+        super().__init__(
+            f"reference server at {address} is unavailable ({detail or 'no answer'}); "
+            "check that `tensorhub server` runs there and the address is right"
+        )
+
+
+class InvalidRequest(TensorHubError, ValueError):
+    """The server rejected a request as malformed (INVALID_ARGUMENT)."""
+
+
+class VersionNotFound(TensorHubError, LookupError):
+    """No complete replica of the requested version is held anywhere."""
+
+    def __init__(self, model: str, version: int | str, detail: str = "") -> None:
+        self.model = model
+        self.version = version
+        super().__init__(
+            detail
+            or f"model {model!r} has no pullable version {version!r}; "
+            "publish it first or call hub.versions(model) to see what is held"
+        )
+
+
+class AlreadyPublished(TensorHubError):
+    """A replica of (model, version) exists with another manifest, or twice."""
+
+
+class ManifestMismatch(TensorHubError, ValueError):
+    """The destination tensors do not match the version's manifest. Raised before
+    any byte moves."""
+
+
+class SourceLost(TensorHubError):
+    """Every source that held the bytes a pull still needed was lost
+    (process died, link cut, or the transfer stalled past its deadline)."""
+
+    def __init__(self, model: str, version: int, sources: list[str], detail: str) -> None:
+        self.model = model
+        self.version = version
+        self.sources = sources
+        super().__init__(
+            f"pull of {model!r} version {version} lost its source(s) "
+            f"{', '.join(sources) or '(none)'}: {detail}; no other holder has the "
+            "missing chunks: retry once another replica is published, or pull another version"
+        )
+
+
+class TransferStalled(SourceLost):
+    """A chunk read made no progress before the reader's own deadline."""
+
+
+class UnpublishTimeout(TensorHubError):
+    """Readers still held leases on a replica when unpublish's timeout ran out.
+    The replica is withdrawn; the memory must not be reused yet."""

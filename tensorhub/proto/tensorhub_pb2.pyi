@@ -1,0 +1,335 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Reliability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELIABILITY_UNSPECIFIED: _ClassVar[Reliability]
+    RELIABILITY_RELIABLE: _ClassVar[Reliability]
+    RELIABILITY_SPOT: _ClassVar[Reliability]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_FILLING: _ClassVar[ReplicaState]
+    REPLICA_STATE_COMPLETE: _ClassVar[ReplicaState]
+
+class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
+    MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
+    MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
+RELIABILITY_UNSPECIFIED: Reliability
+RELIABILITY_RELIABLE: Reliability
+RELIABILITY_SPOT: Reliability
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_FILLING: ReplicaState
+REPLICA_STATE_COMPLETE: ReplicaState
+MEMORY_KIND_UNSPECIFIED: MemoryKind
+MEMORY_KIND_DRAM: MemoryKind
+MEMORY_KIND_VRAM: MemoryKind
+
+class Labels(_message.Message):
+    __slots__ = ("host", "rack", "zone")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RACK_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    rack: str
+    zone: str
+    def __init__(self, host: _Optional[str] = ..., rack: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("tensors", "fingerprint")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    fingerprint: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("addr", "size", "device_id")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    size: int
+    device_id: int
+    def __init__(self, addr: _Optional[int] = ..., size: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class ReplicaMemory(_message.Message):
+    __slots__ = ("kind", "regions", "nixl_metadata")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    kind: MemoryKind
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    nixl_metadata: bytes
+    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    RELIABILITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BITMAP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_READS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    agent_id: str
+    agent_name: str
+    labels: Labels
+    reliability: Reliability
+    state: ReplicaState
+    chunk_bitmap: bytes
+    memory: ReplicaMemory
+    active_reads: int
+    origin: bool
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ...) -> None: ...
+
+class RegisterAgentRequest(_message.Message):
+    __slots__ = ("agent_id", "name", "labels", "reliability")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    RELIABILITY_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    name: str
+    labels: Labels
+    reliability: Reliability
+    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ...) -> None: ...
+
+class RegisterAgentResponse(_message.Message):
+    __slots__ = ("instance_id", "agent_ttl_s", "lease_ttl_s")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    agent_ttl_s: float
+    lease_ttl_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., agent_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("agent_id", "replica_ids")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("instance_id", "agent_known", "unknown_replicas")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    agent_known: bool
+    unknown_replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BITMAP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    model: str
+    version: int
+    manifest: Manifest
+    chunk_size: int
+    memory: ReplicaMemory
+    state: ReplicaState
+    chunk_bitmap: bytes
+    replica_id: str
+    origin: bool
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class ReportChunksRequest(_message.Message):
+    __slots__ = ("agent_id", "replica_id", "chunks", "complete")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    replica_id: str
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    complete: bool
+    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class ReportChunksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnpublishRequest(_message.Message):
+    __slots__ = ("agent_id", "replica_id", "drain_timeout_s")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    replica_id: str
+    drain_timeout_s: float
+    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class UnpublishResponse(_message.Message):
+    __slots__ = ("drained", "leases_outstanding")
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    leases_outstanding: int
+    def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ...) -> None: ...
+
+class ResolveRequest(_message.Message):
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    model: str
+    version: int
+    latest: bool
+    group: str
+    group_round: int
+    lease: bool
+    known_fingerprint: str
+    release_leases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResolveResponse(_message.Message):
+    __slots__ = ("version", "manifest", "chunk_size", "replicas", "fingerprint", "lease_id", "lease_ttl_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: Manifest
+    chunk_size: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    fingerprint: str
+    lease_id: str
+    lease_ttl_s: float
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class AcquireReadLeaseRequest(_message.Message):
+    __slots__ = ("agent_id", "replica_ids")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AcquireReadLeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "granted", "ttl_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    granted: _containers.RepeatedScalarFieldContainer[str]
+    ttl_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., granted: _Optional[_Iterable[str]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewReadLeaseRequest(_message.Message):
+    __slots__ = ("agent_id", "lease_id")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    lease_id: str
+    def __init__(self, agent_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewReadLeaseResponse(_message.Message):
+    __slots__ = ("ttl_s",)
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseReadLeaseRequest(_message.Message):
+    __slots__ = ("agent_id", "lease_id")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    lease_id: str
+    def __init__(self, agent_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReadLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportLostRequest(_message.Message):
+    __slots__ = ("agent_id", "replica_id", "reason")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    replica_id: str
+    reason: str
+    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportLostResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class VersionSummary(_message.Message):
+    __slots__ = ("version", "complete_replicas", "filling_replicas", "total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FILLING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    complete_replicas: int
+    filling_replicas: int
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., complete_replicas: _Optional[int] = ..., filling_replicas: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionSummary]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ...) -> None: ...

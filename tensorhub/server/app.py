@@ -1,0 +1,100 @@
+"""Running the reference server: as a process (``tensorhub server``) or
+embedded in a background thread (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+
+import grpc
+
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.server.service import ReferenceService
+from tensorhub.server.state import State
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20
+EXPIRY_PERIOD_S = 0.5
+
+
+async def _start(host: str, port: int, state: State) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_ReferenceServiceServicer_to_server(ReferenceService(state), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the reference server to {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+async def _expire_forever(state: State) -> None:
+    """Leases and agents also expire without traffic, so drains finish."""
+    while True:
+        await asyncio.sleep(EXPIRY_PERIOD_S)
+        state.expire()
+
+
+async def serve(host: str = "127.0.0.1", port: int = 50051, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0,
+                ready: asyncio.Event | None = None) -> None:
+    """Run a reference server until cancelled."""
+    state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s)
+    server, bound = await _start(host, port, state)
+    log.info("reference server %s listening on %s:%d", state.instance_id[:8], host, bound)
+    print(f"tensorhub reference server listening on {host}:{bound} (instance {state.instance_id[:8]})", flush=True)
+    if ready is not None:
+        ready.set()
+    expiry = asyncio.create_task(_expire_forever(state))
+    try:
+        await server.wait_for_termination()
+    finally:
+        expiry.cancel()
+        await server.stop(grace=0.5)
+
+
+class EmbeddedServer:
+    """A reference server on its own event loop in a daemon thread.
+
+    >>> with EmbeddedServer() as server:
+    ...     hub = Hub.connect(server.address)
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, agent_ttl_s: float = 10.0,
+                 lease_ttl_s: float = 10.0) -> None:
+        self.host = host
+        self.state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tensorhub-server", daemon=True)
+        self._thread.start()
+        self._server, self.port = asyncio.run_coroutine_threadsafe(
+            _start(host, port, self.state), self._loop
+        ).result(timeout=30)
+        self._expiry = asyncio.run_coroutine_threadsafe(_expire_forever(self.state), self._loop)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._expiry.cancel()
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace=0.2), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

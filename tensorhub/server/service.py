@@ -1,0 +1,323 @@
+"""gRPC front of the reference server: validates requests, turns protobuf into
+the state's plain types and back. Protobuf stays inside this module and
+``tensorhub.client.rpc``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from tensorhub.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.server.state import Replica, State, StateError
+from tensorhub.topology import Labels, Reliability
+
+log = logging.getLogger(__name__)
+
+MAX_NAME = 512
+MAX_TENSORS = 1_000_000
+MAX_NIXL_METADATA = 1 << 20
+MAX_DRAIN_S = 3600.0
+_ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
+
+Resp = TypeVar("Resp")
+
+
+class Invalid(Exception):
+    """A request field is missing or malformed."""
+
+
+def _require_id(value: str, what: str) -> str:
+    if not _ID.match(value):
+        raise Invalid(f"{what} {value!r} is missing or malformed (1-128 of [A-Za-z0-9._:@/+-])")
+    return value
+
+
+def _require_model(model: str) -> str:
+    if not model or len(model) > MAX_NAME or not model.isprintable():
+        raise Invalid(f"model key {model[:80]!r} must be 1-{MAX_NAME} printable characters")
+    return model
+
+
+def _require_version(version: int) -> int:
+    if version < 0:
+        raise Invalid(f"version {version} is negative; versions are integers >= 0")
+    return version
+
+
+def _manifest(msg: pb.Manifest) -> Manifest:
+    if len(msg.tensors) > MAX_TENSORS:
+        raise Invalid(f"manifest has {len(msg.tensors)} tensors, more than {MAX_TENSORS}")
+    manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in msg.tensors))
+    try:
+        manifest.validate()
+    except ValueError as e:
+        raise Invalid(f"bad manifest: {e}") from None
+    if msg.fingerprint and msg.fingerprint != manifest.fingerprint:
+        raise Invalid("manifest fingerprint does not match its tensor list")
+    return manifest
+
+
+def _labels(msg: pb.Labels) -> Labels:
+    return Labels(msg.host, msg.rack, msg.zone)
+
+
+def _reliability(value: int) -> Reliability:
+    if value == pb.RELIABILITY_SPOT:
+        return Reliability.SPOT
+    if value in (pb.RELIABILITY_UNSPECIFIED, pb.RELIABILITY_RELIABLE):
+        return Reliability.RELIABLE
+    raise Invalid(f"unknown reliability {value}")
+
+
+def wire_manifest(manifest: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        tensors=[pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes) for t in manifest.tensors],
+        fingerprint=manifest.fingerprint,
+    )
+
+
+class ReferenceService(pb_grpc.ReferenceServiceServicer):
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Resp]]) -> Resp:
+        """Run a handler; turn validation and state errors into RPC statuses so
+        that a bad request never takes the server down."""
+        self.state.expire()
+        try:
+            return await fn()
+        except Invalid as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StateError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        raise AssertionError("unreachable")  # abort() raises
+
+    # ------------------------------------------------------------ agents
+
+    async def RegisterAgent(self, request: pb.RegisterAgentRequest, context: Any) -> pb.RegisterAgentResponse:
+        async def go() -> pb.RegisterAgentResponse:
+            agent_id = _require_id(request.agent_id, "agent_id")
+            if len(request.name) > MAX_NAME:
+                raise Invalid("agent name too long")
+            self.state.register_agent(agent_id, request.name or agent_id, _labels(request.labels), _reliability(request.reliability))
+            return pb.RegisterAgentResponse(
+                instance_id=self.state.instance_id,
+                agent_ttl_s=self.state.agent_ttl_s,
+                lease_ttl_s=self.state.lease_ttl_s,
+            )
+
+        return await self._run(context, go)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        async def go() -> pb.HeartbeatResponse:
+            agent_id = _require_id(request.agent_id, "agent_id")
+            known = self.state.heartbeat(agent_id)
+            unknown = [
+                rid for rid in request.replica_ids
+                if (r := self.state.replicas.get(rid)) is None or r.agent_id != agent_id
+            ]
+            return pb.HeartbeatResponse(instance_id=self.state.instance_id, agent_known=known, unknown_replicas=unknown)
+
+        return await self._run(context, go)
+
+    # ------------------------------------------------------------ holders
+
+    async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+        async def go() -> pb.PublishResponse:
+            agent_id = _require_id(request.agent_id, "agent_id")
+            replica_id = _require_id(request.replica_id, "replica_id")
+            model = _require_model(request.model)
+            version = _require_version(request.version)
+            if not request.HasField("manifest"):
+                raise Invalid("manifest is missing")
+            manifest = _manifest(request.manifest)
+            if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
+                raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+            mem = request.memory
+            if mem.kind not in (pb.MEMORY_KIND_DRAM, pb.MEMORY_KIND_VRAM):
+                raise Invalid("memory.kind must be DRAM or VRAM")
+            if not mem.nixl_metadata:
+                raise Invalid("memory.nixl_metadata is missing")
+            if len(mem.nixl_metadata) > MAX_NIXL_METADATA:
+                raise Invalid(f"memory.nixl_metadata is {len(mem.nixl_metadata)} bytes, over {MAX_NIXL_METADATA}")
+            if len(mem.regions) != len(manifest.tensors):
+                raise Invalid(f"{len(mem.regions)} memory regions for {len(manifest.tensors)} tensors")
+            for region, spec in zip(mem.regions, manifest.tensors):
+                if region.size != spec.nbytes:
+                    raise Invalid(f"region of {spec.name!r} is {region.size} bytes, manifest says {spec.nbytes}")
+            if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
+                raise Invalid("state must be FILLING or COMPLETE")
+            total = manifest.total_bytes
+            num_chunks = -(-total // request.chunk_size)
+            if len(request.chunk_bitmap) > -(-num_chunks // 8):
+                raise Invalid("chunk_bitmap is longer than the version's chunk count")
+            entry = self.state.publish(
+                agent_id=agent_id,
+                replica_id=replica_id,
+                model=model,
+                version=version,
+                manifest=manifest,
+                chunk_size=request.chunk_size,
+                num_chunks=num_chunks,
+                memory=mem,
+                complete=request.state == pb.REPLICA_STATE_COMPLETE,
+                bitmap=request.chunk_bitmap,
+                origin=request.origin,
+            )
+            if entry.wire_manifest is None:
+                entry.wire_manifest = wire_manifest(entry.manifest)
+            return pb.PublishResponse(replica_id=replica_id)
+
+        return await self._run(context, go)
+
+    async def ReportChunks(self, request: pb.ReportChunksRequest, context: Any) -> pb.ReportChunksResponse:
+        async def go() -> pb.ReportChunksResponse:
+            self.state.report_chunks(
+                _require_id(request.agent_id, "agent_id"),
+                _require_id(request.replica_id, "replica_id"),
+                list(request.chunks),
+                request.complete,
+            )
+            return pb.ReportChunksResponse()
+
+        return await self._run(context, go)
+
+    async def Unpublish(self, request: pb.UnpublishRequest, context: Any) -> pb.UnpublishResponse:
+        async def go() -> pb.UnpublishResponse:
+            if not 0 <= request.drain_timeout_s <= MAX_DRAIN_S:
+                raise Invalid(f"drain_timeout_s must be within [0, {MAX_DRAIN_S}]")
+            replica = self.state.withdraw(
+                _require_id(request.agent_id, "agent_id"), _require_id(request.replica_id, "replica_id")
+            )
+            drained = await self._drain(replica, request.drain_timeout_s)
+            outstanding = len(replica.leases)
+            if drained:
+                self.state.remove_replica(replica.replica_id)
+            return pb.UnpublishResponse(drained=drained, leases_outstanding=outstanding)
+
+        return await self._run(context, go)
+
+    async def _drain(self, replica: Replica, timeout_s: float) -> bool:
+        """Wait until no read lease covers the replica. Leases that expire
+        meanwhile count as finished: the expiry sweep releases them."""
+        deadline = time.monotonic() + timeout_s
+        while replica.leases:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(replica.drained.wait(), timeout=min(remaining, 0.25))
+            except asyncio.TimeoutError:
+                self.state.expire()
+        return True
+
+    # ------------------------------------------------------------ readers
+
+    async def Resolve(self, request: pb.ResolveRequest, context: Any) -> pb.ResolveResponse:
+        async def go() -> pb.ResolveResponse:
+            agent_id = _require_id(request.agent_id, "agent_id")
+            for lease_id in request.release_leases:
+                self.state.release_lease(_require_id(lease_id, "lease_id"))
+            model = _require_model(request.model)
+            which = request.WhichOneof("which")
+            if which is None:
+                raise Invalid("say which version: set version or latest")
+            version = None if which == "latest" else _require_version(request.version)
+            if request.group and len(request.group) > MAX_NAME:
+                raise Invalid("group name too long")
+            resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
+            sources = self.state.sources(entry, agent_id)
+            response = pb.ResolveResponse(
+                version=resolved,
+                chunk_size=entry.chunk_size,
+                fingerprint=entry.fingerprint,
+            )
+            if request.known_fingerprint != entry.fingerprint:
+                response.manifest.CopyFrom(entry.wire_manifest)
+            if request.lease:
+                lease = self.state.acquire_lease(agent_id, [r.replica_id for r in sources])
+                response.lease_id, response.lease_ttl_s = lease.lease_id, self.state.lease_ttl_s
+            response.replicas.extend(self._replica_info(r) for r in sources)
+            return response
+
+        return await self._run(context, go)
+
+    def _replica_info(self, replica: Replica) -> pb.ReplicaInfo:
+        agent = self.state.agents[replica.agent_id]
+        return pb.ReplicaInfo(
+            replica_id=replica.replica_id,
+            agent_id=agent.agent_id,
+            agent_name=agent.name,
+            labels=pb.Labels(host=agent.labels.host, rack=agent.labels.rack, zone=agent.labels.zone),
+            reliability=pb.RELIABILITY_SPOT if agent.reliability is Reliability.SPOT else pb.RELIABILITY_RELIABLE,
+            state=pb.REPLICA_STATE_COMPLETE if replica.complete else pb.REPLICA_STATE_FILLING,
+            chunk_bitmap=b"" if replica.complete else bytes(replica.bitmap),
+            memory=replica.memory,
+            active_reads=len(replica.leases),
+            origin=replica.origin,
+        )
+
+    async def AcquireReadLease(self, request: pb.AcquireReadLeaseRequest, context: Any) -> pb.AcquireReadLeaseResponse:
+        async def go() -> pb.AcquireReadLeaseResponse:
+            ids = [_require_id(r, "replica_id") for r in request.replica_ids]
+            lease = self.state.acquire_lease(_require_id(request.agent_id, "agent_id"), ids)
+            return pb.AcquireReadLeaseResponse(lease_id=lease.lease_id, granted=lease.replica_ids, ttl_s=self.state.lease_ttl_s)
+
+        return await self._run(context, go)
+
+    async def RenewReadLease(self, request: pb.RenewReadLeaseRequest, context: Any) -> pb.RenewReadLeaseResponse:
+        async def go() -> pb.RenewReadLeaseResponse:
+            self.state.renew_lease(_require_id(request.agent_id, "agent_id"), _require_id(request.lease_id, "lease_id"))
+            return pb.RenewReadLeaseResponse(ttl_s=self.state.lease_ttl_s)
+
+        return await self._run(context, go)
+
+    async def ReleaseReadLease(self, request: pb.ReleaseReadLeaseRequest, context: Any) -> pb.ReleaseReadLeaseResponse:
+        async def go() -> pb.ReleaseReadLeaseResponse:
+            _require_id(request.agent_id, "agent_id")
+            self.state.release_lease(_require_id(request.lease_id, "lease_id"))
+            return pb.ReleaseReadLeaseResponse()
+
+        return await self._run(context, go)
+
+    async def ReportLost(self, request: pb.ReportLostRequest, context: Any) -> pb.ReportLostResponse:
+        async def go() -> pb.ReportLostResponse:
+            _require_id(request.agent_id, "agent_id")
+            replica_id = _require_id(request.replica_id, "replica_id")
+            log.warning("replica %s reported lost by %s: %s", replica_id, request.agent_id, request.reason[:200])
+            self.state.report_lost(replica_id)
+            return pb.ReportLostResponse()
+
+        return await self._run(context, go)
+
+    # ------------------------------------------------------------ queries
+
+    async def ListVersions(self, request: pb.ListVersionsRequest, context: Any) -> pb.ListVersionsResponse:
+        async def go() -> pb.ListVersionsResponse:
+            model = _require_model(request.model)
+            out = []
+            for version, entry in sorted(self.state.models.get(model, {}).items()):
+                live = self.state.sources(entry, "")
+                complete = sum(r.complete for r in live)
+                if not live:
+                    continue
+                out.append(pb.VersionSummary(
+                    version=version,
+                    complete_replicas=complete,
+                    filling_replicas=len(live) - complete,
+                    total_bytes=entry.manifest.total_bytes,
+                ))
+            return pb.ListVersionsResponse(versions=out)
+
+        return await self._run(context, go)

@@ -1,0 +1,158 @@
+"""A process's NIXL agent (UCX backend): register memory in place, learn remote
+agents from their metadata, and READ byte ranges from them with a deadline.
+
+NIXL facts this relies on (measured, see the project notes):
+* a peer that dies mid-READ makes ``transfer``/``check_xfer_state`` raise;
+* a cut link does not raise for minutes, so every wait here has a deadline;
+* with UCX over shared memory (CMA) ``transfer`` copies synchronously and
+  releases the GIL; over TCP it returns "PROC" at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints INFO lines to stdout otherwise
+
+from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402  (after the log level)
+
+from tensorhub.transport.memory import MemoryKind, regions_of, storages_of  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 2e-3
+
+
+class TransferFailed(Exception):
+    """A READ failed or stalled. ``stalled`` tells a deadline from a NIXL error."""
+
+    def __init__(self, remote: str, detail: str, *, stalled: bool = False) -> None:
+        super().__init__(f"READ from {remote} {'stalled' if stalled else 'failed'}: {detail}")
+        self.remote = remote
+        self.stalled = stalled
+
+
+@dataclass(slots=True)
+class Registration:
+    """Memory registered with this agent, and what a remote reader needs to read it."""
+
+    kind: MemoryKind
+    regions: list  # list[Region], one per tensor, in order
+    metadata: bytes  # NIXL partial agent metadata for these regions
+    _handle: object = None
+
+
+class NixlAgent:
+    """One NIXL agent per process. Thread-safe: reads may run from a pool."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._lock = threading.Lock()  # guards the remote-agent table
+        self._remotes: dict[str, str] = {}  # metadata key -> remote agent name
+
+    # ---------------------------------------------------------------- memory
+
+    def register(self, tensors: list[torch.Tensor]) -> Registration:
+        """Register the tensors' memory in place (no copy) and describe it for readers."""
+        kind, regions = regions_of(tensors)
+        storages = storages_of(tensors)
+        handle = None
+        if storages:
+            reg = [(addr, size, dev, "") for addr, size, dev in storages]
+            handle = self._agent.register_memory(reg, kind.value)
+            descs = self._agent.get_reg_descs(reg, kind.value)
+            metadata = self._agent.get_partial_agent_metadata(descs, True, ["UCX"])
+        else:
+            metadata = self._agent.get_agent_metadata()
+        return Registration(kind, regions, metadata, handle)
+
+    def deregister(self, registration: Registration) -> None:
+        if registration._handle is not None:
+            self._agent.deregister_memory(registration._handle)
+            registration._handle = None
+
+    # ---------------------------------------------------------------- remotes
+
+    def connect(self, key: str, metadata: bytes) -> str:
+        """Load a remote agent's metadata once per ``key`` (a replica id);
+        returns the remote agent's name."""
+        with self._lock:
+            name = self._remotes.get(key)
+            if name is None:
+                raw = self._agent.add_remote_agent(metadata)
+                name = raw.decode() if isinstance(raw, bytes) else raw
+                self._remotes[key] = name
+            return name
+
+    def forget(self, key: str) -> None:
+        """Drop a remote whose replica is gone (its endpoint may be dead)."""
+        with self._lock:
+            name = self._remotes.pop(key, None)
+            if name is not None and name not in self._remotes.values():
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception as e:  # already gone on NIXL's side
+                    log.debug("remove_remote_agent(%s): %s", name, e)
+
+    # ---------------------------------------------------------------- reads
+
+    def read(
+        self,
+        remote: str,
+        local: np.ndarray,
+        local_kind: MemoryKind,
+        remote_descs: np.ndarray,
+        remote_kind: MemoryKind,
+        *,
+        deadline: float,
+    ) -> None:
+        """READ ``remote_descs`` of agent ``remote`` into ``local`` and wait.
+
+        Both descriptor arrays are N x 3 (addr, nbytes, device). Raises
+        TransferFailed on a NIXL error or when ``time.monotonic()`` passes
+        ``deadline``; the destination bytes are garbage then.
+        """
+        agent = self._agent
+        handle = None
+        try:
+            local_list = agent.get_xfer_descs(local, local_kind.value)
+            remote_list = agent.get_xfer_descs(remote_descs, remote_kind.value)
+            handle = agent.initialize_xfer("READ", local_list, remote_list, remote)
+            state = agent.transfer(handle)
+            pause = _POLL_MIN_S
+            while state != "DONE":
+                if state == "ERR":
+                    raise TransferFailed(remote, "NIXL reported ERR")
+                if time.monotonic() > deadline:
+                    raise TransferFailed(remote, "no completion before the reader's deadline", stalled=True)
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+                state = agent.check_xfer_state(handle)
+        except TransferFailed:
+            raise
+        except Exception as e:  # nixlRemoteDisconnectError and friends
+            raise TransferFailed(remote, f"{type(e).__name__}: {e}") from e
+        finally:
+            if handle is not None:
+                try:
+                    agent.release_xfer_handle(handle)
+                except Exception as e:  # a failed transfer may refuse release
+                    log.debug("release_xfer_handle: %s", e)
+
+    def close(self) -> None:
+        with self._lock:
+            for name in set(self._remotes.values()):
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception as e:
+                    log.debug("remove_remote_agent(%s): %s", name, e)
+            self._remotes.clear()
