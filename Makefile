@@ -4,7 +4,8 @@
 # Each target creates or refreshes its own virtual environment.
 
 PYTHON ?= python3
-TORCH  ?= torch==2.13.0   # the CPU build; an unpinned torch pulls a multi-GB CUDA build
+# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
