@@ -237,7 +237,8 @@ class Hub:
             rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels, resolved=resolved,
             dest_regions=np.array([(r.addr, r.size, r.device_id) for r in registration.regions],
                                   dtype=np.uint64).reshape(-1, 3),
-            dest_kind=registration.kind, pool=self._pool, chunk_timeout_s=self.config.chunk_timeout_s,
+            dest_kind=registration.kind, pool=self._pool, workers=max(1, self.config.read_workers),
+            chunk_timeout_s=self.config.chunk_timeout_s,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s), progress=progress,
             landed=(lambda chunks: self._report_landed(publication, chunks)) if publication else None,
         )

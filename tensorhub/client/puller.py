@@ -123,6 +123,7 @@ class PullJob:
     dest_regions: np.ndarray
     dest_kind: MemoryKind
     pool: cf.ThreadPoolExecutor
+    workers: int
     chunk_timeout_s: float
     deadline: float
     progress: ProgressFn | None = None
@@ -209,19 +210,31 @@ class PullJob:
             self.nixl.read(remote_name, local, reader.dest_kind, remote, replica.kind, deadline=deadline)
             return chunk
 
+        # A window of reads in flight (twice the workers): a failed source is noticed
+        # before more reads are queued on it, and the caller's progress
+        # callback paces the pull.
+        todo = iter(order.items())
         submit = self.pool.submit if len(order) > 1 else _run_inline  # one chunk: no thread hop
-        futures = {
-            submit(read, chunk, replicas[sources[0]]): (chunk, sources[0])
-            for chunk, sources in order.items()
-        }
+        futures: dict[cf.Future, tuple[int, str]] = {}
+
+        def refill() -> None:
+            while len(futures) < 2 * self.workers:  # keep the pool busy while results are handled
+                item = next(todo, None)
+                if item is None:
+                    return
+                chunk, sources = item
+                if sources[0] in lost_now:
+                    continue  # stays needed: the next round re-plans it
+                futures[submit(read, chunk, replicas[sources[0]])] = (chunk, sources[0])
+
         landed: list[int] = []
         last_report = time.monotonic()
-        pending = set(futures)
         done_bytes = layout.total_bytes - sum(layout.chunk_bytes(c) for c in needed)
-        while pending:
-            done, pending = cf.wait(pending, timeout=_REPORT_PERIOD_S, return_when=cf.FIRST_COMPLETED)
+        refill()
+        while futures:
+            done, _ = cf.wait(futures, timeout=_REPORT_PERIOD_S, return_when=cf.FIRST_COMPLETED)
             for fut in done:
-                chunk, rid = futures[fut]
+                chunk, rid = futures.pop(fut)
                 try:
                     if fut.result() < 0:
                         continue
@@ -242,8 +255,9 @@ class PullJob:
                 done_bytes += nbytes
             if self.progress is not None and done:
                 self.progress(done_bytes, layout.total_bytes)
+            refill()
             if landed and self.landed is not None and (
-                not pending or time.monotonic() - last_report >= _REPORT_PERIOD_S
+                not futures or time.monotonic() - last_report >= _REPORT_PERIOD_S
             ):
                 self.landed(landed)
                 landed = []

@@ -1,0 +1,244 @@
+"""Helpers for tests of TensorHub and of code built on it: deterministic state
+dicts, a Hub in a separate OS process driven over a pipe, and a reference
+server in a separate process that can be killed and restarted.
+
+Everything here runs real processes, real NIXL and a real gRPC server.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorhub.manifest import DTYPES
+
+Spec = tuple[str, str, tuple[int, ...]]  # name, dtype name, shape
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mixed_specs(count: int = 210, *, largest_bytes: int = 64 << 20) -> list[Spec]:
+    """``count`` tensors of mixed dtypes, from one element up to ``largest_bytes``."""
+    dtypes = ["float32", "bfloat16", "float16", "int64"]
+    specs: list[Spec] = [("scalar", "float32", ()), ("one", "int64", (1,)), ("largest", "float32", (largest_bytes // 4,))]
+    i = 0
+    while len(specs) < count:
+        dtype = dtypes[i % len(dtypes)]
+        rows = 1 + (i * 37) % 97
+        cols = 1 + (i * 13) % 129
+        specs.append((f"layers.{i}.{dtype}", dtype, (rows, cols) if i % 3 else (rows * cols,)))
+        i += 1
+    return specs
+
+
+def make_tensors(specs: Sequence[Spec], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic contents that differ per seed."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape in specs:
+        dt = DTYPES[dtype]
+        if dt.is_floating_point:
+            out[name] = torch.randn(shape, generator=gen, dtype=torch.float32).to(dt)
+        else:
+            out[name] = torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=torch.int64).to(dt)
+    return out
+
+
+def empty_like_specs(specs: Sequence[Spec]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape, dtype=DTYPES[dtype]) for name, dtype, shape in specs}
+
+
+# --------------------------------------------------------------------- hub process
+
+
+class RemoteError(Exception):
+    """An exception raised inside a HubProcess; ``type_name`` is its class name."""
+
+    def __init__(self, type_name: str, message: str, tb: str) -> None:
+        super().__init__(f"{type_name}: {message}\n--- in the hub process ---\n{tb}")
+        self.type_name = type_name
+        self.message = message
+
+
+def _hub_main(conn: Any, address: str, config: dict) -> None:
+    from tensorhub import Hub
+
+    torch.set_num_threads(1)
+    hub = Hub.connect(address, **config)
+    held: dict[tuple[str, int], Any] = {}
+    conn.send(("ok", hub.agent_id))
+    while True:
+        method, kwargs = conn.recv()
+        try:
+            if method == "close":
+                hub.close()
+                conn.send(("ok", None))
+                return
+            result = _HANDLERS[method](hub, held, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as e:  # report every failure to the test
+            conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
+
+
+def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, chunk_size: int | None = None) -> str:
+    tensors = make_tensors(specs, seed)
+    pub = hub.publish(model, version, tensors, chunk_size=chunk_size)
+    held[(model, version)] = pub
+    return pub.manifest.fingerprint
+
+
+def _unpublish(hub: Any, held: dict, *, model: str, version: int, timeout: float = 60.0) -> dict:
+    start = time.monotonic()
+    held.pop((model, version)).unpublish(timeout)
+    return {"start": start, "end": time.monotonic()}
+
+
+def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: list | None = None,
+          expect_seed: int | None = None, serve: bool = False, pace_s: float = 0.0, group: str = "",
+          group_round: int = 0, timeout: float | None = None) -> dict:
+    into = empty_like_specs(specs) if specs is not None else None
+    ptrs = {k: v.data_ptr() for k, v in into.items()} if into else {}
+
+    def pace(done: int, total: int) -> None:
+        time.sleep(pace_s)
+
+    start = time.monotonic()
+    result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s else None,
+                      group=group, group_round=group_round, timeout=timeout)
+    end = time.monotonic()
+    if serve:
+        held[(model, result.version)] = result.publication
+    out = {"version": result.version, "nbytes": result.nbytes, "seconds": result.seconds, "start": start,
+           "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
+           "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
+    if expect_seed is not None and specs is not None:
+        expected = make_tensors(specs, expect_seed)
+        bad = [k for k in expected if not torch.equal(result.tensors[k], expected[k])]
+        out["mismatched"] = bad
+    return out
+
+
+def _latest(hub: Any, held: dict, *, model: str) -> int:
+    return hub.latest(model)
+
+
+def _versions(hub: Any, held: dict, *, model: str) -> list[int]:
+    return hub.versions(model)
+
+
+_HANDLERS = {"publish": _publish, "unpublish": _unpublish, "pull": _pull, "latest": _latest, "versions": _versions}
+
+
+class HubProcess:
+    """A Hub in its own OS process. Calls block until the child answers or the
+    timeout passes (then TimeoutError); child exceptions come back as RemoteError."""
+
+    def __init__(self, address: str, *, name: str, start_timeout: float = 60.0, **config: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.name = name
+        self.process = ctx.Process(target=_hub_main, args=(child, address, {"name": name, **config}),
+                                   name=f"hub-{name}", daemon=True)
+        self.process.start()
+        self.agent_id = self._wait(start_timeout)
+
+    def _wait(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"hub process {self.name} did not answer within {timeout} s")
+        status, payload = self._conn.recv()
+        if status == "err":
+            raise RemoteError(*payload)
+        return payload
+
+    def send(self, method: str, **kwargs: Any) -> None:
+        """Start a call without waiting; collect it with ``result()``."""
+        self._conn.send((method, kwargs))
+
+    def result(self, timeout: float = 120.0) -> Any:
+        return self._wait(timeout)
+
+    def call(self, method: str, timeout: float = 120.0, **kwargs: Any) -> Any:
+        self.send(method, **kwargs)
+        return self.result(timeout)
+
+    def kill(self) -> None:
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(timeout=10)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("close", timeout=timeout)
+            except (TimeoutError, EOFError, BrokenPipeError, RemoteError):
+                pass
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.kill()
+
+    def __enter__(self) -> HubProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------- server process
+
+
+class ServerProcess:
+    """``tensorhub server`` as a subprocess on a fixed port, so that it can be
+    killed and started again at the same address."""
+
+    def __init__(self, port: int | None = None, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._args = [sys.executable, "-m", "tensorhub.cli", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                      "--agent-ttl", str(agent_ttl_s), "--lease-ttl", str(lease_ttl_s)]
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.proc = subprocess.Popen(self._args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if "listening on" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"tensorhub server did not start on {self.address}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
