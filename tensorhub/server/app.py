@@ -10,8 +10,7 @@ import threading
 
 import grpc
 
-from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
-from tensorhub.server.service import ReferenceService
+from tensorhub.server.service import ReferenceService, add_to_server
 from tensorhub.server.state import State
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,7 @@ async def _start(host: str, port: int, state: State) -> tuple[grpc.aio.Server, i
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_ReferenceServiceServicer_to_server(ReferenceService(state), server)
+    add_to_server(ReferenceService(state), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the reference server to {host}:{port}")

@@ -321,3 +321,49 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             return pb.ListVersionsResponse(versions=out)
 
         return await self._run(context, go)
+
+
+# ---------------------------------------------------------------- registration
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message, so the
+    handler can answer INVALID_ARGUMENT instead of grpc's bare UNKNOWN."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name, self.error = type_name, error
+
+
+def _lenient(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # DecodeError, or anything else protobuf raises on garbage
+            return _Undecodable(cls.__name__, str(e))
+
+    return parse
+
+
+def _guard(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request is not a valid {request.type_name}: {request.error}")
+        return await method(request, context)
+
+    return handler
+
+
+def add_to_server(service: ReferenceService, server: grpc.aio.Server) -> None:
+    """Register every method of the .proto's ReferenceService, with lenient
+    request parsing (see _Undecodable)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["ReferenceService"]
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            _guard(getattr(service, m.name)),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in descriptor.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
