@@ -12,7 +12,8 @@ def _server(args: argparse.Namespace) -> int:
     from tensorhub.server import serve
 
     try:
-        asyncio.run(serve(args.host, args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl))
+        asyncio.run(serve(args.host, args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl,
+                          retain=args.retain))
     except KeyboardInterrupt:
         pass
     return 0
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
     server.add_argument("--agent-ttl", type=float, default=10.0, help="seconds an agent lives without heartbeat")
     server.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a read lease lives without renewal")
+    server.add_argument("--retain", type=int, default=1,
+                        help="the latest K versions of each model stay pullable after their holders unpublish; "
+                             "0 turns retention off (default 1)")
     server.set_defaults(func=_server)
 
     demo = sub.add_parser("demo", help="embedded server, one publisher, readers pulling new versions")

@@ -98,6 +98,7 @@ def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, see
     tensors = make_tensors(specs, seed)
     pub = hub.publish(model, version, tensors, chunk_size=chunk_size)
     held[(model, version)] = pub
+    held[("tensors", model, version)] = (specs, tensors)  # kept after unpublish, for _overwrite
     return pub.manifest.fingerprint
 
 
@@ -109,15 +110,18 @@ def _unpublish(hub: Any, held: dict, *, model: str, version: int, timeout: float
 
 def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: list | None = None,
           expect_seed: int | None = None, serve: bool = False, pace_s: float = 0.0, group: str = "",
-          group_round: int = 0, timeout: float | None = None) -> dict:
+          group_round: int = 0, timeout: float | None = None, progress_file: str | None = None) -> dict:
     into = empty_like_specs(specs) if specs is not None else None
     ptrs = {k: v.data_ptr() for k, v in into.items()} if into else {}
 
     def pace(done: int, total: int) -> None:
+        if progress_file:  # lets a test act at a known point of the pull
+            with open(progress_file, "w") as f:
+                f.write(str(done))
         time.sleep(pace_s)
 
     start = time.monotonic()
-    result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s else None,
+    result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s or progress_file else None,
                       group=group, group_round=group_round, timeout=timeout)
     end = time.monotonic()
     if serve:
@@ -132,6 +136,27 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
     return out
 
 
+def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) -> int:
+    """Wait until a pull started with ``progress_file=path`` has landed bytes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            done = int(open(path).read() or 0)
+        except (FileNotFoundError, ValueError):
+            done = 0
+        if done >= at_least:
+            return done
+        time.sleep(0.01)
+    raise TimeoutError(f"the pull reported no progress within {timeout} s")
+
+
+def _overwrite(hub: Any, held: dict, *, model: str, version: int, seed: int) -> None:
+    """Overwrite the tensors of an unpublished version in place (what a trainer's optimizer does)."""
+    specs, tensors = held[("tensors", model, version)]
+    for name, new in make_tensors(specs, seed).items():
+        tensors[name].copy_(new)
+
+
 def _latest(hub: Any, held: dict, *, model: str) -> int:
     return hub.latest(model)
 
@@ -140,14 +165,15 @@ def _versions(hub: Any, held: dict, *, model: str) -> list[int]:
     return hub.versions(model)
 
 
-_HANDLERS = {"publish": _publish, "unpublish": _unpublish, "pull": _pull, "latest": _latest, "versions": _versions}
+_HANDLERS = {"publish": _publish, "unpublish": _unpublish, "pull": _pull, "latest": _latest, "versions": _versions,
+             "overwrite": _overwrite}
 
 
 class HubProcess:
     """A Hub in its own OS process. Calls block until the child answers or the
     timeout passes (then TimeoutError); child exceptions come back as RemoteError."""
 
-    def __init__(self, address: str, *, name: str, start_timeout: float = 60.0, **config: Any) -> None:
+    def __init__(self, address: str, *, name: str, start_timeout: float = 180.0, **config: Any) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.name = name

@@ -24,6 +24,11 @@ class HubConfig:
     @classmethod
     def from_dict(cls, values: dict) -> HubConfig:
         """Build from plain values (e.g. a Hydra node); unknown keys are an error."""
+        return cls(**cls.coerce(values))
+
+    @classmethod
+    def coerce(cls, values: dict) -> dict:
+        """Check field names and turn plain values (strings, dicts) into field types."""
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known
         if unknown:
@@ -36,4 +41,4 @@ class HubConfig:
                 values["reliability"] = Reliability(values["reliability"])
             except ValueError:
                 raise ValueError(f"HubConfig.reliability must be 'reliable' or 'spot', not {values['reliability']!r}") from None
-        return cls(**values)
+        return values

@@ -24,7 +24,7 @@ import torch
 from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob
-from tensorhub.client.rpc import AgentUnknown, ReferenceClient
+from tensorhub.client.rpc import AgentUnknown, ReferenceClient, Resolved
 from tensorhub.errors import InvalidRequest, ServerUnavailable, TensorHubError, UnpublishTimeout, VersionNotFound
 from tensorhub.manifest import DTYPES, Manifest
 from tensorhub.topology import Labels
@@ -95,6 +95,10 @@ class Hub:
         self._publications: dict[str, Publication] = {}
         self._replica_seq = itertools.count()
         self._instance_id = ""
+        self._retain_spares: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self._releasing: set[str] = set()
+        # Slow housekeeping off the heartbeat thread (releasing retained copies drains readers).
+        self._chores = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-chores")
         self._dest_cache: OrderedDict[tuple, tuple[list[torch.Tensor], Registration]] = OrderedDict()
         self._lease_ttl_s = 10.0
         self._closed = False
@@ -121,7 +125,7 @@ class Hub:
         if labels is not None:
             overrides["labels"] = Labels.parse(labels)
         if overrides:
-            config = replace(config, **overrides)
+            config = replace(config, **HubConfig.coerce(overrides))
         return cls(url, config)
 
     # ---------------------------------------------------------------- publish
@@ -139,11 +143,11 @@ class Hub:
                              origin=True, complete=True)
 
     def _publish(self, model: str, version: int, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                 chunk_size: int, *, origin: bool, complete: bool) -> Publication:
+                 chunk_size: int, *, origin: bool, complete: bool, retained: bool = False) -> Publication:
         registration = self._nixl.register(list(tensors.values()))
         pub = Publication(self, model=model, version=version, replica_id=f"{self.agent_id}.{next(self._replica_seq)}",
                           manifest=manifest, chunk_size=chunk_size, tensors=tensors, registration=registration,
-                          origin=origin, complete=complete)
+                          origin=origin, complete=complete, retained=retained)
         try:
             self._with_agent(lambda: self._send_publication(pub))
         except BaseException:
@@ -160,26 +164,37 @@ class Hub:
             agent_id=self.agent_id, replica_id=pub.replica_id, model=pub.model, version=pub.version,
             manifest=pub.manifest, chunk_size=pub.chunk_size, kind=pub.registration.kind,
             regions=pub.registration.regions, metadata=pub.registration.metadata,
-            complete=complete, bitmap=bitmap, origin=pub.origin,
+            complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained,
         )
 
     def unpublish(self, model: str, version: int, timeout: float = 60.0) -> None:
         """Unpublish this process's replica of (model, version); see Publication.unpublish."""
         with self._lock:
-            pubs = [p for p in self._publications.values() if (p.model, p.version) == (model, version)]
+            pubs = [p for p in self._publications.values()
+                    if (p.model, p.version) == (model, version) and not p.retained]
         if not pubs:
             raise VersionNotFound(model, version, f"this process publishes no replica of {model!r} version {version}")
         for pub in pubs:
             pub.unpublish(timeout)
 
-    def _unpublish(self, pub: Publication, timeout: float) -> None:
+    def _unpublish(self, pub: Publication, timeout: float, *, force: bool = False) -> None:
         with self._lock:
             if pub.closed:
                 return
-            pub.withdrawing = True
         try:
-            drained, outstanding = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout)
+            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout, force=force)
+            if retain:
+                # The last reliable copy of a retained version: keep the bytes in
+                # host memory of this process before letting go of these tensors.
+                self._retain_copy(pub)
+                drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout)
+                if retain:
+                    raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
+            with self._lock:
+                pub.withdrawing = True
         except (ServerUnavailable, AgentUnknown) as e:
+            with self._lock:
+                pub.withdrawing = True
             # The server cannot say who still reads. Readers stop at their
             # lease's expiry, so waiting one lease TTL is safe.
             wait = min(self._lease_ttl_s, timeout)
@@ -217,22 +232,13 @@ class Hub:
         start = time.perf_counter()
         resolved = self._with_agent(
             lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True))
-        manifest = resolved.manifest
-        if into is not None:
-            manifest.check_destination(into, model=model, version=resolved.version)
-            dests = {t.name: into[t.name] for t in manifest.tensors}
-        else:
-            dests = {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in manifest.tensors}
-        publication = None
-        if serve:
-            self._uncache_destination(dests)
-            publication = self._publish(model, resolved.version, manifest, dests, resolved.chunk_size,
-                                        origin=False, complete=False)
-            registration = publication.registration
-        elif into is not None:
-            registration = self._cached_destination(dests)
-        else:
-            registration = self._nixl.register(list(dests.values()))
+        try:
+            dests, publication, registration = self._prepare_destination(resolved, into, serve)
+        except BaseException:
+            # The resolve leased the sources; unreleased, that lease would hold
+            # their unpublish for a whole TTL although no byte will be read.
+            self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
+            raise
         job = PullJob(
             rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels, resolved=resolved,
             dest_regions=np.array([(r.addr, r.size, r.device_id) for r in registration.regions],
@@ -282,6 +288,54 @@ class Hub:
             hit = self._dest_cache.pop(key, None)
         if hit is not None:
             self._nixl.deregister(hit[1])
+
+    def _prepare_destination(self, resolved: Resolved, into: Mapping[str, torch.Tensor] | None,
+                             serve: bool) -> tuple[dict[str, torch.Tensor], Publication | None, Registration]:
+        """Check or allocate the destination and register it (as a filling
+        replica when serving). Raises ManifestMismatch before any byte moves."""
+        manifest = resolved.manifest
+        if into is not None:
+            manifest.check_destination(into, model=resolved.model, version=resolved.version)
+            dests = {t.name: into[t.name] for t in manifest.tensors}
+        else:
+            dests = {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in manifest.tensors}
+        if serve:
+            self._uncache_destination(dests)
+            publication = self._publish(resolved.model, resolved.version, manifest, dests, resolved.chunk_size,
+                                        origin=False, complete=False)
+            return dests, publication, publication.registration
+        if into is not None:
+            return dests, None, self._cached_destination(dests)
+        return dests, None, self._nixl.register(list(dests.values()))
+
+    def _retain_copy(self, pub: Publication) -> Publication:
+        """Copy a publication into host memory (a reused buffer where one is
+        free) and publish the copy as a retained replica."""
+        with self._lock:
+            spares = self._retain_spares.get(pub.manifest.fingerprint, [])
+            buffers = spares.pop() if spares else None
+        if buffers is None:
+            buffers = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu") for name, t in pub.tensors.items()}
+        for name, src in pub.tensors.items():
+            buffers[name].copy_(src)
+        log.info("retaining %r v%d in host memory (%d bytes)", pub.model, pub.version, pub.nbytes)
+        return self._publish(pub.model, pub.version, pub.manifest, buffers, pub.chunk_size, origin=True,
+                             complete=True, retained=True)
+
+    def _release_retained(self, pub: Publication) -> None:
+        """The server no longer needs this retained copy: drop it, keep its buffer."""
+        try:
+            self._unpublish(pub, 60.0, force=True)
+        except TensorHubError as e:
+            log.warning("releasing retained %r v%d: %s", pub.model, pub.version, e)
+            return
+        finally:
+            with self._lock:
+                self._releasing.discard(pub.replica_id)
+        with self._lock:
+            spares = self._retain_spares.setdefault(pub.manifest.fingerprint, [])
+            if not spares:  # one spare buffer per layout is enough to avoid re-allocating
+                spares.append(pub.tensors)
 
     def _report_landed(self, pub: Publication, chunks: list[int], complete: bool = False) -> None:
         pub.mark_landed(chunks)
@@ -349,11 +403,18 @@ class Hub:
     def _heartbeat_once(self) -> None:
         with self._lock:
             held = [p.replica_id for p in self._publications.values() if not p.withdrawing]
-        instance, known, unknown = self._rpc.heartbeat(self.agent_id, held,
-                                                       timeout=max(self.config.heartbeat_interval_s, 1.0))
+        instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, held,
+                                                                timeout=max(self.config.heartbeat_interval_s, 1.0))
         if not known or instance != self._instance_id:
             self._register()
             return
+        for rid in release:
+            with self._lock:
+                pub = self._publications.get(rid)
+                if pub is None or not pub.retained or pub.withdrawing or rid in self._releasing:
+                    continue
+                self._releasing.add(rid)
+            self._chores.submit(self._release_retained, pub)
         for rid in unknown:
             with self._lock:
                 pub = self._publications.get(rid)
@@ -369,16 +430,18 @@ class Hub:
         if self._closed:
             return
         self._closed = True
-        for pub in self.publications():
-            try:
-                pub.unpublish(timeout)
-            except TensorHubError as e:
-                log.warning("close: %s", e)
         self._stop.set()
         self._heartbeat.join(timeout=5)
+        self._chores.shutdown(wait=True)
+        for pub in self.publications():
+            try:
+                self._unpublish(pub, timeout, force=True)  # nothing can be retained past this process
+            except TensorHubError as e:
+                log.warning("close: %s", e)
         self._shutdown_local()
 
     def _shutdown_local(self) -> None:
+        self._chores.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         for _, registration in self._dest_cache.values():
             self._nixl.deregister(registration)

@@ -25,7 +25,7 @@ class Publication:
 
     def __init__(self, hub: Hub, *, model: str, version: int, replica_id: str, manifest: Manifest,
                  chunk_size: int, tensors: dict[str, torch.Tensor], registration: Registration,
-                 origin: bool, complete: bool) -> None:
+                 origin: bool, complete: bool, retained: bool = False) -> None:
         self._hub = hub
         self.model = model
         self.version = version
@@ -35,6 +35,7 @@ class Publication:
         self.tensors = tensors  # held so the memory stays alive while published
         self.registration = registration
         self.origin = origin
+        self.retained = retained  # a host copy kept only so the version stays pullable
         num_chunks = -(-manifest.total_bytes // chunk_size)
         self.complete = complete
         self.bitmap = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)

@@ -149,17 +149,19 @@ class ReferenceClient:
         ))
         return resp.instance_id, resp.lease_ttl_s
 
-    def heartbeat(self, agent_id: str, replica_ids: list[str], *, timeout: float | None = None) -> tuple[str, bool, list[str]]:
-        """Returns (server instance id, whether it knows the agent, replicas it lost)."""
+    def heartbeat(self, agent_id: str, replica_ids: list[str], *,
+                  timeout: float | None = None) -> tuple[str, bool, list[str], list[str]]:
+        """Returns (server instance id, whether it knows the agent, replicas it
+        lost, retained copies it no longer needs)."""
         resp = self._call(self._stub.Heartbeat, pb.HeartbeatRequest(agent_id=agent_id, replica_ids=replica_ids),
                           timeout=timeout)
-        return resp.instance_id, resp.agent_known, list(resp.unknown_replicas)
+        return resp.instance_id, resp.agent_known, list(resp.unknown_replicas), list(resp.release_replicas)
 
     # ---------------------------------------------------------------- holders
 
     def publish(self, *, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
                 chunk_size: int, kind: MemoryKind, regions: list[Region], metadata: bytes,
-                complete: bool, bitmap: bytes, origin: bool) -> None:
+                complete: bool, bitmap: bytes, origin: bool, retained: bool = False) -> None:
         self._call(self._stub.Publish, pb.PublishRequest(
             agent_id=agent_id,
             replica_id=replica_id,
@@ -179,25 +181,29 @@ class ReferenceClient:
             state=pb.REPLICA_STATE_COMPLETE if complete else pb.REPLICA_STATE_FILLING,
             chunk_bitmap=bytes(bitmap),
             origin=origin,
+            retained=retained,
         ), not_found=lambda d: VersionNotFound(model, version, d))
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
         self._call(self._stub.ReportChunks, pb.ReportChunksRequest(
             agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete))
 
-    def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float) -> tuple[bool, int]:
+    def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float, *,
+                  force: bool = False) -> tuple[bool, int, bool]:
         """Withdraw a replica and wait on the server for its readers to finish.
-        Returns (drained, leases still outstanding). An unknown replica counts as drained."""
+        Returns (drained, leases still outstanding, retain_required); with
+        retain_required nothing was withdrawn. An unknown replica counts as drained."""
         try:
             resp = self._call(
                 self._stub.Unpublish,
-                pb.UnpublishRequest(agent_id=agent_id, replica_id=replica_id, drain_timeout_s=drain_timeout_s),
+                pb.UnpublishRequest(agent_id=agent_id, replica_id=replica_id, drain_timeout_s=drain_timeout_s,
+                                    force=force),
                 timeout=drain_timeout_s + self.timeout_s,
                 not_found=lambda d: KeyError(d),
             )
         except KeyError:
-            return True, 0
-        return resp.drained, resp.leases_outstanding
+            return True, 0, False
+        return resp.drained, resp.leases_outstanding, resp.retain_required
 
     # ---------------------------------------------------------------- readers
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftensorhub/proto/tensorhub.proto\x12\x0ctensorhub.v1\"2\n\x06Labels\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04rack\x18\x02 \x01(\t\x12\x0c\n\x04zone\x18\x03 \x01(\t\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\"J\n\x08Manifest\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.tensorhub.v1.TensorSpec\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"7\n\x06Region\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"u\n\rReplicaMemory\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.tensorhub.v1.MemoryKind\x12%\n\x07regions\x18\x02 \x03(\x0b\x32\x14.tensorhub.v1.Region\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\"\xb1\x02\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12$\n\x06labels\x18\x04 \x01(\x0b\x32\x14.tensorhub.v1.Labels\x12.\n\x0breliability\x18\x05 \x01(\x0e\x32\x19.tensorhub.v1.Reliability\x12)\n\x05state\x18\x06 \x01(\x0e\x32\x1a.tensorhub.v1.ReplicaState\x12\x14\n\x0c\x63hunk_bitmap\x18\x07 \x01(\x0c\x12+\n\x06memory\x18\x08 \x01(\x0b\x32\x1b.tensorhub.v1.ReplicaMemory\x12\x14\n\x0c\x61\x63tive_reads\x18\t \x01(\r\x12\x0e\n\x06origin\x18\n \x01(\x08\"\x8c\x01\n\x14RegisterAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x06labels\x18\x03 \x01(\x0b\x32\x14.tensorhub.v1.Labels\x12.\n\x0breliability\x18\x04 \x01(\x0e\x32\x19.tensorhub.v1.Reliability\"V\n\x15RegisterAgentResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"9\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\"W\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_known\x18\x02 \x01(\x08\x12\x18\n\x10unknown_replicas\x18\x03 \x03(\t\"\x92\x02\n\x0ePublishRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12(\n\x08manifest\x18\x04 \x01(\x0b\x32\x16.tensorhub.v1.Manifest\x12\x12\n\nchunk_size\x18\x05 \x01(\x03\x12+\n\x06memory\x18\x06 \x01(\x0b\x32\x1b.tensorhub.v1.ReplicaMemory\x12)\n\x05state\x18\x07 \x01(\x0e\x32\x1a.tensorhub.v1.ReplicaState\x12\x14\n\x0c\x63hunk_bitmap\x18\x08 \x01(\x0c\x12\x12\n\nreplica_id\x18\t \x01(\t\x12\x0e\n\x06origin\x18\n \x01(\x08\"%\n\x0fPublishResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"]\n\x13ReportChunksRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\"\x16\n\x14ReportChunksResponse\"Q\n\x10UnpublishRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"@\n\x11UnpublishResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x1a\n\x12leases_outstanding\x18\x02 \x01(\r\"\xc5\x01\n\x0eResolveRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\x07version\x18\x03 \x01(\x03H\x00\x12\x10\n\x06latest\x18\x04 \x01(\x08H\x00\x12\r\n\x05group\x18\x05 \x01(\t\x12\x13\n\x0bgroup_round\x18\x06 \x01(\x03\x12\r\n\x05lease\x18\x07 \x01(\x08\x12\x19\n\x11known_fingerprint\x18\x08 \x01(\t\x12\x16\n\x0erelease_leases\x18\t \x03(\tB\x07\n\x05which\"\xc9\x01\n\x0fResolveResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x08manifest\x18\x02 \x01(\x0b\x32\x16.tensorhub.v1.Manifest\x12\x12\n\nchunk_size\x18\x03 \x01(\x03\x12+\n\x08replicas\x18\x04 \x03(\x0b\x32\x19.tensorhub.v1.ReplicaInfo\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x07 \x01(\x01\"@\n\x17\x41\x63quireReadLeaseRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\"L\n\x18\x41\x63quireReadLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07granted\x18\x02 \x03(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\";\n\x15RenewReadLeaseRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\'\n\x16RenewReadLeaseResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"=\n\x17ReleaseReadLeaseRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1a\n\x18ReleaseReadLeaseResponse\"I\n\x11ReportLostRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x14\n\x12ReportLostResponse\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"k\n\x0eVersionSummary\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x19\n\x11\x63omplete_replicas\x18\x02 \x01(\r\x12\x18\n\x10\x66illing_replicas\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\"F\n\x14ListVersionsResponse\x12.\n\x08versions\x18\x01 \x03(\x0b\x32\x1c.tensorhub.v1.VersionSummary*Z\n\x0bReliability\x12\x1b\n\x17RELIABILITY_UNSPECIFIED\x10\x00\x12\x18\n\x14RELIABILITY_RELIABLE\x10\x01\x12\x14\n\x10RELIABILITY_SPOT\x10\x02*d\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_FILLING\x10\x01\x12\x1a\n\x16REPLICA_STATE_COMPLETE\x10\x02*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x32\xba\x07\n\x10ReferenceService\x12X\n\rRegisterAgent\x12\".tensorhub.v1.RegisterAgentRequest\x1a#.tensorhub.v1.RegisterAgentResponse\x12L\n\tHeartbeat\x12\x1e.tensorhub.v1.HeartbeatRequest\x1a\x1f.tensorhub.v1.HeartbeatResponse\x12\x46\n\x07Publish\x12\x1c.tensorhub.v1.PublishRequest\x1a\x1d.tensorhub.v1.PublishResponse\x12U\n\x0cReportChunks\x12!.tensorhub.v1.ReportChunksRequest\x1a\".tensorhub.v1.ReportChunksResponse\x12L\n\tUnpublish\x12\x1e.tensorhub.v1.UnpublishRequest\x1a\x1f.tensorhub.v1.UnpublishResponse\x12\x46\n\x07Resolve\x12\x1c.tensorhub.v1.ResolveRequest\x1a\x1d.tensorhub.v1.ResolveResponse\x12\x61\n\x10\x41\x63quireReadLease\x12%.tensorhub.v1.AcquireReadLeaseRequest\x1a&.tensorhub.v1.AcquireReadLeaseResponse\x12[\n\x0eRenewReadLease\x12#.tensorhub.v1.RenewReadLeaseRequest\x1a$.tensorhub.v1.RenewReadLeaseResponse\x12\x61\n\x10ReleaseReadLease\x12%.tensorhub.v1.ReleaseReadLeaseRequest\x1a&.tensorhub.v1.ReleaseReadLeaseResponse\x12O\n\nReportLost\x12\x1f.tensorhub.v1.ReportLostRequest\x1a .tensorhub.v1.ReportLostResponse\x12U\n\x0cListVersions\x12!.tensorhub.v1.ListVersionsRequest\x1a\".tensorhub.v1.ListVersionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftensorhub/proto/tensorhub.proto\x12\x0ctensorhub.v1\"2\n\x06Labels\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04rack\x18\x02 \x01(\t\x12\x0c\n\x04zone\x18\x03 \x01(\t\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\"J\n\x08Manifest\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.tensorhub.v1.TensorSpec\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"7\n\x06Region\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"u\n\rReplicaMemory\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.tensorhub.v1.MemoryKind\x12%\n\x07regions\x18\x02 \x03(\x0b\x32\x14.tensorhub.v1.Region\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\"\xb1\x02\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12$\n\x06labels\x18\x04 \x01(\x0b\x32\x14.tensorhub.v1.Labels\x12.\n\x0breliability\x18\x05 \x01(\x0e\x32\x19.tensorhub.v1.Reliability\x12)\n\x05state\x18\x06 \x01(\x0e\x32\x1a.tensorhub.v1.ReplicaState\x12\x14\n\x0c\x63hunk_bitmap\x18\x07 \x01(\x0c\x12+\n\x06memory\x18\x08 \x01(\x0b\x32\x1b.tensorhub.v1.ReplicaMemory\x12\x14\n\x0c\x61\x63tive_reads\x18\t \x01(\r\x12\x0e\n\x06origin\x18\n \x01(\x08\"\x8c\x01\n\x14RegisterAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x06labels\x18\x03 \x01(\x0b\x32\x14.tensorhub.v1.Labels\x12.\n\x0breliability\x18\x04 \x01(\x0e\x32\x19.tensorhub.v1.Reliability\"V\n\x15RegisterAgentResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"9\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\"q\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_known\x18\x02 \x01(\x08\x12\x18\n\x10unknown_replicas\x18\x03 \x03(\t\x12\x18\n\x10release_replicas\x18\x04 \x03(\t\"\xa4\x02\n\x0ePublishRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12(\n\x08manifest\x18\x04 \x01(\x0b\x32\x16.tensorhub.v1.Manifest\x12\x12\n\nchunk_size\x18\x05 \x01(\x03\x12+\n\x06memory\x18\x06 \x01(\x0b\x32\x1b.tensorhub.v1.ReplicaMemory\x12)\n\x05state\x18\x07 \x01(\x0e\x32\x1a.tensorhub.v1.ReplicaState\x12\x14\n\x0c\x63hunk_bitmap\x18\x08 \x01(\x0c\x12\x12\n\nreplica_id\x18\t \x01(\t\x12\x0e\n\x06origin\x18\n \x01(\x08\x12\x10\n\x08retained\x18\x0b \x01(\x08\"%\n\x0fPublishResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"]\n\x13ReportChunksRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\"\x16\n\x14ReportChunksResponse\"`\n\x10UnpublishRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"Y\n\x11UnpublishResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x1a\n\x12leases_outstanding\x18\x02 \x01(\r\x12\x17\n\x0fretain_required\x18\x03 \x01(\x08\"\xc5\x01\n\x0eResolveRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\x07version\x18\x03 \x01(\x03H\x00\x12\x10\n\x06latest\x18\x04 \x01(\x08H\x00\x12\r\n\x05group\x18\x05 \x01(\t\x12\x13\n\x0bgroup_round\x18\x06 \x01(\x03\x12\r\n\x05lease\x18\x07 \x01(\x08\x12\x19\n\x11known_fingerprint\x18\x08 \x01(\t\x12\x16\n\x0erelease_leases\x18\t \x03(\tB\x07\n\x05which\"\xc9\x01\n\x0fResolveResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x08manifest\x18\x02 \x01(\x0b\x32\x16.tensorhub.v1.Manifest\x12\x12\n\nchunk_size\x18\x03 \x01(\x03\x12+\n\x08replicas\x18\x04 \x03(\x0b\x32\x19.tensorhub.v1.ReplicaInfo\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x07 \x01(\x01\"@\n\x17\x41\x63quireReadLeaseRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\"L\n\x18\x41\x63quireReadLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07granted\x18\x02 \x03(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\";\n\x15RenewReadLeaseRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\'\n\x16RenewReadLeaseResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"=\n\x17ReleaseReadLeaseRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1a\n\x18ReleaseReadLeaseResponse\"I\n\x11ReportLostRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x14\n\x12ReportLostResponse\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"k\n\x0eVersionSummary\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x19\n\x11\x63omplete_replicas\x18\x02 \x01(\r\x12\x18\n\x10\x66illing_replicas\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\"F\n\x14ListVersionsResponse\x12.\n\x08versions\x18\x01 \x03(\x0b\x32\x1c.tensorhub.v1.VersionSummary*Z\n\x0bReliability\x12\x1b\n\x17RELIABILITY_UNSPECIFIED\x10\x00\x12\x18\n\x14RELIABILITY_RELIABLE\x10\x01\x12\x14\n\x10RELIABILITY_SPOT\x10\x02*d\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_FILLING\x10\x01\x12\x1a\n\x16REPLICA_STATE_COMPLETE\x10\x02*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x32\xba\x07\n\x10ReferenceService\x12X\n\rRegisterAgent\x12\".tensorhub.v1.RegisterAgentRequest\x1a#.tensorhub.v1.RegisterAgentResponse\x12L\n\tHeartbeat\x12\x1e.tensorhub.v1.HeartbeatRequest\x1a\x1f.tensorhub.v1.HeartbeatResponse\x12\x46\n\x07Publish\x12\x1c.tensorhub.v1.PublishRequest\x1a\x1d.tensorhub.v1.PublishResponse\x12U\n\x0cReportChunks\x12!.tensorhub.v1.ReportChunksRequest\x1a\".tensorhub.v1.ReportChunksResponse\x12L\n\tUnpublish\x12\x1e.tensorhub.v1.UnpublishRequest\x1a\x1f.tensorhub.v1.UnpublishResponse\x12\x46\n\x07Resolve\x12\x1c.tensorhub.v1.ResolveRequest\x1a\x1d.tensorhub.v1.ResolveResponse\x12\x61\n\x10\x41\x63quireReadLease\x12%.tensorhub.v1.AcquireReadLeaseRequest\x1a&.tensorhub.v1.AcquireReadLeaseResponse\x12[\n\x0eRenewReadLease\x12#.tensorhub.v1.RenewReadLeaseRequest\x1a$.tensorhub.v1.RenewReadLeaseResponse\x12\x61\n\x10ReleaseReadLease\x12%.tensorhub.v1.ReleaseReadLeaseRequest\x1a&.tensorhub.v1.ReleaseReadLeaseResponse\x12O\n\nReportLost\x12\x1f.tensorhub.v1.ReportLostRequest\x1a .tensorhub.v1.ReportLostResponse\x12U\n\x0cListVersions\x12!.tensorhub.v1.ListVersionsRequest\x1a\".tensorhub.v1.ListVersionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tensorhub.proto.tensorhub_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RELIABILITY']._serialized_start=2755
-  _globals['_RELIABILITY']._serialized_end=2845
-  _globals['_REPLICASTATE']._serialized_start=2847
-  _globals['_REPLICASTATE']._serialized_end=2947
-  _globals['_MEMORYKIND']._serialized_start=2949
-  _globals['_MEMORYKIND']._serialized_end=3034
+  _globals['_RELIABILITY']._serialized_start=2839
+  _globals['_RELIABILITY']._serialized_end=2929
+  _globals['_REPLICASTATE']._serialized_start=2931
+  _globals['_REPLICASTATE']._serialized_end=3031
+  _globals['_MEMORYKIND']._serialized_start=3033
+  _globals['_MEMORYKIND']._serialized_end=3118
   _globals['_LABELS']._serialized_start=49
   _globals['_LABELS']._serialized_end=99
   _globals['_TENSORSPEC']._serialized_start=101
@@ -56,45 +56,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=966
   _globals['_HEARTBEATREQUEST']._serialized_end=1023
   _globals['_HEARTBEATRESPONSE']._serialized_start=1025
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1112
-  _globals['_PUBLISHREQUEST']._serialized_start=1115
-  _globals['_PUBLISHREQUEST']._serialized_end=1389
-  _globals['_PUBLISHRESPONSE']._serialized_start=1391
-  _globals['_PUBLISHRESPONSE']._serialized_end=1428
-  _globals['_REPORTCHUNKSREQUEST']._serialized_start=1430
-  _globals['_REPORTCHUNKSREQUEST']._serialized_end=1523
-  _globals['_REPORTCHUNKSRESPONSE']._serialized_start=1525
-  _globals['_REPORTCHUNKSRESPONSE']._serialized_end=1547
-  _globals['_UNPUBLISHREQUEST']._serialized_start=1549
-  _globals['_UNPUBLISHREQUEST']._serialized_end=1630
-  _globals['_UNPUBLISHRESPONSE']._serialized_start=1632
-  _globals['_UNPUBLISHRESPONSE']._serialized_end=1696
-  _globals['_RESOLVEREQUEST']._serialized_start=1699
-  _globals['_RESOLVEREQUEST']._serialized_end=1896
-  _globals['_RESOLVERESPONSE']._serialized_start=1899
-  _globals['_RESOLVERESPONSE']._serialized_end=2100
-  _globals['_ACQUIREREADLEASEREQUEST']._serialized_start=2102
-  _globals['_ACQUIREREADLEASEREQUEST']._serialized_end=2166
-  _globals['_ACQUIREREADLEASERESPONSE']._serialized_start=2168
-  _globals['_ACQUIREREADLEASERESPONSE']._serialized_end=2244
-  _globals['_RENEWREADLEASEREQUEST']._serialized_start=2246
-  _globals['_RENEWREADLEASEREQUEST']._serialized_end=2305
-  _globals['_RENEWREADLEASERESPONSE']._serialized_start=2307
-  _globals['_RENEWREADLEASERESPONSE']._serialized_end=2346
-  _globals['_RELEASEREADLEASEREQUEST']._serialized_start=2348
-  _globals['_RELEASEREADLEASEREQUEST']._serialized_end=2409
-  _globals['_RELEASEREADLEASERESPONSE']._serialized_start=2411
-  _globals['_RELEASEREADLEASERESPONSE']._serialized_end=2437
-  _globals['_REPORTLOSTREQUEST']._serialized_start=2439
-  _globals['_REPORTLOSTREQUEST']._serialized_end=2512
-  _globals['_REPORTLOSTRESPONSE']._serialized_start=2514
-  _globals['_REPORTLOSTRESPONSE']._serialized_end=2534
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=2536
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=2572
-  _globals['_VERSIONSUMMARY']._serialized_start=2574
-  _globals['_VERSIONSUMMARY']._serialized_end=2681
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=2683
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=2753
-  _globals['_REFERENCESERVICE']._serialized_start=3037
-  _globals['_REFERENCESERVICE']._serialized_end=3991
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1138
+  _globals['_PUBLISHREQUEST']._serialized_start=1141
+  _globals['_PUBLISHREQUEST']._serialized_end=1433
+  _globals['_PUBLISHRESPONSE']._serialized_start=1435
+  _globals['_PUBLISHRESPONSE']._serialized_end=1472
+  _globals['_REPORTCHUNKSREQUEST']._serialized_start=1474
+  _globals['_REPORTCHUNKSREQUEST']._serialized_end=1567
+  _globals['_REPORTCHUNKSRESPONSE']._serialized_start=1569
+  _globals['_REPORTCHUNKSRESPONSE']._serialized_end=1591
+  _globals['_UNPUBLISHREQUEST']._serialized_start=1593
+  _globals['_UNPUBLISHREQUEST']._serialized_end=1689
+  _globals['_UNPUBLISHRESPONSE']._serialized_start=1691
+  _globals['_UNPUBLISHRESPONSE']._serialized_end=1780
+  _globals['_RESOLVEREQUEST']._serialized_start=1783
+  _globals['_RESOLVEREQUEST']._serialized_end=1980
+  _globals['_RESOLVERESPONSE']._serialized_start=1983
+  _globals['_RESOLVERESPONSE']._serialized_end=2184
+  _globals['_ACQUIREREADLEASEREQUEST']._serialized_start=2186
+  _globals['_ACQUIREREADLEASEREQUEST']._serialized_end=2250
+  _globals['_ACQUIREREADLEASERESPONSE']._serialized_start=2252
+  _globals['_ACQUIREREADLEASERESPONSE']._serialized_end=2328
+  _globals['_RENEWREADLEASEREQUEST']._serialized_start=2330
+  _globals['_RENEWREADLEASEREQUEST']._serialized_end=2389
+  _globals['_RENEWREADLEASERESPONSE']._serialized_start=2391
+  _globals['_RENEWREADLEASERESPONSE']._serialized_end=2430
+  _globals['_RELEASEREADLEASEREQUEST']._serialized_start=2432
+  _globals['_RELEASEREADLEASEREQUEST']._serialized_end=2493
+  _globals['_RELEASEREADLEASERESPONSE']._serialized_start=2495
+  _globals['_RELEASEREADLEASERESPONSE']._serialized_end=2521
+  _globals['_REPORTLOSTREQUEST']._serialized_start=2523
+  _globals['_REPORTLOSTREQUEST']._serialized_end=2596
+  _globals['_REPORTLOSTRESPONSE']._serialized_start=2598
+  _globals['_REPORTLOSTRESPONSE']._serialized_end=2618
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=2620
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=2656
+  _globals['_VERSIONSUMMARY']._serialized_start=2658
+  _globals['_VERSIONSUMMARY']._serialized_end=2765
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=2767
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=2837
+  _globals['_REFERENCESERVICE']._serialized_start=3121
+  _globals['_REFERENCESERVICE']._serialized_end=4075
 # @@protoc_insertion_point(module_scope)

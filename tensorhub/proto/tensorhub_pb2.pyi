@@ -139,17 +139,19 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("instance_id", "agent_known", "unknown_replicas")
+    __slots__ = ("instance_id", "agent_known", "unknown_replicas", "release_replicas")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_KNOWN_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     agent_known: bool
     unknown_replicas: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+    release_replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class PublishRequest(_message.Message):
     CHUNK_BITMAP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -170,7 +173,8 @@ class PublishRequest(_message.Message):
     chunk_bitmap: bytes
     replica_id: str
     origin: bool
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ...) -> None: ...
+    retained: bool
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
@@ -195,22 +199,26 @@ class ReportChunksResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UnpublishRequest(_message.Message):
-    __slots__ = ("agent_id", "replica_id", "drain_timeout_s")
+    __slots__ = ("agent_id", "replica_id", "drain_timeout_s", "force")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     replica_id: str
     drain_timeout_s: float
-    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    force: bool
+    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class UnpublishResponse(_message.Message):
-    __slots__ = ("drained", "leases_outstanding")
+    __slots__ = ("drained", "leases_outstanding", "retain_required")
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     LEASES_OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
     leases_outstanding: int
-    def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ...) -> None: ...
+    retain_required: bool
+    def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
     __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases")

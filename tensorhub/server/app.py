@@ -43,9 +43,9 @@ async def _expire_forever(state: State) -> None:
 
 
 async def serve(host: str = "127.0.0.1", port: int = 50051, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0,
-                ready: asyncio.Event | None = None) -> None:
+                retain: int = 1, ready: asyncio.Event | None = None) -> None:
     """Run a reference server until cancelled."""
-    state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s)
+    state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s, retain=retain)
     server, bound = await _start(host, port, state)
     log.info("reference server %s listening on %s:%d", state.instance_id[:8], host, bound)
     print(f"tensorhub reference server listening on {host}:{bound} (instance {state.instance_id[:8]})", flush=True)
@@ -67,9 +67,9 @@ class EmbeddedServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, agent_ttl_s: float = 10.0,
-                 lease_ttl_s: float = 10.0) -> None:
+                 lease_ttl_s: float = 10.0, retain: int = 1) -> None:
         self.host = host
-        self.state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s)
+        self.state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s, retain=retain)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tensorhub-server", daemon=True)
         self._thread.start()

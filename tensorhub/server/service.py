@@ -127,7 +127,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 rid for rid in request.replica_ids
                 if (r := self.state.replicas.get(rid)) is None or r.agent_id != agent_id
             ]
-            return pb.HeartbeatResponse(instance_id=self.state.instance_id, agent_known=known, unknown_replicas=unknown)
+            return pb.HeartbeatResponse(instance_id=self.state.instance_id, agent_known=known, unknown_replicas=unknown,
+                                        release_replicas=self.state.releasable(agent_id) if known else [])
 
         return await self._run(context, go)
 
@@ -174,6 +175,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 complete=request.state == pb.REPLICA_STATE_COMPLETE,
                 bitmap=request.chunk_bitmap,
                 origin=request.origin,
+                retained=request.retained,
             )
             if entry.wire_manifest is None:
                 entry.wire_manifest = wire_manifest(entry.manifest)
@@ -197,9 +199,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         async def go() -> pb.UnpublishResponse:
             if not 0 <= request.drain_timeout_s <= MAX_DRAIN_S:
                 raise Invalid(f"drain_timeout_s must be within [0, {MAX_DRAIN_S}]")
-            replica = self.state.withdraw(
-                _require_id(request.agent_id, "agent_id"), _require_id(request.replica_id, "replica_id")
-            )
+            agent_id = _require_id(request.agent_id, "agent_id")
+            replica_id = _require_id(request.replica_id, "replica_id")
+            if not request.force and self.state.needs_retention(agent_id, replica_id):
+                return pb.UnpublishResponse(retain_required=True)
+            replica = self.state.withdraw(agent_id, replica_id)
             drained = await self._drain(replica, request.drain_timeout_s)
             outstanding = len(replica.leases)
             if drained:

@@ -46,6 +46,7 @@ class Replica:
     complete: bool
     bitmap: bytearray
     origin: bool
+    retained: bool = False  # a copy kept only to keep a retained version pullable
     withdrawn: bool = False
     leases: set[str] = field(default_factory=set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -70,10 +71,11 @@ class Lease:
 
 
 class State:
-    def __init__(self, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0) -> None:
+    def __init__(self, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0, retain: int = 1) -> None:
         self.instance_id = uuid.uuid4().hex
         self.agent_ttl_s = agent_ttl_s
         self.lease_ttl_s = lease_ttl_s
+        self.retain = retain  # the latest K versions of every model stay pullable
         self.agents: dict[str, Agent] = {}
         self.models: dict[str, dict[int, Version]] = {}
         self.replicas: dict[str, Replica] = {}
@@ -117,6 +119,7 @@ class State:
         complete: bool,
         bitmap: bytes,
         origin: bool,
+        retained: bool = False,
     ) -> Version:
         self._agent(agent_id)
         fingerprint = manifest.fingerprint
@@ -142,7 +145,10 @@ class State:
         if existing is not None and (existing.agent_id, existing.model, existing.version) != (agent_id, model, version):
             raise StateError("ALREADY_EXISTS", f"replica id {replica_id!r} is taken by another replica")
         for other in entry.replicas.values():
-            if other.agent_id == agent_id and other.replica_id != replica_id and not other.withdrawn:
+            # One live replica per agent and version; a retained copy may sit
+            # beside the replica it replaces while that one drains.
+            if (other.agent_id == agent_id and other.replica_id != replica_id and not other.withdrawn
+                    and not (retained or other.retained)):
                 raise StateError(
                     "ALREADY_EXISTS",
                     f"agent {self.agents[agent_id].name!r} already publishes {model!r} version {version} "
@@ -151,7 +157,7 @@ class State:
         bits = bitmap_full(num_chunks) if complete else bytearray(bitmap_empty(num_chunks))
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
-        replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin)
+        replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin, retained)
         if existing is not None:  # idempotent re-publish keeps the reads in flight
             replica.leases = existing.leases
         if not replica.leases:
@@ -175,6 +181,38 @@ class State:
                     f"{entry.num_chunks} chunks",
                 )
             replica.complete = True
+
+    # ------------------------------------------------------------ retention
+
+    def _reliable(self, replica: Replica) -> bool:
+        agent = self.agents.get(replica.agent_id)
+        return agent is not None and agent.reliability is Reliability.RELIABLE
+
+    def _retained_versions(self, model: str) -> list[int]:
+        return self.pullable_versions(model)[-self.retain:] if self.retain > 0 else []
+
+    def needs_retention(self, agent_id: str, replica_id: str) -> bool:
+        """True when withdrawing this replica would leave a retained version
+        (one of the model's latest K) without a reliable complete replica.
+        Spot replicas never count as the retained copy."""
+        replica = self._own_replica(agent_id, replica_id)
+        if replica.withdrawn or not replica.complete or not self._reliable(replica):
+            return False
+        if replica.version not in self._retained_versions(replica.model):
+            return False
+        others = self.models[replica.model][replica.version].replicas.values()
+        return not any(
+            r is not replica and r.complete and self._live(r) and self._reliable(r) for r in others
+        )
+
+    def releasable(self, agent_id: str) -> list[str]:
+        """The agent's retained copies whose version fell out of the latest K."""
+        out = []
+        for r in self.replicas.values():
+            if r.agent_id == agent_id and r.retained and not r.withdrawn:
+                if r.version not in self._retained_versions(r.model):
+                    out.append(r.replica_id)
+        return out
 
     def withdraw(self, agent_id: str, replica_id: str) -> Replica:
         """Stop handing the replica out; in-flight leases may still read it."""

@@ -20,6 +20,11 @@ import numpy as np
 import torch
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints INFO lines to stdout otherwise
+# Over TCP a cut link raises nothing for ~200 s (retransmit backoff); these
+# bring UCX's own detection to a few seconds. Set only where the user has not.
+for _key, _value in (("UCX_TCP_KEEPIDLE", "1s"), ("UCX_TCP_KEEPINTVL", "1s"), ("UCX_TCP_KEEPCNT", "3"),
+                     ("UCX_TCP_USER_TIMEOUT", "5s")):
+    os.environ.setdefault(_key, _value)
 
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402  (after the log level)
 

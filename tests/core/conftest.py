@@ -11,7 +11,15 @@ from tensorhub.testing import HubProcess
 
 @pytest.fixture
 def server():
-    with EmbeddedServer(lease_ttl_s=5.0) as srv:
+    """Retention off: unpublish of the last copy makes a version unpullable.
+    test_retention.py covers the default (the latest version is retained)."""
+    with EmbeddedServer(lease_ttl_s=5.0, retain=0) as srv:
+        yield srv
+
+
+@pytest.fixture
+def retaining_server():
+    with EmbeddedServer(lease_ttl_s=5.0, retain=1) as srv:
         yield srv
 
 

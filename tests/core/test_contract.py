@@ -7,18 +7,19 @@ import time
 
 import pytest
 
-from tensorhub.testing import HubProcess, RemoteError, ServerProcess, mixed_specs
+from tensorhub.testing import HubProcess, RemoteError, ServerProcess, mixed_specs, wait_for_progress
 
 BIG = [("w", "float32", ((32 << 20) // 4,))]  # 32 MiB: 32 chunks of 1 MiB
 CHUNK = 1 << 20
 
 
-def test_unpublish_blocks_while_a_read_is_in_flight(hubs):
+def test_unpublish_blocks_while_a_read_is_in_flight(hubs, tmp_path):
     trainer, reader = hubs("trainer"), hubs("reader", read_workers=1)
     trainer.call("publish", model="m", version=1, specs=BIG, seed=1, chunk_size=CHUNK)
     # The reader's progress callback sleeps after every chunk: the pull takes ~1.6 s.
-    reader.send("pull", model="m", version=1, specs=BIG, expect_seed=1, pace_s=0.05)
-    time.sleep(0.5)
+    marks = str(tmp_path / "progress")
+    reader.send("pull", model="m", version=1, specs=BIG, expect_seed=1, pace_s=0.05, progress_file=marks)
+    wait_for_progress(marks)
     unpublished = trainer.call("unpublish", model="m", version=1, timeout=30)
     pulled = reader.result()
     assert pulled["mismatched"] == []
@@ -36,11 +37,12 @@ def test_unpublish_with_no_reader_returns_at_once(hubs):
     assert took["end"] - took["start"] < 1.0
 
 
-def test_holder_killed_mid_pull_raises_source_lost_within_seconds(hubs):
+def test_holder_killed_mid_pull_raises_source_lost_within_seconds(hubs, tmp_path):
     trainer, reader = hubs("trainer"), hubs("reader", read_workers=1)
     trainer.call("publish", model="m", version=1, specs=BIG, seed=1, chunk_size=CHUNK)
-    reader.send("pull", model="m", version=1, specs=BIG, pace_s=0.1)
-    time.sleep(0.8)
+    marks = str(tmp_path / "progress")
+    reader.send("pull", model="m", version=1, specs=BIG, pace_s=0.1, progress_file=marks)
+    wait_for_progress(marks)
     killed_at = time.monotonic()
     trainer.kill()
     with pytest.raises(RemoteError) as err:
@@ -51,12 +53,13 @@ def test_holder_killed_mid_pull_raises_source_lost_within_seconds(hubs):
     assert noticed < 10, f"SourceLost took {noticed:.1f}s"
 
 
-def test_failover_to_another_holder_mid_pull(hubs):
+def test_failover_to_another_holder_mid_pull(hubs, tmp_path):
     trainer, mirror, reader = hubs("trainer"), hubs("mirror"), hubs("reader", read_workers=1)
     trainer.call("publish", model="m", version=1, specs=BIG, seed=1, chunk_size=CHUNK)
     mirror.call("pull", model="m", version=1, specs=BIG, serve=True)
-    reader.send("pull", model="m", version=1, specs=BIG, expect_seed=1, pace_s=0.1)
-    time.sleep(0.8)
+    marks = str(tmp_path / "progress")
+    reader.send("pull", model="m", version=1, specs=BIG, expect_seed=1, pace_s=0.1, progress_file=marks)
+    wait_for_progress(marks)
     mirror.kill()  # the reader prefers the mirror over the trainer (origin)
     got = reader.result(timeout=60)
     assert got["mismatched"] == []

@@ -73,6 +73,9 @@ def test_manifest_mismatch_raises_before_any_byte_moves(server, hubs):
         assert torch.all(into["w"] == 7.0) and torch.all(into["b"] == 7.0)
         with pytest.raises(ManifestMismatch, match="missing 'b'"):
             hub.pull("m", 1, into={"w": torch.zeros(4, 4)})
+    # The failed pulls left no read lease behind: unpublish does not wait a lease TTL (5 s here).
+    took = trainer.call("unpublish", model="m", version=1)
+    assert took["end"] - took["start"] < 2.0
 
 
 def test_client_side_bad_arguments(server):
