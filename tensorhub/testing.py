@@ -74,7 +74,12 @@ class RemoteError(Exception):
         self.message = message
 
 
-def _hub_main(conn: Any, address: str, config: dict) -> None:
+def _hub_main(conn: Any, address: str, config: dict, netns: str | None, env: dict[str, str]) -> None:
+    if netns:  # before any thread (NIXL, grpc) starts: they inherit the namespace
+        from tensorhub.netns import enter
+
+        enter(netns)
+    os.environ.update(env)  # read by UCX when the agent is created
     from tensorhub import Hub
 
     torch.set_num_threads(1)
@@ -173,11 +178,13 @@ class HubProcess:
     """A Hub in its own OS process. Calls block until the child answers or the
     timeout passes (then TimeoutError); child exceptions come back as RemoteError."""
 
-    def __init__(self, address: str, *, name: str, start_timeout: float = 180.0, **config: Any) -> None:
+    def __init__(self, address: str, *, name: str, start_timeout: float = 180.0, netns: str | None = None,
+                 env: dict[str, str] | None = None, **config: Any) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.name = name
-        self.process = ctx.Process(target=_hub_main, args=(child, address, {"name": name, **config}),
+        self.process = ctx.Process(target=_hub_main,
+                                   args=(child, address, {"name": name, **config}, netns, env or {}),
                                    name=f"hub-{name}", daemon=True)
         self.process.start()
         self.agent_id = self._wait(start_timeout)
@@ -230,11 +237,14 @@ class ServerProcess:
     """``tensorhub server`` as a subprocess on a fixed port, so that it can be
     killed and started again at the same address."""
 
-    def __init__(self, port: int | None = None, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0) -> None:
+    def __init__(self, port: int | None = None, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0,
+                 host: str = "127.0.0.1", netns: str | None = None, retain: int = 1) -> None:
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._args = [sys.executable, "-m", "tensorhub.cli", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                      "--agent-ttl", str(agent_ttl_s), "--lease-ttl", str(lease_ttl_s)]
+        self.address = f"{host}:{self.port}"
+        self._args = [sys.executable, "-m", "tensorhub.cli", "server", "--host", host, "--port", str(self.port),
+                      "--agent-ttl", str(agent_ttl_s), "--lease-ttl", str(lease_ttl_s), "--retain", str(retain)]
+        if netns:
+            self._args = ["ip", "netns", "exec", netns, *self._args]
         self.proc: subprocess.Popen | None = None
         self.start()
 

@@ -1,0 +1,104 @@
+"""Several emulated hosts on one Linux machine, for tests and benchmarks:
+network namespaces on one bridge, each link optionally capped with ``tc``.
+Needs root and iproute2. Traffic stays inside the namespaces created here.
+
+    with Hosts(["server", "trainer", "rollout"], rate="1gbit") as hosts:
+        hosts.addr("server")        # 10.213.N.10
+        hosts.cut("trainer")        # pull the trainer's cable
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+_CLONE_NEWNET = 0x40000000
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    return None
+
+
+def enter(name: str) -> None:
+    """Move the calling thread (call it before any other thread starts) into
+    network namespace ``name``."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    finally:
+        os.close(fd)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Hosts:
+    def __init__(self, names: list[str], *, rate: str | None = None) -> None:
+        self.tag = f"th{os.getpid() % 100000}"
+        self.subnet = f"10.213.{os.getpid() % 250}"
+        self.switch = f"{self.tag}sw"
+        self.names = list(names)
+        self._ns = {name: f"{self.tag}{name}" for name in names}
+        try:
+            self._build(rate)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, rate: str | None) -> None:
+        sw = self.switch
+        _ip("netns", "add", sw)
+        _ip("-n", sw, "link", "set", "lo", "up")
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        for i, name in enumerate(self.names):
+            ns, port = self._ns[name], f"p{i}"
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")  # NIXL agent creation fails without it
+            _ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", sw, "link", "set", port, "master", "br0")
+            _ip("-n", sw, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(name)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            if rate:
+                for where, dev in ((ns, "eth0"), (sw, port)):
+                    subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                                    "burst", "256kb", "latency", "20ms"], check=True, capture_output=True)
+
+    def netns(self, name: str) -> str:
+        return self._ns[name]
+
+    def addr(self, name: str) -> str:
+        return f"{self.subnet}.{10 + self.names.index(name)}"
+
+    def cut(self, name: str) -> None:
+        """Take the host's switch port down: its peers' packets vanish, nothing errors."""
+        _ip("-n", self.switch, "link", "set", f"p{self.names.index(name)}", "down")
+
+    def restore(self, name: str) -> None:
+        _ip("-n", self.switch, "link", "set", f"p{self.names.index(name)}", "up")
+
+    def close(self) -> None:
+        for ns in [*self._ns.values(), self.switch]:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,51 @@
+"""Emulated hosts (network namespaces on one bridge): NIXL over TCP between
+"machines", and a cut link, which NIXL does not report for minutes, turning
+into SourceLost through the reader's own progress deadline."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tensorhub import netns
+from tensorhub.testing import HubProcess, RemoteError, ServerProcess, wait_for_progress
+
+pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+
+SPECS = [("w", "float32", ((64 << 20) // 4,))]  # 64 MiB in 1 MiB chunks: ~0.6 s at 1 Gbit/s
+CHUNK = 1 << 20
+
+
+@pytest.fixture
+def hosts():
+    with netns.Hosts(["server", "trainer", "rollout"], rate="1gbit") as h:
+        yield h
+
+
+def _hub(hosts, name, server, **config):
+    # UCX must not use shared memory between "hosts": that would bypass the links.
+    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+    return HubProcess(server.address, name=name, netns=hosts.netns(name), env=env,
+                      labels={"host": name}, **config)
+
+
+def test_pull_across_hosts_and_a_cut_link_becomes_source_lost(hosts, tmp_path):
+    with ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server, \
+            _hub(hosts, "trainer", server) as trainer, \
+            _hub(hosts, "rollout", server, read_workers=1, chunk_timeout_s=2.0) as rollout:
+        trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+        got = rollout.call("pull", model="m", specs=SPECS, expect_seed=1)
+        assert got["mismatched"] == [] and got["sources"] == {"trainer": 64 << 20}
+        assert got["seconds"] > 0.3, "64 MiB at 1 Gbit/s cannot take less: the bytes bypassed the link"
+
+        marks = str(tmp_path / "progress")
+        rollout.send("pull", model="m", specs=SPECS, pace_s=0.05, progress_file=marks)
+        wait_for_progress(marks)
+        cut_at = time.monotonic()
+        hosts.cut("trainer")
+        with pytest.raises(RemoteError) as err:
+            rollout.result(timeout=120)
+        noticed = time.monotonic() - cut_at
+        assert err.value.type_name in ("SourceLost", "TransferStalled"), err.value
+        assert noticed < 20, f"a cut link took {noticed:.1f}s to surface"
