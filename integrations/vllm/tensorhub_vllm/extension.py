@@ -42,6 +42,11 @@ class TensorHubWorkerExtension:
     def tensorhub_version(self) -> int | None:
         return None if self._tensorhub is None else self._tensorhub.version
 
+    def tensorhub_stats(self) -> dict[str, float]:
+        """Timings of the last update: seconds pulling (and checking), seconds applying, bytes."""
+        u = self._tensorhub
+        return {} if u is None else {"pull_s": u.pull_s, "apply_s": u.apply_s, "nbytes": u.nbytes}
+
     def tensorhub_close(self) -> None:
         if self._tensorhub is not None:
             self._tensorhub.close()

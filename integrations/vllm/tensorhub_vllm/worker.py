@@ -36,7 +36,8 @@ class WorkerUpdater:
                                    vllm_config.model_config.dtype)
         group = engine_group(vllm_config, info, role)
         self.receiver = VersionReceiver(info, layout, group=group, name=f"vllm:{group}:{os.getpid()}")
-        self.pull_s = self.apply_s = 0.0
+        self.pull_s = self.apply_s = 0.0  # of the last update
+        self.nbytes = 0
 
     @property
     def version(self) -> int | None:
@@ -51,6 +52,7 @@ class WorkerUpdater:
         apply_checkpoint(self.vllm_config, self.model, result.tensors)
         self.apply_s = time.perf_counter() - start - self.pull_s
         self.receiver.version = result.version
+        self.nbytes = result.nbytes
         log.info("tensorhub: loaded %r version %d (%d bytes; pull %.3fs, apply %.3fs)", self.receiver.info.model,
                  result.version, result.nbytes, self.pull_s, self.apply_s)
         return result.version
