@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import MODEL_KEY
 
-from tensorhub import Hub
+from tensorhub import Hub, ManifestMismatch
 from tensorhub_vllm.config import TensorHubInitInfo, TensorHubUpdateInfo
 from tensorhub_vllm.receiver import VersionReceiver, checkpoint_layout
 
@@ -82,3 +82,19 @@ def test_group_members_receive_the_same_version(hub_server, tiny_model):
         finally:
             for r in ranks:
                 r.close()
+
+
+def test_receiver_without_serving_checks_the_layout(hub_server, tiny_model):
+    """serve=False pulls into fresh memory: the layout check happens after the
+    bytes arrived, still before anything could be applied."""
+    layout = checkpoint_layout(tiny_model, torch.bfloat16)
+    info = TensorHubInitInfo(hub=hub_server.address, model=MODEL_KEY + "-noserve", serve=False)
+    wrong = {n: torch.zeros(t.shape, dtype=torch.float32) for n, t in layout.items()}
+    with Hub.connect(hub_server.address, name="unit-trainer") as trainer:
+        trainer.publish(info.model, 1, wrong)
+        receiver = VersionReceiver(info, layout, group="engine-b", name="rank0")
+        try:
+            with pytest.raises(ManifestMismatch, match="version has float32"):
+                receiver.receive(1)
+        finally:
+            receiver.close()

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server (multiprocess engine, as users run it), updated
 through vLLM's own weight-update HTTP routes. It is a second engine: it pulls the
-version from the first engine's replica after the trainer withdrew its own."""
+version from the first engine's replica after the trainer withdrew its own. It
+runs with tensor parallelism 2 where two cores are free, so its two workers pull
+as one group."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import urllib.request
 import pytest
 from conftest import MODEL_KEY, PROMPT, update
 
-from tensorhub import Hub
+from tensorhub.client.rpc import ReferenceClient
 
 
 def _free_port() -> int:
@@ -30,11 +32,15 @@ class Server:
         self.url = f"http://127.0.0.1:{_free_port()}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default, multiprocess engine
+        self.tp = tp = 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+        if tp == 2:  # vLLM's automatic binding wants one NUMA node per worker; bind one core each instead
+            cores = sorted(os.sched_getaffinity(0))[:2]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
+             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--tensor-parallel-size", str(tp),
              "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
@@ -90,8 +96,14 @@ def test_server_updates_from_another_engines_replica(server, engine, trainer, hu
                                           "temperature": 0, "max_tokens": 16})
     assert got["choices"][0]["text"] == want
 
-    with Hub.connect(hub_server.address, name="observer") as hub:
-        assert 20 in hub.versions(MODEL_KEY)  # the engines' replicas keep it pullable
+    # Every worker keeps what it received pullable: the first engine's one
+    # worker and each of the server's TP workers hold a complete replica of 20.
+    rpc = ReferenceClient(hub_server.address)
+    try:
+        (v20,) = [v for v in rpc.list_versions(MODEL_KEY) if v.version == 20]
+    finally:
+        rpc.close()
+    assert v20.complete_replicas == 1 + server.tp
 
     # A version nobody holds: the route fails and the server keeps serving 20.
     with pytest.raises(urllib.error.HTTPError) as err:

@@ -104,8 +104,10 @@ class VersionReceiver:
     def _withdraw(self) -> None:
         """Stop serving the previous version, so its memory can be re-filled."""
         if self._publication is not None:
-            pub, self._publication = self._publication, None
-            pub.unpublish(timeout=self.info.unpublish_timeout_s)
+            # On UnpublishTimeout the replica is withdrawn but may still be read:
+            # keep it, so the next update waits again instead of overwriting it.
+            self._publication.unpublish(timeout=self.info.unpublish_timeout_s)
+            self._publication = None
 
     @property
     def staging_bytes(self) -> int:
