@@ -7,10 +7,10 @@ import importlib.metadata
 import pytest
 import torch
 from conftest import MODEL_KEY
-
-from tensorhub import Hub, ManifestMismatch
 from tensorhub_vllm.config import TensorHubInitInfo, TensorHubUpdateInfo
 from tensorhub_vllm.receiver import VersionReceiver, checkpoint_layout
+
+from tensorhub import Hub, ManifestMismatch
 
 
 def test_entry_point_registers_backend_idempotently():
@@ -52,10 +52,9 @@ def test_init_and_update_info_parse():
 
 
 def test_extension_methods_do_not_clash_with_worker_attributes():
+    from tensorhub_vllm.extension import TensorHubWorkerExtension
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
-
-    from tensorhub_vllm.extension import TensorHubWorkerExtension
 
     ours = {n for n in vars(TensorHubWorkerExtension) if not n.startswith("__")}
     # An engine started earlier in this session mixes the extension into the

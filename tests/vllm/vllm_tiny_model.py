@@ -11,7 +11,7 @@ VOCAB = 512
 
 def build(path: Path, seed: int = 0) -> Path:
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     corpus = [

@@ -24,7 +24,8 @@ def _parse(cls: type, values: Any, checks: Mapping[str, Any]) -> dict[str, Any]:
     """Check ``values`` against the dataclass ``cls``: a mapping, no unknown keys,
     every required field present, each value passing ``checks[name]``."""
     if not isinstance(values, Mapping):
-        raise ValueError(f"{cls.__name__} must be a dict, not {type(values).__name__}")
+        # ValueError, not TypeError: vLLM's parse_*_info contract for any bad payload
+        raise ValueError(f"{cls.__name__} must be a dict, not {type(values).__name__}")  # noqa: TRY004
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:

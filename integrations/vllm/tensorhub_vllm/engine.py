@@ -55,10 +55,6 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
     def finish_weight_update(self) -> None:
         """Nothing to finalize: update_weights already completed the reload."""
 
-    @property
-    def version(self) -> int | None:
-        return None if self._updater is None else self._updater.version
-
     def shutdown(self) -> None:
         if self._updater is not None:
             self._updater.close()

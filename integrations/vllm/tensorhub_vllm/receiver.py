@@ -15,18 +15,14 @@ even after the trainer withdrew its own copy.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from tensorhub import Hub, HubConfig, Manifest, PullResult, Publication
-
+from tensorhub import Hub, HubConfig, Manifest, Publication, PullResult
 from tensorhub_vllm.config import TensorHubInitInfo
-
-log = logging.getLogger(__name__)
 
 # safetensors header dtype names -> torch
 _ST_DTYPES = {
@@ -48,7 +44,7 @@ def checkpoint_layout(model_dir: str | os.PathLike, dtype: torch.dtype) -> dict[
     layout: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 entry = f.get_slice(name)
                 stored = _ST_DTYPES[entry.get_dtype()]
                 layout[name] = torch.empty(entry.get_shape(), dtype=dtype if stored.is_floating_point else stored,
@@ -108,10 +104,6 @@ class VersionReceiver:
             # keep it, so the next update waits again instead of overwriting it.
             self._publication.unpublish(timeout=self.info.unpublish_timeout_s)
             self._publication = None
-
-    @property
-    def staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._staging or {}).values())
 
     def close(self) -> None:
         self.hub.close()
