@@ -92,8 +92,8 @@ def test_server_updates_from_another_engines_replica(server, engine, trainer, hu
     server.post("/update_weights", {"update_info": {"version": 20}})
     server.post("/finish_weight_update", {"weight_version": "20"})
     assert server.get("/weight_info") == {"weight_version": "20"}
-    got = server.post("/v1/completions", {"model": server.get("/v1/models")["data"][0]["id"], "prompt": PROMPT,
-                                          "temperature": 0, "max_tokens": 16})
+    model = server.get("/v1/models")["data"][0]["id"]
+    got = server.post("/v1/completions", {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 16})
     assert got["choices"][0]["text"] == want
 
     # Every worker keeps what it received pullable: the first engine's one
@@ -105,11 +105,15 @@ def test_server_updates_from_another_engines_replica(server, engine, trainer, hu
         rpc.close()
     assert v20.complete_replicas == 1 + server.tp
 
-    # A version nobody holds: the route fails and the server keeps serving 20.
+    # A version nobody holds: the route fails, says why, and the server keeps serving 20.
+    server.post("/start_weight_update")
     with pytest.raises(urllib.error.HTTPError) as err:
         server.post("/update_weights", {"update_info": {"version": 999}})
     assert err.value.code >= 400
+    assert "version 999 has no complete replica" in err.value.read().decode()  # the hub's reason reaches the client
     assert server.get("/weight_info") == {"weight_version": "20"}
+    assert server.post("/v1/completions", {"model": model, "prompt": PROMPT, "temperature": 0,
+                                           "max_tokens": 16})["choices"][0]["text"] == want
 
 
 def _greedy_params():
