@@ -23,4 +23,4 @@ def register() -> None:
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, "tensorhub_vllm.engine", "TensorHubWeightTransferEngine")
     except ValueError:  # "already registered": the factory has no public lookup, and raises on a second call
-        pass
+        log.debug("weight-transfer backend %r was already registered", BACKEND)
