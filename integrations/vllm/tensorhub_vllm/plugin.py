@@ -1,0 +1,26 @@
+"""vLLM general plugin (entry point group ``vllm.general_plugins``): registers
+the ``tensorhub`` weight-transfer backend in every vLLM process, so
+``weight_transfer_config={"backend": "tensorhub"}`` selects it."""
+
+from __future__ import annotations
+
+import logging
+
+BACKEND = "tensorhub"
+SUPPORTED_VLLM = "0.32."  # vLLM's weight-transfer API changes between minor releases
+
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Idempotent: vLLM loads general plugins in each process, sometimes more than once."""
+    import vllm
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        log.warning("tensorhub_vllm is tested with vLLM %sx only; this is vLLM %s", SUPPORTED_VLLM, vllm.__version__)
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, "tensorhub_vllm.engine", "TensorHubWeightTransferEngine")
+    except ValueError:  # "already registered": the factory has no public lookup, and raises on a second call
+        log.debug("weight-transfer backend %r was already registered", BACKEND)

@@ -1,0 +1,108 @@
+"""Shared fixtures of the vLLM suite: a tiny model built once, a reference
+server, and a trainer process that publishes versions on command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Before vLLM is imported anywhere: a small KV cache (the default takes most of
+# RAM and the worker is OOM-killed) and spawned, not forked, workers.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+HERE = Path(__file__).parent
+MODEL_KEY = "tiny-qwen2/policy"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sys.path.insert(0, str(HERE))
+    from vllm_tiny_model import build
+
+    return build(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def hub_server():
+    from tensorhub.server import EmbeddedServer
+
+    with EmbeddedServer() as server:
+        yield server
+
+
+class Trainer:
+    """Drives vllm_trainer.py in its own process."""
+
+    def __init__(self, address: str, model_dir: Path, chunk_size: int = 1 << 20) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "vllm_trainer.py"), address, str(model_dir), MODEL_KEY, str(chunk_size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("ready")
+
+    def _expect(self, reply: str) -> None:
+        line = self.proc.stdout.readline().strip()
+        assert line == reply, f"trainer said {line!r}, expected {reply!r}"
+
+    def publish(self, version: int, kind: str) -> None:
+        self.proc.stdin.write(f"publish {version} {kind}\n")
+        self.proc.stdin.flush()
+        self._expect(f"published {version}")
+
+    def unpublish(self, version: int) -> None:
+        self.proc.stdin.write(f"unpublish {version}\n")
+        self.proc.stdin.flush()
+        self._expect(f"unpublished {version}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def trainer(hub_server, tiny_model):
+    t = Trainer(hub_server.address, tiny_model)
+    yield t
+    t.close()
+
+
+PROMPT = "the quick brown"
+
+
+def greedy(llm) -> list[int]:
+    from vllm import SamplingParams
+
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model, hub_server):
+    """One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds)
+    with the tensorhub backend and the worker extension, initialized on the hub.
+    The multiprocess path is covered by the HTTP server test."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    llm = LLM(model=str(tiny_model), dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              weight_transfer_config={"backend": "tensorhub"},
+              worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
+    llm.init_weight_transfer_engine({"init_info": {"hub": hub_server.address, "model": MODEL_KEY}})
+    yield llm
+    llm.shutdown_weight_transfer_engine()
+
+
+def update(llm, version, weight_version: str | None = None) -> None:
+    """One update through vLLM's native API."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": version}})
+    llm.finish_weight_update(weight_version=weight_version)

@@ -1,0 +1,122 @@
+"""The OpenAI-compatible server (multiprocess engine, as users run it), updated
+through vLLM's own weight-update HTTP routes. It is a second engine: it pulls the
+version from the first engine's replica after the trainer withdrew its own. It
+runs with tensor parallelism 2 where two cores are free, so its two workers pull
+as one group."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import MODEL_KEY, PROMPT, update
+
+from tensorhub.client.rpc import ReferenceClient
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir, log_path) -> None:
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default, multiprocess engine
+        self.tp = tp = 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+        if tp == 2:  # vLLM's automatic binding wants one NUMA node per worker; bind one core each instead
+            cores = sorted(os.sched_getaffinity(0))[:2]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--tensor-parallel-size", str(tp),
+             "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"vLLM server did not come up; see {log_path}") from None
+                time.sleep(1)
+
+    def get(self, route: str) -> dict:
+        with urllib.request.urlopen(self.url + route, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    def post(self, route: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(self.url + route, data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, tmp_path_factory.mktemp("server") / "vllm-server.log")
+    yield s
+    s.close()
+
+
+def test_server_updates_from_another_engines_replica(server, engine, trainer, hub_server):
+    trainer.publish(20, "perturbed")
+    update(engine, 20, "20")
+    want = engine.generate([PROMPT], _greedy_params(), use_tqdm=False)[0].outputs[0].text
+    trainer.unpublish(20)  # from now on only the first engine holds version 20
+
+    server.post("/init_weight_transfer_engine", {"init_info": {"hub": hub_server.address, "model": MODEL_KEY}})
+    server.post("/start_weight_update")
+    server.post("/update_weights", {"update_info": {"version": 20}})
+    server.post("/finish_weight_update", {"weight_version": "20"})
+    assert server.get("/weight_info") == {"weight_version": "20"}
+    model = server.get("/v1/models")["data"][0]["id"]
+    got = server.post("/v1/completions", {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 16})
+    assert got["choices"][0]["text"] == want
+
+    # Every worker keeps what it received pullable: the first engine's one
+    # worker and each of the server's TP workers hold a complete replica of 20.
+    rpc = ReferenceClient(hub_server.address)
+    try:
+        (v20,) = [v for v in rpc.list_versions(MODEL_KEY) if v.version == 20]
+    finally:
+        rpc.close()
+    assert v20.complete_replicas == 1 + server.tp
+
+    # A version nobody holds: the route fails, says why, and the server keeps serving 20.
+    server.post("/start_weight_update")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        server.post("/update_weights", {"update_info": {"version": 999}})
+    assert err.value.code >= 400
+    assert "version 999 has no complete replica" in err.value.read().decode()  # the hub's reason reaches the client
+    assert server.get("/weight_info") == {"weight_version": "20"}
+    assert server.post("/v1/completions", {"model": model, "prompt": PROMPT, "temperature": 0,
+                                           "max_tokens": 16})["choices"][0]["text"] == want
+
+
+def _greedy_params():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=16)

@@ -1,0 +1,46 @@
+"""A tiny Qwen2-style model and byte-level BPE tokenizer, built at test time
+(no model hub is reachable from tests). Deterministic: the same seed gives the
+same weights, so a reference output can be compared token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 512
+
+
+def build(path: Path, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "weights move from trainers to rollout engines",
+        "tensorhub pulls versions straight out of memory",
+    ] * 50
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 2, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(path)
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, torch_dtype="bfloat16",
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    # A wider init than the default, so greedy decoding is far from ties and a
+    # perturbation visibly changes the output.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path

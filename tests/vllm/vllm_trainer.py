@@ -1,0 +1,49 @@
+"""A stand-in trainer: a separate OS process with its own Hub that publishes
+versions of the tiny model on command. One command per stdin line, one reply
+per stdout line:
+
+    publish VERSION original|perturbed|wrong-vocab  -> "published VERSION"
+    unpublish VERSION                               -> "unpublished VERSION"
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tensorhub import Hub
+
+
+def weights(model_dir: Path, kind: str) -> dict[str, torch.Tensor]:
+    original = load_file(str(model_dir / "model.safetensors"))
+    if kind == "original":
+        return original
+    if kind == "perturbed":
+        gen = torch.Generator().manual_seed(1)
+        return {n: (t.float() + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in original.items()}
+    if kind == "wrong-vocab":  # a trainer whose tokenizer grew: the manifest no longer matches the engine
+        embed = original["model.embed_tokens.weight"]
+        return {**original, "model.embed_tokens.weight": torch.cat([embed, embed[:8]])}
+    raise ValueError(kind)
+
+
+def main(hub_address: str, model_dir: str, model: str, chunk_size: int) -> None:
+    hub = Hub.connect(hub_address, name="trainer", chunk_size=chunk_size)
+    pubs = {}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, version, *rest = line.split()
+        if cmd == "publish":
+            pubs[int(version)] = hub.publish(model, int(version), weights(Path(model_dir), rest[0]))
+            print(f"published {version}", flush=True)
+        elif cmd == "unpublish":
+            pubs.pop(int(version)).unpublish(timeout=30)
+            print(f"unpublished {version}", flush=True)
+    hub.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
