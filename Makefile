@@ -22,7 +22,7 @@ $(VENV)/.stamp: pyproject.toml
 demo: $(VENV)/.stamp
 	$(VENV)/bin/tensorhub demo
 
-test: test-core
+test: test-core test-vllm
 
 test-core: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/core
