@@ -25,7 +25,14 @@ from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob
 from tensorhub.client.rpc import AgentUnknown, ReferenceClient
-from tensorhub.errors import InvalidRequest, ServerUnavailable, TensorHubError, UnpublishTimeout, VersionNotFound
+from tensorhub.errors import (
+    InvalidRequest,
+    ManifestMismatch,
+    ServerUnavailable,
+    TensorHubError,
+    UnpublishTimeout,
+    VersionNotFound,
+)
 from tensorhub.manifest import DTYPES, Manifest
 from tensorhub.topology import Labels
 from tensorhub.transport import NixlAgent, Registration
@@ -219,7 +226,14 @@ class Hub:
             lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True))
         manifest = resolved.manifest
         if into is not None:
-            manifest.check_destination(into, model=model, version=resolved.version)
+            try:
+                manifest.check_destination(into, model=model, version=resolved.version)
+            except ManifestMismatch:
+                # The resolve leased the sources; unreleased, that lease would hold
+                # their unpublish for a whole TTL although no byte will be read.
+                if resolved.lease_id:
+                    self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
+                raise
             dests = {t.name: into[t.name] for t in manifest.tensors}
         else:
             dests = {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in manifest.tensors}
