@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-core bench bench-pull proto lint clean
+.PHONY: demo test test-core test-verl bench bench-pull proto lint clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,21 @@ test: test-core
 
 test-core: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/core
+
+# verl 0.9.1 and what it needs on CPU, in its own environment (verl's pins
+# would otherwise move the core environment's packages).
+VERL_VENV := .venv-verl
+VERL_PIP  := $(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q
+
+$(VERL_VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PIP) install --upgrade pip
+	$(VERL_PIP) install "$(TORCH)"
+	$(VERL_PIP) install -e '.[verl,test]'
+	touch $@
+
+test-verl: $(VERL_VENV)/.stamp
+	$(VERL_VENV)/bin/pytest -q tests/verl
 
 bench-pull: $(VENV)/.stamp
 	mkdir -p bench-results
