@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
+from tensorhub_verl.engine import TensorHubCheckpointEngine
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl_testlib import assert_identical, make_weights, receive
 
 from tensorhub import ServerUnavailable
-from tensorhub_verl.engine import TensorHubCheckpointEngine
 
 
 def send(engine, step, weights=None):

@@ -45,7 +45,8 @@ def run_in_own_session(cmd: list[str], timeout: float = 420, **kwargs) -> tuple[
 @pytest.mark.timeout(900)
 def test_manager_flow_on_cpu(tmp_path):
     model = save_tiny_model(str(tmp_path / "tiny-qwen2"))
-    env = {**os.environ, **CPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **CPU_ENV, "PYTHONPATH": pythonpath}
     report_path = tmp_path / "report.json"
     for _ in range(2):
         returncode, stdout, stderr = run_in_own_session(

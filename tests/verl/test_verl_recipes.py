@@ -70,12 +70,13 @@ def test_launch_command_and_entry_point():
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto"}
     probe = ("import verl; from verl.checkpoint_engine import CheckpointEngineRegistry as R; "
              "print(R.get('tensorhub').__module__)")
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "tensorhub_verl.engine", out.stderr[-3000:]
     launch = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES),
          "--config-name", "tensorhub_separate_async", f"{KEY}.engine_kwargs.tensorhub.address=trainer-host:50051",
          "--cfg", "job", "--package", KEY],
-        env=env, capture_output=True, text=True, timeout=120)
+        check=False, env=env, capture_output=True, text=True, timeout=120)
     assert launch.returncode == 0, launch.stderr[-3000:]
     assert "backend: tensorhub" in launch.stdout and "address: trainer-host:50051" in launch.stdout

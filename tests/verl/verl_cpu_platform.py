@@ -21,7 +21,10 @@ def _device_module() -> types.ModuleType:
     """``torch.cpu`` plus what verl calls on ``torch.cuda`` and ``torch.cpu`` lacks."""
     module = types.ModuleType("verl_cpu_device")
     module.__dict__.update({k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")})
-    noop = lambda *args, **kwargs: None  # noqa: E731
+
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
     module.empty_cache = noop
     module.reset_peak_memory_stats = noop
     module.memory_allocated = lambda *args, **kwargs: 0

@@ -23,7 +23,7 @@ class TrainerWorker(TrainingWorkerTest):
         super().__init__(*args, **kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
         # As verl's ActorRolloutRefWorker does: the engine's metrics go back to the manager.
         per_tensor_param, _ = self.engine.get_per_tensor_param()
         return await self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps) or {}

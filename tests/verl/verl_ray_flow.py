@@ -73,7 +73,8 @@ def check_received(label: str, taken: list[tuple[int | None, dict]], step: int,
         for name, want in expected.items():
             got = received[name]
             assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {name} {got.dtype}{tuple(got.shape)}"
-            assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), f"{where}: {name} bytes"
+            same = torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+            assert same, f"{where}: {name} bytes differ"
 
 
 async def main(model_path: str) -> dict:

@@ -42,7 +42,8 @@ class TensorHubEngineConfig:
             if not isinstance(getattr(config, key), str) or not getattr(config, key):
                 raise ValueError(f"TensorHubEngineConfig.{key} is not set: set {CONFIG_KEY}.{key}")
         if config.buffer_device not in ("cpu", "cuda"):
-            raise ValueError(f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
+            raise ValueError(
+                f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
         return config
 
     def hub_config(self, name: str) -> HubConfig:
