@@ -115,6 +115,8 @@ def test_missing_address_is_a_clear_error():
         TensorHubCheckpointEngine(bucket_size=0, model="m")
     with pytest.raises(ValueError, match="no field"):
         TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", adress="x")
+    with pytest.raises(ValueError, match=r"HubConfig has no field\(s\) \['chunk'\]"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", hub={"chunk": 1})
 
 
 def test_unreachable_address_fails_at_start_not_at_first_step():

@@ -57,10 +57,10 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.is_master = is_master
         self.bucket_size = bucket_size
         role = "trainer" if is_master else "worker"
-        name = f"verl-{role}@{socket.gethostname()}:{os.getpid()}"
+        hub_config = self.config.hub_config(f"verl-{role}@{socket.gethostname()}:{os.getpid()}")
         try:
-            self.hub: Hub | None = Hub.connect(self.config.address, config=self.config.hub_config(name))
-        except ValueError as e:
+            self.hub: Hub | None = Hub.connect(self.config.address, config=hub_config)
+        except ValueError as e:  # the address is not host:port
             raise ValueError(f"{e}; set {CONFIG_KEY}.address") from e
         except ServerUnavailable as e:
             raise ServerUnavailable(self.config.address, f"address from {CONFIG_KEY}.address") from e
