@@ -25,6 +25,10 @@ CPU_ENV = {
     "VERL_ENGINE_DEVICE": "cuda",  # verl's FSDP engine registers for cuda/npu only; this is verl's own override
     "OMP_NUM_THREADS": "1",
     "RAY_DEDUP_LOGS": "0",
+    # Ray starts one idle Python worker per CPU slot; the placement needs 8 slots
+    # but this machine has 2 cores, and the actors start their own workers anyway.
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
