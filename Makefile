@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-core test-vllm bench bench-pull proto lint clean
+.PHONY: demo test test-core test-vllm test-verl bench bench-pull proto lint clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(VENV)/.stamp: pyproject.toml
 demo: $(VENV)/.stamp
 	$(VENV)/bin/tensorhub demo
 
-test: test-core test-vllm
+test: test-core test-vllm test-verl
 
 test-core: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/core
@@ -46,6 +46,21 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.stamp
 	$(VLLM_VENV)/bin/pytest -q tests/vllm
+
+# verl 0.9.1 and what it needs on CPU, in its own environment (verl's pins
+# would otherwise move the core environment's packages).
+VERL_VENV := .venv-verl
+VERL_PIP  := $(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q
+
+$(VERL_VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PIP) install --upgrade pip
+	$(VERL_PIP) install "$(TORCH)"
+	$(VERL_PIP) install -e '.[verl,test]'
+	touch $@
+
+test-verl: $(VERL_VENV)/.stamp
+	$(VERL_VENV)/bin/pytest -q tests/verl
 
 bench-pull: $(VENV)/.stamp
 	mkdir -p bench-results

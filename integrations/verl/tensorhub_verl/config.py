@@ -1,0 +1,51 @@
+"""Settings of the ``tensorhub`` checkpoint engine: the dict verl passes as
+``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.tensorhub``.
+
+Plain values only, so a Hydra node maps onto it one to one. A bad dict is a
+``ValueError`` that names this class and the offending key, raised when the
+worker starts, not at the first weight update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tensorhub import HubConfig
+
+CONFIG_KEY = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.tensorhub"
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorHubEngineConfig:
+    address: str = ""  # reference server host:port (`tensorhub server --host H --port P`)
+    model: str = ""  # model key the trainer publishes under, e.g. "qwen2.5-7b/policy"
+    # Trainer: where the publication buffer lives. "cpu" keeps the trainer's
+    # accelerator memory free (pinned host memory when CUDA is present).
+    buffer_device: str = "cpu"
+    # Rollout: keep serving the version it received to other rollouts until its
+    # next update (pipeline replication), so the trainer's link is read once.
+    serve: bool = True
+    wait_timeout_s: float = 600.0  # rollout: longest wait for the asked step to be published
+    unpublish_timeout_s: float = 120.0  # trainer: longest wait for readers of the previous step to drain
+    hub: dict[str, Any] = field(default_factory=dict)  # HubConfig fields: connect_timeout_s, chunk_size, labels, ...
+
+    @classmethod
+    def from_kwargs(cls, values: dict[str, Any]) -> TensorHubEngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"TensorHubEngineConfig has no field(s) {unknown} (under {CONFIG_KEY}); "
+                             f"known: {sorted(known)}")
+        config = cls(**{k: (dict(v) if k == "hub" else v) for k, v in values.items()})
+        for key in ("address", "model"):
+            if not isinstance(getattr(config, key), str) or not getattr(config, key):
+                raise ValueError(f"TensorHubEngineConfig.{key} is not set: set {CONFIG_KEY}.{key}")
+        if config.buffer_device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
+        return config
+
+    def hub_config(self, name: str) -> HubConfig:
+        """The Hub client's settings; ``name`` shows in the server's plans and messages."""
+        return HubConfig.from_dict({"name": name, **self.hub})

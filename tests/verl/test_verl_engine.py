@@ -1,0 +1,141 @@
+"""The ``tensorhub`` checkpoint engine against a real reference server and real
+NIXL, driven the way verl drives it (send on the trainer, receive on rollouts)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from tensorhub_verl.engine import TensorHubCheckpointEngine
+from verl.checkpoint_engine import CheckpointEngineRegistry
+from verl_testlib import assert_identical, make_weights, receive
+
+from tensorhub import ServerUnavailable
+
+
+def send(engine, step, weights=None):
+    weights = make_weights(step) if weights is None else weights
+    return asyncio.run(engine.send_weights(iter(weights.items()), global_steps=step))
+
+
+@pytest.fixture
+def engines(engine_kwargs):
+    made = []
+
+    def make(**overrides):
+        engine = CheckpointEngineRegistry.new("tensorhub", bucket_size=1 << 20, **{**engine_kwargs, **overrides})
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(made):
+        engine.shutdown()
+
+
+def test_registered_without_a_group():
+    assert CheckpointEngineRegistry.get("tensorhub") is TensorHubCheckpointEngine
+    assert TensorHubCheckpointEngine.build_topology(2, 4, [{}] * 6) == ({}, {})
+
+
+def test_every_rollout_receives_each_step_byte_identical(engines):
+    trainer = engines(is_master=True)
+    rollouts = [engines(), engines()]
+    for step in (1, 2, 3):
+        weights = make_weights(step)
+        metrics = send(trainer, step, weights)
+        for tensor in weights.values():  # the trainer trains on: its published copy must not change
+            tensor.zero_()
+        for rollout in rollouts:
+            assert_identical(receive(rollout, step), make_weights(step))
+            assert rollout.received_version == step
+        assert metrics["tensorhub/version"] == step
+        assert metrics["tensorhub/unpublish_blocked_s"] >= 0
+        # the buffer is allocated at the first step and reused after
+        assert metrics["tensorhub/buffer_allocations"] == (5 if step == 1 else 0)
+    assert trainer.hub.versions("tiny/policy")[-1] == 3
+
+
+def test_late_or_skipping_rollout_gets_the_newest(engines):
+    trainer = engines(is_master=True)
+    early = engines()
+    send(trainer, 1)
+    assert_identical(receive(early, 1), make_weights(1))
+    send(trainer, 2)
+    send(trainer, 3)
+    # asked for a step it missed: gets the newest, not the one it asked for
+    assert_identical(receive(early, 2), make_weights(3))
+    assert early.received_version == 3
+    late = engines()  # joins after three steps, no group to rebuild
+    assert_identical(receive(late, 1), make_weights(3))
+    fresh = engines()
+    assert_identical(receive(fresh, None), make_weights(3))
+
+
+def test_receive_waits_for_the_step_being_published(engines):
+    """verl runs send and receive concurrently: a rollout may ask first."""
+    trainer, rollout = engines(is_master=True), engines()
+    send(trainer, 4)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(r=receive(rollout, 5)))
+    reader.start()
+    time.sleep(0.3)
+    assert reader.is_alive()  # version 4 is older than asked: keep waiting
+    send(trainer, 5)
+    reader.join(timeout=20)
+    assert_identical(got["r"], make_weights(5))
+
+
+def test_without_steps_versions_count_up(engines):
+    trainer, rollout = engines(is_master=True), engines()
+    for step in range(3):
+        asyncio.run(trainer.send_weights(iter(make_weights(step).items())))
+        assert_identical(receive(rollout, None), make_weights(step))
+    assert rollout.received_version == 2
+
+
+def test_non_master_rank_consumes_the_stream_and_reports_nothing(engines):
+    rank1 = engines(is_master=False)
+    seen = []
+
+    def stream():  # a sharded trainer all-gathers per tensor: every rank must iterate
+        for item in make_weights(0).items():
+            seen.append(item[0])
+            yield item
+
+    assert asyncio.run(rank1.send_weights(stream(), global_steps=0)) == {}
+    assert seen == list(make_weights(0))
+    assert rank1.hub is None  # and it let go of the reference server
+
+
+def test_missing_address_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"address is not set.*engine_kwargs\.tensorhub\.address"):
+        TensorHubCheckpointEngine(bucket_size=0, model="m")
+    with pytest.raises(ValueError, match="no field"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", adress="x")
+    with pytest.raises(ValueError, match=r"HubConfig has no field\(s\) \['chunk'\]"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", hub={"chunk": 1})
+
+
+def test_unreachable_address_fails_at_start_not_at_first_step():
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailable, match=r"127\.0\.0\.1:9.*engine_kwargs\.tensorhub\.address"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:9", model="m", hub={"connect_timeout_s": 1.0})
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="host:port"):
+        TensorHubCheckpointEngine(bucket_size=0, address="no-port-here", model="m")
+
+
+def test_layout_change_reallocates(engines):
+    trainer, rollout = engines(is_master=True), engines()
+    send(trainer, 1)
+    receive(rollout, 1)
+    grown = {**make_weights(2), "lm_head.weight": torch.ones(8, 8)}
+    metrics = send(trainer, 2, grown)
+    assert metrics["tensorhub/buffer_allocations"] == 1
+    assert_identical(receive(rollout, 2), grown)
+    # the pull that found the old layout leased the trainer's replica and read
+    # nothing: that lease must not hold the trainer's next unpublish
+    assert send(trainer, 3)["tensorhub/unpublish_blocked_s"] < 2
