@@ -181,6 +181,9 @@ class Hub:
         with self._lock:
             if pub.closed:
                 return
+            # From here on heartbeats must never publish it again: the server may
+            # drop it any moment, and the caller is about to reuse the memory.
+            pub.withdrawing = True
         try:
             drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout, force=force)
             if retain:
@@ -190,11 +193,7 @@ class Hub:
                 drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout)
                 if retain:
                     raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
-            with self._lock:
-                pub.withdrawing = True
         except (ServerUnavailable, AgentUnknown) as e:
-            with self._lock:
-                pub.withdrawing = True
             # The server cannot say who still reads. Readers stop at their
             # lease's expiry, so waiting one lease TTL is safe.
             wait = min(self._lease_ttl_s, timeout)
