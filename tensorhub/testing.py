@@ -7,6 +7,7 @@ Everything here runs real processes, real NIXL and a real gRPC server.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -215,10 +216,9 @@ class HubProcess:
 
     def close(self, timeout: float = 30.0) -> None:
         if self.process.is_alive():
-            try:
+            # A child that cannot close cleanly is killed below.
+            with contextlib.suppress(TimeoutError, EOFError, BrokenPipeError, RemoteError):
                 self.call("close", timeout=timeout)
-            except (TimeoutError, EOFError, BrokenPipeError, RemoteError):
-                pass
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.kill()

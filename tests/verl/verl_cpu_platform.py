@@ -66,10 +66,10 @@ class PlatformCPU(PlatformBase):
         return 1
 
     def set_device(self, device_index: int) -> None:
-        pass
+        """Nothing to do without an accelerator."""
 
     def synchronize(self, device_index: int | None = None) -> None:
-        pass
+        """Nothing to do without an accelerator."""
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -78,10 +78,10 @@ class PlatformCPU(PlatformBase):
         torch.manual_seed(seed)
 
     def set_allocator_settings(self, settings: str) -> None:
-        pass
+        """Nothing to do without an accelerator."""
 
     def empty_cache(self) -> None:
-        pass
+        """Nothing to do without an accelerator."""
 
     def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
         return None, None
@@ -97,10 +97,10 @@ class PlatformCPU(PlatformBase):
         yield
 
     def profiler_start(self) -> None:
-        pass
+        """Nothing to do without an accelerator."""
 
     def profiler_stop(self) -> None:
-        pass
+        """Nothing to do without an accelerator."""
 
     def ray_resource_name(self) -> str:
         return "CPU"
