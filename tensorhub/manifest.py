@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorhub.errors import ManifestMismatch
+from tensorhub.shard import Entry, Part, Shard, parts_of
 
 # dtypes a manifest may name. Keys are torch's own names without "torch.".
 DTYPES: dict[str, torch.dtype] = {
@@ -59,8 +60,20 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Manifest:
-        return cls(tuple(TensorSpec.of(name, t) for name, t in tensors.items()))
+    def of(cls, tensors: Mapping[str, Entry]) -> Manifest:
+        """The manifest of whole tensors, or of the full tensors Shards are part of."""
+        specs = []
+        for name, value in tensors.items():
+            first = value[0] if isinstance(value, (list, tuple)) and value else value
+            if isinstance(first, Shard):
+                dtype = dtype_name(first.tensor.dtype)
+                specs.append(TensorSpec(name, dtype, first.full_shape, math.prod(first.full_shape) * itemsize(dtype)))
+            else:
+                specs.append(TensorSpec.of(name, first))
+        return cls(tuple(specs))
+
+    def index(self) -> dict[str, int]:
+        return {t.name: i for i, t in enumerate(self.tensors)}
 
     @property
     def total_bytes(self) -> int:
@@ -95,34 +108,45 @@ class Manifest:
                     f"{t.dtype}{list(t.shape)}"
                 )
 
-    def check_destination(self, into: Mapping[str, torch.Tensor], *, model: str, version: int) -> None:
-        """Raise ManifestMismatch unless ``into`` holds exactly these tensors,
-        contiguous, with the same shapes and dtypes."""
+    def parts(self, entries: Mapping[str, Entry], *, model: str, version: int | str,
+              whole_model: bool = True, nothing: str = "Nothing was transferred.") -> list[Part]:
+        """Check ``entries`` (tensors, Shards) against this manifest; the parts in
+        manifest order. InvalidRequest for an entry that is wrong on its own,
+        ManifestMismatch listing every disagreement with the manifest.
+        ``whole_model``: every tensor of the manifest must appear."""
+        parts = parts_of(entries)
         problems: list[str] = []
         wanted = {t.name: t for t in self.tensors}
-        missing = [n for n in wanted if n not in into]
-        extra = [n for n in into if n not in wanted]
+        missing = [n for n in wanted if n not in entries] if whole_model else []
+        extra = [n for n in entries if n not in wanted]
         if missing:
             problems.append(f"missing {_few(missing)}")
         if extra:
             problems.append(f"not in the version {_few(extra)}")
-        for name, tensor in into.items():
-            spec = wanted.get(name)
-            if spec is None:
+        reported: set[str] = set()
+        for part in parts:
+            spec = wanted.get(part.name)
+            if spec is None or part.name in reported:
                 continue
-            got = TensorSpec.of(name, tensor) if tensor.dtype in _DTYPE_NAMES else None
-            if got is None or got.dtype != spec.dtype or got.shape != spec.shape:
-                have = f"{tensor.dtype}{list(tensor.shape)}"
-                problems.append(f"{name}: version has {spec.dtype}{list(spec.shape)}, destination {have}")
-            elif not tensor.is_contiguous():
-                problems.append(f"{name}: destination is not contiguous")
+            dtype = _DTYPE_NAMES.get(part.tensor.dtype, str(part.tensor.dtype))
+            if dtype != spec.dtype or part.full_shape != spec.shape:
+                reported.add(part.name)
+                problems.append(f"{part.name}: version has {spec.dtype}{list(spec.shape)}, "
+                                f"destination {part.tensor.dtype}{list(part.full_shape)}")
         if problems:
             raise ManifestMismatch(
-                f"destination tensors do not match {model!r} version {version} "
+                f"tensors do not match {model!r} version {version} "
                 f"(fingerprint {self.fingerprint[:12]}): " + "; ".join(problems[:8])
                 + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-                + ". Nothing was transferred."
+                + f". {nothing}"
             )
+        order = self.index()
+        return sorted(parts, key=lambda p: (order[p.name], int(p.region.runs(p.full_shape).start[:1].sum())))
+
+    def check_destination(self, into: Mapping[str, Entry], *, model: str, version: int) -> None:
+        """Raise ManifestMismatch unless ``into`` holds exactly these tensors (or
+        regions of them), contiguous, with the same shapes and dtypes."""
+        self.parts(into, model=model, version=version)
 
 
 def _few(names: list[str], n: int = 5) -> str:

@@ -1,25 +1,27 @@
-"""Which chunk to read from which source. Pure Python, no I/O.
+"""Which holders to read each chunk from, best first. Pure Python, no I/O.
 
-    plan (from the server)         choose_sources()                 puller
-    replicas + bitmaps + load ───▶ rank each holder of a chunk ───▶ reads chunk from
-    reader's labels                 (tier, reliability, role,        the first source,
-    chunks still needed             load incl. this plan)            falls back in order
+    resolve (server)             ReadLayout (client/readlayout.py)       choose_sources()
+    holders: labels, load,  ───▶ per chunk of the reader's bytes, which ───▶ per chunk: holders
+    held regions, bitmaps        holders can give all of it or a part        ranked best first
+                                                                                   │
+    puller: the first holder gives what it has of the chunk, the next the  ◀──────┘
+    rest, ...; a failed holder is excluded and the chunk planned again
 
-A source ranks before another when it is
+A holder ranks before another when it is
   1. nearer: same host, then rack, then zone, then elsewhere;
-  2. reliable before spot;
-  3. a reader that already holds the chunk before the origin (the trainer), so
+  2. able to give the whole chunk (one read instead of several);
+  3. reliable before spot;
+  4. a reader that already holds the chunk before the origin (the trainer), so
      the trainer's link stops being the bottleneck once copies exist;
-  4. less loaded: fewer other readers on it, then fewer chunks of this plan
+  5. less loaded: fewer other readers on it, then fewer chunks of this plan
      already given to it (ties spread evenly).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tensorhub.chunks import bitmap_has
 from tensorhub.topology import Labels, Reliability
 
 
@@ -32,18 +34,14 @@ class Source:
     labels: Labels
     reliability: Reliability = Reliability.RELIABLE
     complete: bool = True
-    bitmap: bytes = b""
     origin: bool = False
     active_reads: int = 0
-
-    def has(self, chunk: int) -> bool:
-        return self.complete or bitmap_has(self.bitmap, chunk)
 
 
 @dataclass(slots=True)
 class Assignment:
-    """For each chunk, its sources best first. ``unavailable`` lists chunks no
-    source holds."""
+    """For each chunk, its holders best first. ``unavailable`` lists chunks no
+    usable holder has any part of."""
 
     order: dict[int, list[str]] = field(default_factory=dict)
     unavailable: list[int] = field(default_factory=list)
@@ -56,31 +54,40 @@ class Assignment:
 
 
 def choose_sources(
-    chunks: Iterable[int],
+    holders: Mapping[int, Mapping[str, bool]],
     sources: list[Source],
     reader: Labels,
     *,
     exclude: frozenset[str] = frozenset(),
 ) -> Assignment:
-    """Rank the holders of every chunk in ``chunks``; spread ties evenly."""
-    usable = [s for s in sources if s.replica_id not in exclude]
-    assigned = {s.replica_id: 0 for s in usable}
+    """Rank the holders of every chunk; spread ties evenly.
+
+    ``holders[chunk][replica_id]`` is True when that replica can give the whole
+    chunk, False when it can give a part of it. Chunks are planned in order.
+    """
+    usable = {s.replica_id: s for s in sources if s.replica_id not in exclude}
+    assigned = dict.fromkeys(usable, 0)
     out = Assignment()
-    for chunk in chunks:
-        holders = [s for s in usable if s.has(chunk)]
-        if not holders:
+    for chunk in sorted(holders):
+        whole = {rid: full for rid, full in holders[chunk].items() if rid in usable}
+        if not whole:
             out.unavailable.append(chunk)
             continue
-        holders.sort(
-            key=lambda s: (
-                reader.tier(s.labels),
-                s.reliability is Reliability.SPOT,
-                s.origin,
-                s.active_reads,
-                assigned[s.replica_id],
-                s.replica_id,
-            )
+        ranked = sorted(
+            whole,
+            key=lambda rid: (
+                reader.tier(usable[rid].labels),
+                not whole[rid],
+                usable[rid].reliability is Reliability.SPOT,
+                usable[rid].origin,
+                usable[rid].active_reads,
+                assigned[rid],
+                rid,
+            ),
         )
-        assigned[holders[0].replica_id] += 1
-        out.order[chunk] = [s.replica_id for s in holders]
+        # A whole holder serves the chunk alone; otherwise each part-holder
+        # will likely serve a piece of it.
+        for rid in ranked[:1] if whole[ranked[0]] else ranked:
+            assigned[rid] += 1
+        out.order[chunk] = ranked
     return out

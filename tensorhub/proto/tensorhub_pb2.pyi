@@ -64,7 +64,19 @@ class Manifest(_message.Message):
     fingerprint: str
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
-class Region(_message.Message):
+class TensorRegion(_message.Message):
+    __slots__ = ("tensor", "start", "stop", "flat")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    FLAT_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    flat: bool
+    def __init__(self, tensor: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., flat: _Optional[bool] = ...) -> None: ...
+
+class MemoryRegion(_message.Message):
     __slots__ = ("addr", "size", "device_id")
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -80,12 +92,12 @@ class ReplicaMemory(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     kind: MemoryKind
-    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     nixl_metadata: bytes
-    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin")
+    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +108,8 @@ class ReplicaInfo(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_READS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     agent_name: str
@@ -106,7 +120,9 @@ class ReplicaInfo(_message.Message):
     memory: ReplicaMemory
     active_reads: int
     origin: bool
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
+    chunk_size: int
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("agent_id", "name", "labels", "reliability")
@@ -151,7 +167,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +179,7 @@ class PublishRequest(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -174,7 +191,8 @@ class PublishRequest(_message.Message):
     replica_id: str
     origin: bool
     retained: bool
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
@@ -243,22 +261,20 @@ class ResolveRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "chunk_size", "replicas", "fingerprint", "lease_id", "lease_ttl_s")
+    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
-    chunk_size: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     fingerprint: str
     lease_id: str
     lease_ttl_s: float
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class AcquireReadLeaseRequest(_message.Message):
     __slots__ = ("agent_id", "replica_ids")
@@ -325,16 +341,36 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VersionSummary(_message.Message):
-    __slots__ = ("version", "complete_replicas", "filling_replicas", "total_bytes")
+    __slots__ = ("version", "complete_replicas", "filling_replicas", "total_bytes", "visible")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     FILLING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
     version: int
     complete_replicas: int
     filling_replicas: int
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., complete_replicas: _Optional[int] = ..., filling_replicas: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    visible: bool
+    def __init__(self, version: _Optional[int] = ..., complete_replicas: _Optional[int] = ..., filling_replicas: _Optional[int] = ..., total_bytes: _Optional[int] = ..., visible: _Optional[bool] = ...) -> None: ...
+
+class WaitForVersionRequest(_message.Message):
+    __slots__ = ("model", "at_least", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    AT_LEAST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    at_least: int
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., at_least: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitForVersionResponse(_message.Message):
+    __slots__ = ("found", "version")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    version: int
+    def __init__(self, found: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("versions",)

@@ -89,6 +89,11 @@ class ReferenceServiceStub:
                 request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsRequest.SerializeToString,
                 response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsResponse.FromString,
                 _registered_method=True)
+        self.WaitForVersion = channel.unary_unary(
+                '/tensorhub.v1.ReferenceService/WaitForVersion',
+                request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.SerializeToString,
+                response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.FromString,
+                _registered_method=True)
 
 
 class ReferenceServiceServicer:
@@ -160,6 +165,12 @@ class ReferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitForVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_ReferenceServiceServicer_to_server(servicer, server):
                     servicer.ListVersions,
                     request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsRequest.FromString,
                     response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsResponse.SerializeToString,
+            ),
+            'WaitForVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForVersion,
+                    request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.FromString,
+                    response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class ReferenceService:
             '/tensorhub.v1.ReferenceService/ListVersions',
             tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsRequest.SerializeToString,
             tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.ReferenceService/WaitForVersion',
+            tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.SerializeToString,
+            tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
 """The data path: moving bytes between agents' memory with NIXL one-sided READs.
 Knows nothing of models, versions or the reference server."""
 
-from tensorhub.transport.memory import MemoryKind, Region, regions_of
+from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of
 from tensorhub.transport.nixl import NixlAgent, Registration, TransferFailed
 
-__all__ = ["MemoryKind", "NixlAgent", "Region", "Registration", "TransferFailed", "regions_of"]
+__all__ = ["MemoryKind", "MemoryRegion", "NixlAgent", "Registration", "TransferFailed", "regions_of"]

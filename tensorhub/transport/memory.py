@@ -15,7 +15,7 @@ class MemoryKind(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Region:
+class MemoryRegion:
     addr: int
     size: int
     device_id: int
@@ -34,18 +34,18 @@ def device_id(tensor: torch.Tensor) -> int:
     return (tensor.device.index or 0) if tensor.device.type == "cuda" else 0
 
 
-def regions_of(tensors: Iterable[torch.Tensor]) -> tuple[MemoryKind, list[Region]]:
+def regions_of(tensors: Iterable[torch.Tensor]) -> tuple[MemoryKind, list[MemoryRegion]]:
     """One region per tensor (its bytes, in place), and their common memory kind.
 
     Raises ValueError for a non-contiguous tensor or a mix of CPU and CUDA.
     """
     kinds: set[MemoryKind] = set()
-    regions: list[Region] = []
+    regions: list[MemoryRegion] = []
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError("tensors must be contiguous to be transferred in place; call .contiguous() first")
         kinds.add(kind_of(t))
-        regions.append(Region(t.data_ptr(), t.numel() * t.element_size(), device_id(t)))
+        regions.append(MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), device_id(t)))
     if len(kinds) > 1:
         raise ValueError("all tensors of one version must live in one kind of memory (all CPU or all CUDA)")
     return (kinds.pop() if kinds else MemoryKind.DRAM), regions

@@ -19,21 +19,29 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints INFO lines to stdout otherwise
-# Over TCP a cut link raises nothing for ~200 s (retransmit backoff); these
-# bring UCX's own detection to a few seconds. Set only where the user has not.
-for _key, _value in (("UCX_TCP_KEEPIDLE", "1s"), ("UCX_TCP_KEEPINTVL", "1s"), ("UCX_TCP_KEEPCNT", "3"),
-                     ("UCX_TCP_USER_TIMEOUT", "5s")):
-    os.environ.setdefault(_key, _value)
-
-from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402  (after the log level)
-
-from tensorhub.transport.memory import MemoryKind, regions_of, storages_of  # noqa: E402
+from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of, storages_of
 
 log = logging.getLogger(__name__)
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-3
+
+# Applied when the first agent is created, never at import (``import tensorhub``
+# must not change a process's UCX settings), and only where the user has not
+# set them. NIXL prints INFO lines to stdout otherwise. Over TCP a cut link
+# raises nothing for ~200 s (retransmit backoff); the keepalives bring UCX's
+# own detection to a few seconds.
+_ENV_DEFAULTS = (("NIXL_LOG_LEVEL", "WARN"), ("UCX_TCP_KEEPIDLE", "1s"), ("UCX_TCP_KEEPINTVL", "1s"),
+                 ("UCX_TCP_KEEPCNT", "3"), ("UCX_TCP_USER_TIMEOUT", "5s"))
+
+
+def _nixl_api():  # type: ignore[no-untyped-def]
+    """NIXL's API module, imported on first use, after the environment defaults."""
+    for key, value in _ENV_DEFAULTS:
+        os.environ.setdefault(key, value)
+    from nixl import _api
+
+    return _api
 
 
 class TransferFailed(Exception):
@@ -50,7 +58,7 @@ class Registration:
     """Memory registered with this agent, and what a remote reader needs to read it."""
 
     kind: MemoryKind
-    regions: list  # list[Region], one per tensor, in order
+    regions: list[MemoryRegion]  # one per tensor, in order
     metadata: bytes  # NIXL partial agent metadata for these regions
     _handle: object = None
 
@@ -60,7 +68,8 @@ class NixlAgent:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        api = _nixl_api()
+        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         self._lock = threading.Lock()  # guards the remote-agent table
         self._remotes: dict[str, str] = {}  # metadata key -> remote agent name
 

@@ -1,0 +1,82 @@
+"""The one protobuf <-> Python codec, used by the client stub (``client/rpc.py``)
+and the server (``server/service.py``). Only the RPC modules import this."""
+
+from __future__ import annotations
+
+from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.regions import Region
+from tensorhub.topology import Labels, Reliability
+from tensorhub.transport.memory import MemoryKind, MemoryRegion
+
+KIND = {MemoryKind.DRAM: pb.MEMORY_KIND_DRAM, MemoryKind.VRAM: pb.MEMORY_KIND_VRAM}
+KIND_BACK = {v: k for k, v in KIND.items()}
+
+# A held region on the wire: (index of the tensor in the manifest, region).
+Held = tuple[int, Region]
+
+
+def manifest_to_wire(manifest: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        tensors=[pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes) for t in manifest.tensors],
+        fingerprint=manifest.fingerprint,
+    )
+
+
+def manifest_from_wire(msg: pb.Manifest) -> Manifest:
+    return Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in msg.tensors))
+
+
+def labels_to_wire(labels: Labels) -> pb.Labels:
+    return pb.Labels(host=labels.host, rack=labels.rack, zone=labels.zone)
+
+
+def labels_from_wire(msg: pb.Labels) -> Labels:
+    return Labels(msg.host, msg.rack, msg.zone)
+
+
+def reliability_to_wire(value: Reliability) -> int:
+    return pb.RELIABILITY_SPOT if value is Reliability.SPOT else pb.RELIABILITY_RELIABLE
+
+
+def reliability_from_wire(value: int) -> Reliability:
+    """ValueError for a value this version does not know."""
+    if value == pb.RELIABILITY_SPOT:
+        return Reliability.SPOT
+    if value in (pb.RELIABILITY_UNSPECIFIED, pb.RELIABILITY_RELIABLE):
+        return Reliability.RELIABLE
+    raise ValueError(f"unknown reliability {value}")
+
+
+def region_to_wire(tensor: int, region: Region) -> pb.TensorRegion:
+    if region.flat is not None:
+        return pb.TensorRegion(tensor=tensor, start=[region.flat[0]], stop=[region.flat[1]], flat=True)
+    if region.box is not None:
+        return pb.TensorRegion(tensor=tensor, start=[a for a, _ in region.box], stop=[b for _, b in region.box])
+    return pb.TensorRegion(tensor=tensor)
+
+
+def region_from_wire(msg: pb.TensorRegion) -> Held:
+    """ValueError when start and stop do not pair up."""
+    if len(msg.start) != len(msg.stop):
+        raise ValueError(f"region of tensor #{msg.tensor}: {len(msg.start)} starts but {len(msg.stop)} stops")
+    if msg.flat:
+        if len(msg.start) != 1:
+            raise ValueError(f"flat region of tensor #{msg.tensor} needs exactly one start and stop")
+        return msg.tensor, Region(flat=(msg.start[0], msg.stop[0]))
+    if not msg.start:
+        return msg.tensor, Region()
+    return msg.tensor, Region(box=tuple(zip(msg.start, msg.stop)))
+
+
+def whole_model(manifest: Manifest) -> list[Held]:
+    """What an empty ``held`` list means: every tensor whole."""
+    return [(i, Region()) for i in range(len(manifest.tensors))]
+
+
+def memory_to_wire(kind: MemoryKind, regions: list[MemoryRegion], metadata: bytes) -> pb.ReplicaMemory:
+    return pb.ReplicaMemory(
+        kind=KIND[kind],
+        regions=[pb.MemoryRegion(addr=r.addr, size=r.size, device_id=r.device_id) for r in regions],
+        nixl_metadata=metadata,
+    )
