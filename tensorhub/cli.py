@@ -9,11 +9,16 @@ import sys
 
 
 def _server(args: argparse.Namespace) -> int:
-    from tensorhub.server import serve
+    from tensorhub.server import ServerConfig, serve
 
     try:
-        asyncio.run(serve(args.host, args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl,
-                          retain=args.retain))
+        config = ServerConfig(host=args.host, port=args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl,
+                              retain=args.retain)
+    except ValueError as e:
+        print(f"tensorhub server: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
     return 0

@@ -2,5 +2,6 @@
 gRPC front (``service``) and the process that runs it (``app``)."""
 
 from tensorhub.server.app import EmbeddedServer, serve
+from tensorhub.server.config import ServerConfig
 
-__all__ = ["EmbeddedServer", "serve"]
+__all__ = ["EmbeddedServer", "ServerConfig", "serve"]

@@ -7,30 +7,30 @@ import asyncio
 import contextlib
 import logging
 import threading
+from typing import Any
 
 import grpc
 
+from tensorhub.server.config import ServerConfig
 from tensorhub.server.service import ReferenceService, add_to_server
 from tensorhub.server.state import State
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 16 << 20
-EXPIRY_PERIOD_S = 0.5
 
-
-async def _start(host: str, port: int, state: State) -> tuple[grpc.aio.Server, int]:
+async def _start(state: State) -> tuple[grpc.aio.Server, int]:
+    config = state.config
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
     )
     add_to_server(ReferenceService(state), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(f"{config.host}:{config.port}")
     if bound == 0:
-        raise OSError(f"could not bind the reference server to {host}:{port}")
+        raise OSError(f"could not bind the reference server to {config.host}:{config.port}")
     await server.start()
     return server, bound
 
@@ -38,15 +38,15 @@ async def _start(host: str, port: int, state: State) -> tuple[grpc.aio.Server, i
 async def _expire_forever(state: State) -> None:
     """Leases and agents also expire without traffic, so drains finish."""
     while True:
-        await asyncio.sleep(EXPIRY_PERIOD_S)
+        await asyncio.sleep(state.config.expiry_period_s)
         state.expire()
 
 
-async def serve(host: str = "127.0.0.1", port: int = 50051, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0,
-                retain: int = 1, ready: asyncio.Event | None = None) -> None:
+async def serve(config: ServerConfig | None = None, *, ready: asyncio.Event | None = None) -> None:
     """Run a reference server until cancelled."""
-    state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s, retain=retain)
-    server, bound = await _start(host, port, state)
+    state = State(config or ServerConfig())
+    host = state.config.host
+    server, bound = await _start(state)
     log.info("reference server %s listening on %s:%d", state.instance_id[:8], host, bound)
     print(f"tensorhub reference server listening on {host}:{bound} (instance {state.instance_id[:8]})", flush=True)
     if ready is not None:
@@ -64,18 +64,19 @@ class EmbeddedServer:
 
     >>> with EmbeddedServer() as server:
     ...     hub = Hub.connect(server.address)
+
+    ``config`` defaults to ``ServerConfig(port=0)`` (a free port); keyword
+    ``overrides`` change fields of it: ``EmbeddedServer(lease_ttl_s=5.0, retain=0)``.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, agent_ttl_s: float = 10.0,
-                 lease_ttl_s: float = 10.0, retain: int = 1) -> None:
-        self.host = host
-        self.state = State(agent_ttl_s=agent_ttl_s, lease_ttl_s=lease_ttl_s, retain=retain)
+    def __init__(self, config: ServerConfig | None = None, **overrides: Any) -> None:
+        config = (config or ServerConfig(port=0)).replace(**overrides)
+        self.host = config.host
+        self.state = State(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tensorhub-server", daemon=True)
         self._thread.start()
-        self._server, self.port = asyncio.run_coroutine_threadsafe(
-            _start(host, port, self.state), self._loop
-        ).result(timeout=30)
+        self._server, self.port = asyncio.run_coroutine_threadsafe(_start(self.state), self._loop).result(timeout=30)
         self._expiry = asyncio.run_coroutine_threadsafe(_expire_forever(self.state), self._loop)
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -14,16 +15,19 @@ from typing import Any, TypeVar
 import grpc
 
 from tensorhub.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.manifest import Manifest
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
-from tensorhub.server.state import Replica, State, StateError
-from tensorhub.topology import Labels, Reliability
+from tensorhub.proto import wire
+from tensorhub.server.state import Held, Replica, State, StateError, check_held, held_bytes
+from tensorhub.topology import Reliability
 
 log = logging.getLogger(__name__)
 
 MAX_NAME = 512
 MAX_TENSORS = 1_000_000
+MAX_HELD = MAX_TENSORS  # held regions per replica
+MAX_DIMS = 64  # of a held box
 MAX_NIXL_METADATA = 1 << 20
 MAX_DRAIN_S = 3600.0
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
@@ -56,7 +60,7 @@ def _require_version(version: int) -> int:
 def _manifest(msg: pb.Manifest) -> Manifest:
     if len(msg.tensors) > MAX_TENSORS:
         raise Invalid(f"manifest has {len(msg.tensors)} tensors, more than {MAX_TENSORS}")
-    manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in msg.tensors))
+    manifest = wire.manifest_from_wire(msg)
     try:
         manifest.validate()
     except ValueError as e:
@@ -66,23 +70,49 @@ def _manifest(msg: pb.Manifest) -> Manifest:
     return manifest
 
 
-def _labels(msg: pb.Labels) -> Labels:
-    return Labels(msg.host, msg.rack, msg.zone)
-
-
 def _reliability(value: int) -> Reliability:
-    if value == pb.RELIABILITY_SPOT:
-        return Reliability.SPOT
-    if value in (pb.RELIABILITY_UNSPECIFIED, pb.RELIABILITY_RELIABLE):
-        return Reliability.RELIABLE
-    raise Invalid(f"unknown reliability {value}")
+    try:
+        return wire.reliability_from_wire(value)
+    except ValueError as e:
+        raise Invalid(str(e)) from None
 
 
-def wire_manifest(manifest: Manifest) -> pb.Manifest:
-    return pb.Manifest(
-        tensors=[pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes) for t in manifest.tensors],
-        fingerprint=manifest.fingerprint,
-    )
+def _held(manifest: Manifest, msgs: Any) -> list[Held]:
+    """The request's held regions, checked against the manifest; empty: every tensor whole."""
+    if len(msgs) > MAX_HELD:
+        raise Invalid(f"{len(msgs)} held regions, more than {MAX_HELD}")
+    held = []
+    for msg in msgs:
+        if len(msg.start) > MAX_DIMS or len(msg.stop) > MAX_DIMS:
+            raise Invalid(f"held region of tensor #{msg.tensor} has more than {MAX_DIMS} dimensions")
+        try:
+            held.append(wire.region_from_wire(msg))
+        except ValueError as e:
+            raise Invalid(str(e)) from None
+    try:
+        return check_held(manifest, held)
+    except StateError as e:
+        raise Invalid(str(e)) from None
+
+
+def _check_memory(manifest: Manifest, held: list[Held], mem: pb.ReplicaMemory, whole_model: bool) -> list[int]:
+    """Sizes of the held regions in bytes; Invalid unless ``mem`` has one region of that size each."""
+    if mem.kind not in (pb.MEMORY_KIND_DRAM, pb.MEMORY_KIND_VRAM):
+        raise Invalid("memory.kind must be DRAM or VRAM")
+    if not mem.nixl_metadata:
+        raise Invalid("memory.nixl_metadata is missing")
+    if len(mem.nixl_metadata) > MAX_NIXL_METADATA:
+        raise Invalid(f"memory.nixl_metadata is {len(mem.nixl_metadata)} bytes, over {MAX_NIXL_METADATA}")
+    what = "tensors" if whole_model else "held regions"
+    if len(mem.regions) != len(held):
+        raise Invalid(f"{len(mem.regions)} memory regions for {len(held)} {what}")
+    sizes = held_bytes(manifest, held)
+    for region, size, (index, part) in zip(mem.regions, sizes, held):
+        if region.size != size:
+            name = manifest.tensors[index].name
+            of = repr(name) if part.whole else f"{part.describe()} of {name!r}"
+            raise Invalid(f"memory region of {of} is {region.size} bytes, the region is {size}")
+    return sizes
 
 
 class ReferenceService(pb_grpc.ReferenceServiceServicer):
@@ -110,7 +140,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             agent_id = _require_id(request.agent_id, "agent_id")
             if len(request.name) > MAX_NAME:
                 raise Invalid("agent name too long")
-            self.state.register_agent(agent_id, request.name or agent_id, _labels(request.labels), _reliability(request.reliability))
+            self.state.register_agent(agent_id, request.name or agent_id, wire.labels_from_wire(request.labels),
+                                      _reliability(request.reliability))
             return pb.RegisterAgentResponse(
                 instance_id=self.state.instance_id,
                 agent_ttl_s=self.state.agent_ttl_s,
@@ -145,40 +176,32 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             manifest = _manifest(request.manifest)
             if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
                 raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-            mem = request.memory
-            if mem.kind not in (pb.MEMORY_KIND_DRAM, pb.MEMORY_KIND_VRAM):
-                raise Invalid("memory.kind must be DRAM or VRAM")
-            if not mem.nixl_metadata:
-                raise Invalid("memory.nixl_metadata is missing")
-            if len(mem.nixl_metadata) > MAX_NIXL_METADATA:
-                raise Invalid(f"memory.nixl_metadata is {len(mem.nixl_metadata)} bytes, over {MAX_NIXL_METADATA}")
-            if len(mem.regions) != len(manifest.tensors):
-                raise Invalid(f"{len(mem.regions)} memory regions for {len(manifest.tensors)} tensors")
-            for region, spec in zip(mem.regions, manifest.tensors):
-                if region.size != spec.nbytes:
-                    raise Invalid(f"region of {spec.name!r} is {region.size} bytes, manifest says {spec.nbytes}")
+            held = _held(manifest, request.held)
+            sizes = _check_memory(manifest, held, request.memory, whole_model=not request.held)
             if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
                 raise Invalid("state must be FILLING or COMPLETE")
-            total = manifest.total_bytes
-            num_chunks = -(-total // request.chunk_size)
+            num_chunks = -(-sum(sizes) // request.chunk_size)
             if len(request.chunk_bitmap) > -(-num_chunks // 8):
-                raise Invalid("chunk_bitmap is longer than the version's chunk count")
-            entry = self.state.publish(
+                raise Invalid(f"chunk_bitmap is longer than the replica's {num_chunks} chunks")
+            replica = self.state.publish(
                 agent_id=agent_id,
                 replica_id=replica_id,
                 model=model,
                 version=version,
                 manifest=manifest,
+                held=held,
                 chunk_size=request.chunk_size,
-                num_chunks=num_chunks,
-                memory=mem,
+                memory=request.memory,
                 complete=request.state == pb.REPLICA_STATE_COMPLETE,
                 bitmap=request.chunk_bitmap,
                 origin=request.origin,
                 retained=request.retained,
             )
+            # A whole-model replica goes out with an empty held list, to keep Resolve small.
+            replica.wire_held = [] if replica.whole else [wire.region_to_wire(i, r) for i, r in replica.held]
+            entry = self.state.models[model][version]
             if entry.wire_manifest is None:
-                entry.wire_manifest = wire_manifest(entry.manifest)
+                entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
             return pb.PublishResponse(replica_id=replica_id)
 
         return await self._run(context, go)
@@ -242,11 +265,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise Invalid("group name too long")
             resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
             sources = self.state.sources(entry, agent_id)
-            response = pb.ResolveResponse(
-                version=resolved,
-                chunk_size=entry.chunk_size,
-                fingerprint=entry.fingerprint,
-            )
+            response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint)
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)
             if request.lease:
@@ -263,13 +282,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             replica_id=replica.replica_id,
             agent_id=agent.agent_id,
             agent_name=agent.name,
-            labels=pb.Labels(host=agent.labels.host, rack=agent.labels.rack, zone=agent.labels.zone),
-            reliability=pb.RELIABILITY_SPOT if agent.reliability is Reliability.SPOT else pb.RELIABILITY_RELIABLE,
+            labels=wire.labels_to_wire(agent.labels),
+            reliability=wire.reliability_to_wire(agent.reliability),
             state=pb.REPLICA_STATE_COMPLETE if replica.complete else pb.REPLICA_STATE_FILLING,
             chunk_bitmap=b"" if replica.complete else bytes(replica.bitmap),
             memory=replica.memory,
             active_reads=len(replica.leases),
             origin=replica.origin,
+            held=replica.wire_held,
+            chunk_size=replica.chunk_size,
         )
 
     async def AcquireReadLease(self, request: pb.AcquireReadLeaseRequest, context: Any) -> pb.AcquireReadLeaseResponse:
@@ -321,8 +342,21 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                     complete_replicas=complete,
                     filling_replicas=len(live) - complete,
                     total_bytes=entry.manifest.total_bytes,
+                    visible=entry.visible,
                 ))
             return pb.ListVersionsResponse(versions=out)
+
+        return await self._run(context, go)
+
+    async def WaitForVersion(self, request: pb.WaitForVersionRequest, context: Any) -> pb.WaitForVersionResponse:
+        async def go() -> pb.WaitForVersionResponse:
+            model = _require_model(request.model)
+            at_least = _require_version(request.at_least)
+            if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+                raise Invalid(f"timeout_s {request.timeout_s} must be a finite number of seconds >= 0")
+            timeout = min(request.timeout_s, self.state.config.max_wait_s)
+            found = await self.state.wait_for_version(model, at_least, timeout)
+            return pb.WaitForVersionResponse(found=found is not None, version=found or 0)
 
         return await self._run(context, go)
 

@@ -1,30 +1,122 @@
-"""The reference server's soft state: who holds which version, and who reads.
+"""The reference server's soft state: who holds which regions of which version,
+and who reads.
 
 Everything here can be rebuilt from the agents (they re-register after a server
 restart), so nothing is persisted. All methods run on the server's single
 asyncio event loop, so no locks are needed. Raises ``StateError`` with a gRPC
 status name; the service layer turns it into the RPC status.
+
+A replica holds a *shard*: a list of (tensor index, region). A version is
+*visible* (listed as such, ``latest``, resolvable) only while the union of the
+regions of its live complete replicas covers every element of every tensor.
+That is cached per version and recomputed whenever a replica comes, completes
+or goes; waiters of ``wait_for_version`` are woken when it flips.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_set
-from tensorhub.manifest import Manifest
+from tensorhub.manifest import Manifest, itemsize
+from tensorhub.regions import Region, Runs, describe_elements, gaps, overlap
+from tensorhub.server.config import ServerConfig
 from tensorhub.topology import Labels, Reliability
 
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
+MAX_RUNS = 1 << 24  # element runs per replica (a column slice of an [R, C] matrix is R runs)
+MISSING_SHOWN = 8  # missing regions named in a "not complete" message
+
+Held = tuple[int, Region]  # (index of the tensor in the manifest, region)
+
+_itemsize = functools.cache(itemsize)
+_WHOLE = Region()
 
 
 class StateError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code  # a grpc.StatusCode name, e.g. "NOT_FOUND"
+
+
+# ---------------------------------------------------------------- held regions
+
+
+def _run_count(region: Region, shape: tuple[int, ...]) -> int:
+    """len(region.runs(shape)), without building them."""
+    if region.flat is not None or math.prod(shape) == 0 or not shape:
+        return 1
+    box = region.bounds(shape)
+    j = len(shape) - 1
+    while j > 0 and box[j] == (0, shape[j]):
+        j -= 1
+    return math.prod(b - a for a, b in box[:j])
+
+
+def check_held(manifest: Manifest, held: list[Held]) -> list[Held]:
+    """The held regions, checked against the manifest (StateError
+    INVALID_ARGUMENT naming the tensor and region) and normalized: a region
+    spanning its whole tensor becomes ``Region()``. Empty means every tensor whole."""
+    tensors = manifest.tensors
+    if not held:
+        return [(i, _WHOLE) for i in range(len(tensors))]
+    out: list[Held] = []
+    runs = 0
+    by_tensor: dict[int, list[Region]] = {}
+    for index, region in held:
+        if not 0 <= index < len(tensors):
+            raise StateError("INVALID_ARGUMENT",
+                             f"held region {region.describe()} names tensor #{index}; the manifest has {len(tensors)}")
+        spec = tensors[index]
+        problem = region.problem(spec.shape)
+        if problem is not None:
+            raise StateError("INVALID_ARGUMENT",
+                             f"held region {region.describe()} of {spec.name!r} {list(spec.shape)}: {problem}")
+        if region.numel(spec.shape) == math.prod(spec.shape):
+            region = _WHOLE
+        runs += _run_count(region, spec.shape)
+        if runs > MAX_RUNS:
+            raise StateError("INVALID_ARGUMENT", f"held regions make more than {MAX_RUNS} element runs")
+        by_tensor.setdefault(index, []).append(region)
+        out.append((index, region))
+    for index, regions in by_tensor.items():
+        if len(regions) < 2:
+            continue
+        shape = tensors[index].shape
+        all_runs = [r.runs(shape) for r in regions]
+        start = np.concatenate([r.start for r in all_runs])
+        end = start + np.concatenate([r.length for r in all_runs])
+        owner = np.concatenate([np.full(len(r), k) for k, r in enumerate(all_runs)])
+        order = np.argsort(start, kind="stable")
+        start, end, owner = start[order], end[order], owner[order]
+        clash = np.nonzero(start[1:] < np.maximum.accumulate(end)[:-1])[0]
+        if len(clash):
+            k = int(owner[clash[0] + 1])
+            raise StateError("INVALID_ARGUMENT",
+                             f"held region {regions[k].describe()} of {tensors[index].name!r} overlaps another "
+                             "region this replica holds of the same tensor")
+    return out
+
+
+def held_bytes(manifest: Manifest, held: list[Held]) -> list[int]:
+    """Bytes of each held region (its memory region's size)."""
+    out = []
+    for index, region in held:
+        spec = manifest.tensors[index]
+        out.append(region.numel(spec.shape) * _itemsize(spec.dtype))
+    return out
+
+
+# ---------------------------------------------------------------- records
 
 
 @dataclass(slots=True)
@@ -46,8 +138,14 @@ class Replica:
     complete: bool
     bitmap: bytearray
     origin: bool
+    held: list[Held]  # normalized by check_held, in memory order; empty when whole
+    chunk_size: int  # chunks cover the held regions' bytes back to back
+    num_chunks: int
+    whole: bool  # holds every tensor whole
+    runs: dict[int, list[Runs]]  # per tensor index, for coverage; empty when whole
     retained: bool = False  # a copy kept only to keep a retained version pullable
     withdrawn: bool = False
+    wire_held: Any = None  # opaque: the service's wire form of ``held``
     leases: set[str] = field(default_factory=set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -56,10 +154,21 @@ class Replica:
 class Version:
     manifest: Manifest
     fingerprint: str
-    chunk_size: int
-    num_chunks: int
     replicas: dict[str, Replica] = field(default_factory=dict)
+    visible: bool = False  # the live complete replicas cover every element
+    missing: list[tuple[int, int, int]] = field(default_factory=list)  # first (tensor, a, b) nobody complete holds
+    missing_count: int = 0
     wire_manifest: Any = None  # cached protobuf form, filled in by the service
+
+    def describe_missing(self) -> str:
+        if not self.missing_count:
+            return "nothing"
+        parts = []
+        for index, a, b in self.missing:
+            spec = self.manifest.tensors[index]
+            parts.append(f"{spec.name} {describe_elements(spec.shape, a, b)}")
+        more = self.missing_count - len(self.missing)
+        return ", ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
 @dataclass(slots=True)
@@ -71,16 +180,19 @@ class Lease:
 
 
 class State:
-    def __init__(self, *, agent_ttl_s: float = 10.0, lease_ttl_s: float = 10.0, retain: int = 1) -> None:
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig()
         self.instance_id = uuid.uuid4().hex
-        self.agent_ttl_s = agent_ttl_s
-        self.lease_ttl_s = lease_ttl_s
-        self.retain = retain  # the latest K versions of every model stay pullable
+        self.agent_ttl_s = self.config.agent_ttl_s
+        self.lease_ttl_s = self.config.lease_ttl_s
+        self.retain = self.config.retain  # the latest K visible versions of every model stay pullable
         self.agents: dict[str, Agent] = {}
         self.models: dict[str, dict[int, Version]] = {}
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
         self.groups: dict[str, dict[int, int]] = {}
+        # Set (and replaced) whenever some version's visibility flips.
+        self._visibility_changed = asyncio.Event()
 
     # ------------------------------------------------------------ agents
 
@@ -113,74 +225,81 @@ class State:
         model: str,
         version: int,
         manifest: Manifest,
+        held: list[Held],
         chunk_size: int,
-        num_chunks: int,
         memory: Any,
         complete: bool,
         bitmap: bytes,
         origin: bool,
         retained: bool = False,
-    ) -> Version:
+    ) -> Replica:
+        """Record a replica holding ``held`` (as returned by ``check_held``)."""
         self._agent(agent_id)
+        if chunk_size <= 0:
+            raise StateError("INVALID_ARGUMENT", f"chunk_size {chunk_size} must be positive")
         fingerprint = manifest.fingerprint
-        versions = self.models.setdefault(model, {})
-        entry = versions.get(version)
-        if entry is not None and entry.replicas:
-            if entry.fingerprint != fingerprint:
-                raise StateError(
-                    "ALREADY_EXISTS",
-                    f"{model!r} version {version} is already held with manifest "
-                    f"{entry.fingerprint[:12]} ({len(entry.manifest.tensors)} tensors); this publish has "
-                    f"{fingerprint[:12]} ({len(manifest.tensors)} tensors). Publish it as a new version.",
-                )
-            if entry.chunk_size != chunk_size:
-                raise StateError(
-                    "ALREADY_EXISTS",
-                    f"{model!r} version {version} uses chunk_size {entry.chunk_size}, not {chunk_size}",
-                )
-        if entry is None or not entry.replicas:
-            entry = Version(manifest, fingerprint, chunk_size, num_chunks)
-            versions[version] = entry
+        entry = self.models.get(model, {}).get(version)
+        if entry is not None and entry.replicas and entry.fingerprint != fingerprint:
+            raise StateError(
+                "ALREADY_EXISTS",
+                f"{model!r} version {version} is already held with manifest "
+                f"{entry.fingerprint[:12]} ({len(entry.manifest.tensors)} tensors); this publish has "
+                f"{fingerprint[:12]} ({len(manifest.tensors)} tensors). Publish it as a new version.",
+            )
         existing = self.replicas.get(replica_id)
         if existing is not None and (existing.agent_id, existing.model, existing.version) != (agent_id, model, version):
             raise StateError("ALREADY_EXISTS", f"replica id {replica_id!r} is taken by another replica")
-        for other in entry.replicas.values():
-            # One live replica per agent and version; a retained copy may sit
-            # beside the replica it replaces while that one drains.
-            if (other.agent_id == agent_id and other.replica_id != replica_id and not other.withdrawn
-                    and not (retained or other.retained)):
-                raise StateError(
-                    "ALREADY_EXISTS",
-                    f"agent {self.agents[agent_id].name!r} already publishes {model!r} version {version} "
-                    f"as replica {other.replica_id}; unpublish it first",
-                )
-        bits = bitmap_full(num_chunks) if complete else bytearray(bitmap_empty(num_chunks))
+        if entry is not None:
+            for other in entry.replicas.values():
+                # One live replica per agent and version; a retained copy may sit
+                # beside the replica it replaces while that one drains.
+                if (other.agent_id == agent_id and other.replica_id != replica_id and not other.withdrawn
+                        and not (retained or other.retained)):
+                    raise StateError(
+                        "ALREADY_EXISTS",
+                        f"agent {self.agents[agent_id].name!r} already publishes {model!r} version {version} "
+                        f"as replica {other.replica_id}; unpublish it first",
+                    )
+        if entry is None or not entry.replicas:
+            entry = Version(manifest, fingerprint)
+            self.models.setdefault(model, {})[version] = entry
+        num_chunks = -(-sum(held_bytes(manifest, held)) // chunk_size)
+        bits = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
-        replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin, retained)
+        # Every tensor whole, in manifest order: what an empty held list means on the wire.
+        whole = len(held) == len(manifest.tensors) and all(i == k and r.whole for k, (i, r) in enumerate(held))
+        runs: dict[int, list[Runs]] = {}
+        if not whole:
+            for index, region in held:
+                runs.setdefault(index, []).append(region.runs(manifest.tensors[index].shape))
+        replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin,
+                          [] if whole else list(held), chunk_size, num_chunks, whole, runs, retained)
         if existing is not None:  # idempotent re-publish keeps the reads in flight
             replica.leases = existing.leases
         if not replica.leases:
             replica.drained.set()
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
-        return entry
+        if complete or existing is not None:  # a replaced replica may have held more
+            self._refresh(entry, added=existing is None)
+        return replica
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
         replica = self._own_replica(agent_id, replica_id)
-        entry = self.models[replica.model][replica.version]
         for c in chunks:
-            if not 0 <= c < entry.num_chunks:
-                raise StateError("INVALID_ARGUMENT", f"chunk {c} outside [0, {entry.num_chunks})")
+            if not 0 <= c < replica.num_chunks:
+                raise StateError("INVALID_ARGUMENT", f"chunk {c} outside [0, {replica.num_chunks})")
             bitmap_set(replica.bitmap, c)
-        if complete:
-            if bitmap_count(replica.bitmap) != entry.num_chunks:
+        if complete and not replica.complete:
+            if bitmap_count(replica.bitmap) != replica.num_chunks:
                 raise StateError(
                     "FAILED_PRECONDITION",
                     f"replica {replica_id} reported complete with {bitmap_count(replica.bitmap)} of "
-                    f"{entry.num_chunks} chunks",
+                    f"{replica.num_chunks} chunks",
                 )
             replica.complete = True
+            self._refresh(self.models[replica.model][replica.version], added=True)
 
     # ------------------------------------------------------------ retention
 
@@ -189,28 +308,44 @@ class State:
         return agent is not None and agent.reliability is Reliability.RELIABLE
 
     def _retained_versions(self, model: str) -> list[int]:
-        return self.pullable_versions(model)[-self.retain:] if self.retain > 0 else []
+        return self.visible_versions(model)[-self.retain:] if self.retain > 0 else []
 
     def needs_retention(self, agent_id: str, replica_id: str) -> bool:
-        """True when withdrawing this replica would leave a retained version
-        (one of the model's latest K) without a reliable complete replica.
-        Spot replicas never count as the retained copy."""
+        """True when withdrawing this replica would leave some element it holds
+        of a retained version (one of the model's latest K visible) without a
+        reliable complete holder. Spot replicas never count as the retained copy."""
         replica = self._own_replica(agent_id, replica_id)
         if replica.withdrawn or not replica.complete or not self._reliable(replica):
             return False
         if replica.version not in self._retained_versions(replica.model):
             return False
-        others = self.models[replica.model][replica.version].replicas.values()
-        return not any(
-            r is not replica and r.complete and self._live(r) and self._reliable(r) for r in others
-        )
+        entry = self.models[replica.model][replica.version]
+        others = [r for r in entry.replicas.values()
+                  if r is not replica and r.complete and self._live(r) and self._reliable(r)]
+        union = _union(others)
+        if replica.whole:
+            return any(True for _ in _gaps(entry, union, range(len(entry.manifest.tensors))))
+        for index, own in replica.runs.items():
+            holes = list(_gaps(entry, union, [index]))
+            if not holes:
+                continue
+            # Region runs are in ascending order, as overlap() needs.
+            hole_runs = Runs.of(np.array([a for _, a, _ in holes], np.int64),
+                                np.array([b - a for _, a, b in holes], np.int64))
+            if any(len(overlap(r, hole_runs).start) for r in own):
+                return True
+        return False
 
     def releasable(self, agent_id: str) -> list[str]:
-        """The agent's retained copies whose version fell out of the latest K."""
+        """The agent's retained copies whose version fell out of the latest K:
+        at least K visible versions are newer. (A version that is not visible
+        for a while, e.g. while the shards re-register after a server restart,
+        keeps its retained copies.)"""
         out = []
         for r in self.replicas.values():
             if r.agent_id == agent_id and r.retained and not r.withdrawn:
-                if r.version not in self._retained_versions(r.model):
+                newer = [v for v in self.visible_versions(r.model) if v > r.version]
+                if len(newer) >= self.retain:
                     out.append(r.replica_id)
         return out
 
@@ -220,6 +355,7 @@ class State:
         replica.withdrawn = True
         if not replica.leases:
             replica.drained.set()
+        self._refresh(self.models[replica.model][replica.version])
         return replica
 
     def remove_replica(self, replica_id: str) -> None:
@@ -230,6 +366,7 @@ class State:
         entry = versions.get(replica.version)
         if entry is not None:
             entry.replicas.pop(replica_id, None)
+            self._refresh(entry)
             if not entry.replicas:
                 del versions[replica.version]
         if not versions:
@@ -244,18 +381,55 @@ class State:
             raise StateError("PERMISSION_DENIED", f"replica {replica_id!r} belongs to another agent")
         return replica
 
-    # ------------------------------------------------------------ readers
+    # ------------------------------------------------------------ visibility
 
     def _live(self, replica: Replica) -> bool:
-        agent = self.agents.get(replica.agent_id)
-        return not replica.withdrawn and agent is not None
+        return not replica.withdrawn and replica.agent_id in self.agents
 
-    def pullable_versions(self, model: str) -> list[int]:
-        """Versions with at least one live complete replica, ascending."""
-        return sorted(
-            v for v, entry in self.models.get(model, {}).items()
-            if any(r.complete and self._live(r) for r in entry.replicas.values())
-        )
+    def _refresh(self, entry: Version, *, added: bool = False) -> None:
+        """Recompute whether the version is visible. ``added``: the change can
+        only have added coverage, so a visible version stays visible."""
+        if added and entry.visible:
+            return
+        holders = [r for r in entry.replicas.values() if r.complete and self._live(r)]
+        missing: list[tuple[int, int, int]] = []
+        count = 0
+        for hole in _gaps(entry, _union(holders), range(len(entry.manifest.tensors))):
+            if len(missing) < MISSING_SHOWN:
+                missing.append(hole)
+            count += 1
+        visible = count == 0 and bool(holders)
+        entry.missing, entry.missing_count = missing, count
+        if visible != entry.visible:
+            entry.visible = visible
+            self._visibility_changed.set()
+            self._visibility_changed = asyncio.Event()
+
+    def visible_versions(self, model: str) -> list[int]:
+        """Versions whose live complete replicas cover every element, ascending."""
+        return sorted(v for v, entry in self.models.get(model, {}).items() if entry.visible)
+
+    def latest_visible(self, model: str) -> int | None:
+        return max((v for v, entry in self.models.get(model, {}).items() if entry.visible), default=None)
+
+    async def wait_for_version(self, model: str, at_least: int, timeout_s: float) -> int | None:
+        """The highest visible version once it is >= ``at_least``; None after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            latest = self.latest_visible(model)
+            if latest is not None and latest >= at_least:
+                return latest
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            changed = self._visibility_changed  # taken after the check: no wake-up is lost
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ readers
 
     def resolve(self, model: str, version: int | None, group: str = "", group_round: int = 0) -> tuple[int, Version]:
         if model not in self.models:
@@ -266,17 +440,18 @@ class State:
             if fixed is not None:
                 version = fixed
         if version is None:
-            pullable = self.pullable_versions(model)
-            if not pullable:
-                raise StateError("NOT_FOUND", f"model {model!r} has no complete replica of any version")
-            version = pullable[-1]
+            version = self.latest_visible(model)
+            if version is None:
+                raise StateError("NOT_FOUND", f"model {model!r} has no complete version: no version's complete "
+                                              "replicas cover every tensor")
         entry = self.models[model].get(version)
-        if entry is None or not any(r.complete and self._live(r) for r in entry.replicas.values()):
-            held = self.pullable_versions(model)
-            raise StateError(
-                "NOT_FOUND",
-                f"{model!r} version {version} has no complete replica; pullable versions: {held or 'none'}",
-            )
+        if entry is None or not entry.visible:
+            pullable = self.visible_versions(model) or "none"
+            if entry is None or not any(r.complete and self._live(r) for r in entry.replicas.values()):
+                raise StateError("NOT_FOUND",
+                                 f"{model!r} version {version} has no complete replica; pullable versions: {pullable}")
+            raise StateError("NOT_FOUND", f"{model!r} version {version} is not complete: no complete holder has "
+                                          f"{entry.describe_missing()}; pullable versions: {pullable}")
         if group:
             rounds[group_round] = version
             for old in sorted(rounds)[:-GROUP_ROUNDS_KEPT]:
@@ -336,6 +511,31 @@ class State:
         for agent in [a for a in self.agents.values() if a.expires_at <= now]:
             del self.agents[agent.agent_id]
             for replica in [r for r in self.replicas.values() if r.agent_id == agent.agent_id]:
-                self.report_lost(replica.replica_id)
+                self.report_lost(replica.replica_id)  # refreshes the version's visibility
             for lease in [l for l in self.leases.values() if l.agent_id == agent.agent_id]:
                 self.release_lease(lease.lease_id)
+
+
+# ---------------------------------------------------------------- coverage
+
+
+def _union(holders: list[Replica]) -> dict[int, list[Runs]] | None:
+    """The holders' runs per tensor index; None when one of them holds every tensor whole."""
+    if any(r.whole for r in holders):
+        return None
+    per: dict[int, list[Runs]] = {}
+    for r in holders:
+        for index, runs in r.runs.items():
+            per.setdefault(index, []).extend(runs)
+    return per
+
+
+def _gaps(entry: Version, union: dict[int, list[Runs]] | None,
+          tensors: Iterable[int]) -> Iterator[tuple[int, int, int]]:
+    """(tensor, a, b): element ranges of ``tensors`` outside ``union``."""
+    if union is None:
+        return
+    for index in tensors:
+        spec = entry.manifest.tensors[index]
+        for a, b in gaps(math.prod(spec.shape), union.get(index, [])):
+            yield index, a, b

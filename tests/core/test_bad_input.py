@@ -30,16 +30,67 @@ def _manifest(shape=(4,)):
     return pb.Manifest(tensors=[pb.TensorSpec(name="w", dtype="float32", shape=shape, nbytes=4 * n)])
 
 
-def _publish(agent="a1", replica="a1.0", model="m", version=1, shape=(4,), metadata=b"md", regions=None):
+def _publish(agent="a1", replica="a1.0", model="m", version=1, shape=(4,), metadata=b"md", regions=None, held=()):
     n = 4
     for d in shape:
         n *= d
     return pb.PublishRequest(
         agent_id=agent, replica_id=replica, model=model, version=version, manifest=_manifest(shape),
-        chunk_size=1 << 20, state=pb.REPLICA_STATE_COMPLETE, origin=True,
+        chunk_size=1 << 20, state=pb.REPLICA_STATE_COMPLETE, origin=True, held=list(held),
         memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_DRAM, nixl_metadata=metadata,
-                                regions=regions if regions is not None else [pb.Region(addr=4096, size=n)]),
+                                regions=regions if regions is not None else [pb.MemoryRegion(addr=4096, size=n)]),
     )
+
+
+def _rows(a, b, tensor=0, cols=4):
+    return pb.TensorRegion(tensor=tensor, start=[a, 0], stop=[b, cols])
+
+
+def _mem(*sizes):
+    return [pb.MemoryRegion(addr=4096 * (i + 1), size=size) for i, size in enumerate(sizes)]
+
+
+def test_held_regions_that_do_not_fit_are_refused(server, stub):
+    """Shards are checked against the manifest; the server stays up and keeps what it had."""
+    s, _ = stub
+    s.RegisterAgent(pb.RegisterAgentRequest(agent_id="a1", name="raw"), timeout=10)
+    s.RegisterAgent(pb.RegisterAgentRequest(agent_id="a2", name="raw2"), timeout=10)
+    shape = (8, 4)  # 8 rows of 4 float32: 16 bytes a row
+    s.Publish(_publish(shape=shape, held=[_rows(0, 4)], regions=_mem(64)), timeout=10)
+    bad = [
+        (dict(held=[_rows(0, 4, tensor=3)], regions=_mem(64)), "tensor #3"),
+        (dict(held=[_rows(4, 9)], regions=_mem(80)), "outside [0:8)"),
+        (dict(held=[pb.TensorRegion(tensor=0, start=[0], stop=[4])], regions=_mem(64)), "dimension"),
+        (dict(held=[pb.TensorRegion(tensor=0, start=[0, 0], stop=[4])], regions=_mem(64)), "starts"),
+        (dict(held=[pb.TensorRegion(tensor=0, start=[0] * 100, stop=[1] * 100)], regions=_mem(4)), "dimensions"),
+        (dict(held=[pb.TensorRegion(tensor=0, start=[5], stop=[3], flat=True)], regions=_mem(8)), "inverted"),
+        (dict(held=[_rows(4, 8)], regions=_mem(60)), "is 60 bytes, the region is 64"),
+        (dict(held=[_rows(4, 8)], regions=_mem(64, 64)), "2 memory regions for 1 held regions"),
+        (dict(held=[_rows(4, 8), _rows(6, 7)], regions=_mem(64, 16)), "overlaps"),
+    ]
+    for fields, needle in bad:
+        code, detail = _code(s.Publish, _publish(agent="a2", replica="a2.0", shape=shape, **fields))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (fields, code, detail)
+        assert needle in detail, (needle, detail)
+    # Half the rows are held: the version exists but is not visible, and says what is missing.
+    code, detail = _code(s.Resolve, pb.ResolveRequest(agent_id="a2", model="m", latest=True))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, detail = _code(s.Resolve, pb.ResolveRequest(agent_id="a2", model="m", version=1))
+    assert code == grpc.StatusCode.NOT_FOUND and "no complete holder has w rows 4:8" in detail, detail
+    assert not s.WaitForVersion(pb.WaitForVersionRequest(model="m", at_least=1, timeout_s=0.05), timeout=10).found
+    code, detail = _code(s.WaitForVersion, pb.WaitForVersionRequest(model="m", timeout_s=float("nan")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in detail
+    # The other half arrives (as a flat range, with its own chunk size): visible.
+    other = _publish(agent="a2", replica="a2.0", shape=shape, regions=_mem(64),
+                     held=[pb.TensorRegion(tensor=0, start=[16], stop=[32], flat=True)])
+    other.chunk_size = 8 << 10
+    s.Publish(other, timeout=10)
+    [summary] = s.ListVersions(pb.ListVersionsRequest(model="m"), timeout=10).versions
+    assert summary.visible and summary.complete_replicas == 2
+    assert s.WaitForVersion(pb.WaitForVersionRequest(model="m", at_least=1, timeout_s=5), timeout=10).version == 1
+    res = s.Resolve(pb.ResolveRequest(agent_id="a1", model="m", latest=True), timeout=10)
+    [info] = res.replicas  # a1's own replica is left out
+    assert info.chunk_size == 8 << 10 and list(info.held[0].start) == [16] and info.held[0].flat
 
 
 def test_bad_requests_get_clear_statuses_and_nothing_is_lost(server, stub):

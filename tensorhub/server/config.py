@@ -1,0 +1,41 @@
+"""Settings of the reference server. Plain values, so recipes and the command
+line build them the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    agent_ttl_s: float = 10.0  # an agent without a heartbeat this long is gone, with its replicas
+    lease_ttl_s: float = 10.0  # a read lease without renewal this long is released
+    retain: int = 1  # the latest K visible versions of each model stay pullable; 0: no retention
+    max_message_bytes: int = 16 << 20  # gRPC messages in either direction
+    expiry_period_s: float = 0.5  # leases and agents also expire without traffic
+    max_wait_s: float = 60.0  # longest WaitForVersion long poll; a longer timeout_s is cut to this
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerConfig.port {self.port} outside [0, 65535]")
+        for name in ("agent_ttl_s", "lease_ttl_s", "expiry_period_s", "max_wait_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"ServerConfig.{name} must be a positive number of seconds, not {value!r}")
+        if self.retain < 0:
+            raise ValueError(f"ServerConfig.retain must be >= 0, not {self.retain}")
+        if self.max_message_bytes < 1 << 20:
+            raise ValueError(f"ServerConfig.max_message_bytes {self.max_message_bytes} is under 1 MiB")
+
+    def replace(self, **overrides: Any) -> ServerConfig:
+        """A copy with some fields changed; an unknown name is a ValueError."""
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"ServerConfig has no field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return dataclasses.replace(self, **overrides)

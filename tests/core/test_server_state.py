@@ -1,0 +1,224 @@
+"""The reference server's state on its own (no gRPC): visibility of sharded
+versions, retention per shard, the WaitForVersion long poll."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.regions import Region
+from tensorhub.server.config import ServerConfig
+from tensorhub.server.state import State, StateError, check_held
+from tensorhub.topology import Labels, Reliability
+
+# layers.0.w: 1000 rows of 8 float32; b: 10 float32.
+MANIFEST = Manifest((TensorSpec("layers.0.w", "float32", (1000, 8), 1000 * 8 * 4),
+                     TensorSpec("b", "float32", (10,), 40)))
+W, B = 0, 1
+CHUNK = 4096
+
+
+def rows(a, b):
+    return (W, Region.of((1000, 8), rows=(a, b)))
+
+
+def state(retain=1):
+    s = State(ServerConfig(retain=retain))
+    for i in range(8):
+        s.register_agent(f"a{i}", f"rank{i}", Labels(), Reliability.RELIABLE)
+    s.register_agent("spot", "spot", Labels(), Reliability.SPOT)
+    return s
+
+
+def publish(s, agent, held, *, version=1, complete=True, retained=False, replica=None):
+    return s.publish(agent_id=agent, replica_id=replica or f"{agent}.{version}{'r' if retained else ''}", model="m",
+                     version=version, manifest=MANIFEST, held=check_held(MANIFEST, held), chunk_size=CHUNK,
+                     memory=None, complete=complete, bitmap=b"", origin=True, retained=retained)
+
+
+def four_shards(s, version=1, upto=4):
+    """Rank i holds rows [250 i, 250 (i+1)); rank 0 also holds b."""
+    for i in range(upto):
+        publish(s, f"a{i}", [rows(250 * i, 250 * (i + 1))] + ([(B, Region())] if i == 0 else []), version=version)
+
+
+def not_found(s, version):
+    with pytest.raises(StateError) as err:
+        s.resolve("m", version)
+    assert err.value.code == "NOT_FOUND"
+    return str(err.value)
+
+
+def test_row_shards_become_visible_only_when_all_are_in():
+    s = state()
+    four_shards(s, upto=3)
+    assert s.visible_versions("m") == [] and s.latest_visible("m") is None
+    msg = not_found(s, 1)
+    assert "'m' version 1 is not complete: no complete holder has layers.0.w rows 750:1000" in msg, msg
+    assert "pullable versions: none" in msg
+    not_found(s, None)  # latest: nothing visible yet
+    four_shards(s, upto=4)  # re-publishing ranks 0-2 is idempotent
+    assert s.visible_versions("m") == [1]
+    assert s.resolve("m", None)[0] == 1
+
+
+def test_missing_list_is_capped_and_names_both_tensors():
+    s = state()
+    publish(s, "a0", [rows(0, 100)])
+    publish(s, "a1", [rows(200, 300)])
+    msg = not_found(s, 1)
+    assert "layers.0.w rows 100:200, layers.0.w rows 300:1000, b elements 0:10" in msg, msg
+    s2 = state()
+    publish(s2, "a0", [(W, Region.of((1000, 8), cols=(0, 4))), (B, Region())])
+    msg = not_found(s2, 1)  # a column slice leaves 1000 holes
+    assert "layers.0.w elements 4:8, layers.0.w elements 12:16" in msg and "(and 992 more)" in msg, msg
+
+
+def test_overlapping_regions_cover():
+    s = state()
+    publish(s, "a0", [rows(0, 600), (B, Region.of((10,), flat=(0, 6)))])
+    publish(s, "a1", [rows(400, 1000), (B, Region.of((10,), flat=(3, 10)))])
+    assert s.visible_versions("m") == [1]
+
+
+def test_flat_ranges_and_column_boxes_cover():
+    s = state()
+    publish(s, "a0", [(W, Region.of((1000, 8), flat=(0, 4000))), (B, Region.of((10,), flat=(0, 5)))])
+    publish(s, "a1", [(W, Region.of((1000, 8), box=((500, 1000), (0, 3))))])
+    assert not s.visible_versions("m")
+    publish(s, "a2", [(W, Region.of((1000, 8), box=((500, 1000), (3, 8)))), (B, Region.of((10,), flat=(5, 10)))])
+    assert s.visible_versions("m") == [1]
+
+
+def test_filling_replicas_count_only_once_complete():
+    s = state()
+    four_shards(s, upto=3)
+    r = publish(s, "a3", [rows(750, 1000)], complete=False)
+    assert r.num_chunks == -(-250 * 8 * 4 // CHUNK)
+    assert not s.visible_versions("m")
+    s.report_chunks("a3", r.replica_id, list(range(r.num_chunks)), complete=False)
+    assert not s.visible_versions("m")
+    s.report_chunks("a3", r.replica_id, [], complete=True)
+    assert s.visible_versions("m") == [1]
+
+
+def test_withdraw_or_loss_of_a_shard_hides_the_version_again():
+    s = state(retain=0)
+    four_shards(s)
+    s.withdraw("a2", "a2.1")
+    assert not s.visible_versions("m")
+    assert "no complete holder has layers.0.w rows 500:750;" in not_found(s, 1)
+    publish(s, "a2", [rows(500, 750)], replica="a2.again")
+    assert s.visible_versions("m") == [1]
+    s.report_lost("a1.1")
+    assert "rows 250:500" in not_found(s, 1)
+    s.expire(now=float("inf"))  # every agent is gone
+    assert "m" not in s.models
+
+
+def test_whole_model_replica_and_num_chunks():
+    s = state()
+    r = publish(s, "a0", [])
+    assert r.whole and r.num_chunks == -(-MANIFEST.total_bytes // CHUNK)
+    assert s.visible_versions("m") == [1]
+    # A held list naming every tensor whole is the same thing.
+    r2 = publish(s, "a1", [(W, Region.of((1000, 8), rows=(0, 1000))), (B, Region.of((10,), flat=(0, 10)))])
+    assert r2.whole
+    # Whole tensors in another memory order are not the wire's "every tensor whole".
+    r3 = publish(s, "a2", [(B, Region()), (W, Region())])
+    assert not r3.whole and r3.held == [(B, Region()), (W, Region())]
+
+
+def test_manifest_disagreement_and_one_replica_per_agent():
+    s = state()
+    publish(s, "a0", [rows(0, 500)])
+    other = Manifest((TensorSpec("layers.0.w", "float32", (1000, 4), 1000 * 4 * 4),))
+    with pytest.raises(StateError) as err:
+        s.publish(agent_id="a1", replica_id="x", model="m", version=1, manifest=other,
+                  held=check_held(other, []), chunk_size=CHUNK, memory=None, complete=True, bitmap=b"", origin=True)
+    assert err.value.code == "ALREADY_EXISTS"
+    assert MANIFEST.fingerprint[:12] in str(err.value) and other.fingerprint[:12] in str(err.value)
+    with pytest.raises(StateError, match="already publishes"):
+        publish(s, "a0", [rows(500, 1000)], replica="a0.second")
+    publish(s, "a0", [rows(0, 500)], retained=True)  # a retained copy may sit beside it
+
+
+def test_check_held_refuses_what_does_not_fit():
+    for held, needle in [
+        ([(5, Region())], "tensor #5"),
+        ([(W, Region(box=((0, 1001), (0, 8))))], "outside [0:1000)"),
+        ([(W, Region(box=((0, 10),)))], "dimension"),
+        ([(B, Region(flat=(3, 2)))], "inverted"),
+        ([rows(0, 10), (W, Region.of((1000, 8), box=((5, 20), (2, 4))))], "overlaps"),
+    ]:
+        with pytest.raises(StateError) as err:
+            check_held(MANIFEST, held)
+        assert err.value.code == "INVALID_ARGUMENT" and needle in str(err.value), (held, str(err.value))
+    check_held(MANIFEST, [rows(0, 10), rows(10, 20)])  # touching is fine
+
+
+def test_retention_per_shard():
+    s = state(retain=1)
+    four_shards(s)
+    assert all(s.needs_retention(f"a{i}", f"a{i}.1") for i in range(4))
+    # A spot replica holding rank 1's rows never counts.
+    publish(s, "spot", [rows(250, 500)])
+    assert s.needs_retention("a1", "a1.1")
+    assert not s.needs_retention("spot", "spot.1")
+    # A reliable complete replica of the same rows does; a filling one does not.
+    r = publish(s, "a5", [rows(200, 600)], complete=False)
+    assert s.needs_retention("a1", "a1.1")
+    s.report_chunks("a5", r.replica_id, list(range(r.num_chunks)), complete=True)
+    assert not s.needs_retention("a1", "a1.1")
+    assert s.needs_retention("a0", "a0.1") and s.needs_retention("a2", "a2.1")  # rows 600:750 are a2's alone
+    # Rank 2 keeps its region in a retained copy, then unpublishes its original.
+    publish(s, "a2", [rows(500, 750)], retained=True)
+    assert not s.needs_retention("a2", "a2.1")
+    s.withdraw("a2", "a2.1")
+    assert s.visible_versions("m") == [1]
+    assert s.needs_retention("a2", "a2.1r")
+    # Not retained: versions that are not among the latest K visible.
+    four_shards(s, version=2, upto=3)
+    assert s.needs_retention("a0", "a0.1") and s.releasable("a2") == []  # v2 is not visible yet
+    four_shards(s, version=2)
+    assert not s.needs_retention("a0", "a0.1")
+    assert s.needs_retention("a0", "a0.2")
+    assert s.releasable("a2") == ["a2.1r"]
+
+
+def test_retain_zero_and_invisible_versions_need_no_retention():
+    s = state(retain=0)
+    four_shards(s)
+    assert not any(s.needs_retention(f"a{i}", f"a{i}.1") for i in range(4))
+    s = state(retain=1)
+    four_shards(s, upto=3)
+    assert not s.needs_retention("a0", "a0.1")
+
+
+def test_group_round_keeps_its_version():
+    s = state()
+    four_shards(s)
+    assert s.resolve("m", None, "g", 1)[0] == 1
+    four_shards(s, version=2)
+    assert s.resolve("m", None, "g", 1)[0] == 1
+    assert s.resolve("m", None, "g", 2)[0] == 2
+
+
+def test_wait_for_version():
+    async def go():
+        s = state()
+        assert await s.wait_for_version("m", 1, 0.01) is None
+        waiter = asyncio.create_task(s.wait_for_version("m", 2, 5.0))
+        four_shards(s, version=1)
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # version 1 is below at_least
+        four_shards(s, version=2, upto=3)
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # version 2 is not visible yet
+        four_shards(s, version=2)
+        assert await asyncio.wait_for(waiter, 1.0) == 2
+        assert await s.wait_for_version("m", 0, 0) == 2
+
+    asyncio.run(go())
