@@ -1,5 +1,6 @@
-"""The client side: ``Hub`` (publish / pull / unpublish), its config, and the
-pieces it is built from (``rpc`` for the control path, ``puller`` for pulls)."""
+"""The client side: ``Hub`` (the front door) over ``Holdings`` (what this
+process publishes) and pulls (``destination``, ``readlayout``, ``puller``);
+``rpc`` is the only client module that sees protobuf."""
 
 from tensorhub.client.config import HubConfig
 from tensorhub.client.hub import Hub, PullResult

@@ -1,51 +1,89 @@
-"""A replica this process holds and serves: published tensors, or the
-destination of a pull that serves what it received."""
+"""A replica this process holds and serves: published tensors or shards, or
+the destination of a pull that serves what it received."""
 
 from __future__ import annotations
 
+import enum
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tensorhub.chunks import bitmap_empty, bitmap_full, bitmap_set
 from tensorhub.manifest import Manifest
+from tensorhub.regions import Region
+from tensorhub.shard import Part
 from tensorhub.transport import Registration
 
-if TYPE_CHECKING:
-    from tensorhub.client.hub import Hub
+
+class PubState(enum.Enum):
+    FILLING = "filling"  # a serving pull: chunks land one by one
+    COMPLETE = "complete"  # every held byte present
+    WITHDRAWING = "withdrawing"  # unpublish began: never announced again
+    CLOSED = "closed"  # unpublished and drained: the memory is the caller's again
+
+
+class Withdrawer(Protocol):
+    """Who unpublishes a publication (``Holdings``); kept abstract so that this
+    module does not import the client that owns it."""
+
+    def unpublish(self, pub: Publication, timeout: float) -> None: ...
 
 
 class Publication:
-    """Memory of one (model, version) that readers may READ in place.
+    """Memory of one (model, version) that readers may READ in place: the
+    regions in ``parts`` (whole tensors, or a shard of them).
 
     The holder promises not to modify the tensors until ``unpublish()`` returns.
-    Use as a context manager to unpublish on exit.
+    Use as a context manager to unpublish on exit. The state changes only
+    under ``lock``, by the ``Holdings`` that made it.
     """
 
-    def __init__(self, hub: Hub, *, model: str, version: int, replica_id: str, manifest: Manifest,
-                 chunk_size: int, tensors: dict[str, torch.Tensor], registration: Registration,
-                 origin: bool, complete: bool, retained: bool = False) -> None:
-        self._hub = hub
+    def __init__(self, owner: Withdrawer, *, model: str, version: int, replica_id: str, manifest: Manifest,
+                 parts: list[Part], chunk_size: int, registration: Registration, origin: bool, complete: bool,
+                 retained: bool = False) -> None:
+        self._owner = owner
         self.model = model
         self.version = version
         self.replica_id = replica_id
         self.manifest = manifest
+        self.parts = parts  # held so the memory stays alive while published
         self.chunk_size = chunk_size
-        self.tensors = tensors  # held so the memory stays alive while published
         self.registration = registration
         self.origin = origin
         self.retained = retained  # a host copy kept only so the version stays pullable
-        num_chunks = -(-manifest.total_bytes // chunk_size)
-        self.complete = complete
+        index = manifest.index()
+        self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
+        num_chunks = -(-self.nbytes // chunk_size)
         self.bitmap = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)
-        self.withdrawing = False
-        self.closed = False
+        self.state = PubState.COMPLETE if complete else PubState.FILLING
         self.lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return self.manifest.total_bytes
+        """Bytes this replica holds (the whole model, or its shard)."""
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def complete(self) -> bool:
+        return self.state is not PubState.FILLING
+
+    @property
+    def announced(self) -> bool:
+        """Whether the server should know it (heartbeats re-publish it if not)."""
+        return self.state in (PubState.FILLING, PubState.COMPLETE)
+
+    @property
+    def whole_model(self) -> bool:
+        return len(self.parts) == len(self.manifest.tensors) and all(p.region.whole for p in self.parts)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The local tensors by name (the first, where one name has several shards)."""
+        out: dict[str, torch.Tensor] = {}
+        for p in self.parts:
+            out.setdefault(p.name, p.tensor)
+        return out
 
     def mark_landed(self, chunks: list[int]) -> None:
         with self.lock:
@@ -57,7 +95,7 @@ class Publication:
         (in-flight reads finished, or their read leases expired). Afterwards
         the tensors may be modified or freed. Raises UnpublishTimeout if
         readers still hold leases after ``timeout`` seconds."""
-        self._hub._unpublish(self, timeout)
+        self._owner.unpublish(self, timeout)
 
     def __enter__(self) -> Publication:
         return self
@@ -66,5 +104,5 @@ class Publication:
         self.unpublish()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "complete" if self.complete else "filling"
-        return f"Publication({self.model!r}, version={self.version}, {self.nbytes} bytes, {state})"
+        what = "" if self.whole_model else f", shard of {len(self.parts)} region(s)"
+        return f"Publication({self.model!r}, version={self.version}, {self.nbytes} bytes{what}, {self.state.value})"

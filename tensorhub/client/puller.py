@@ -1,12 +1,18 @@
 """Executing one pull: plan, lease, read chunks in parallel, fail over.
 
-    resolve ──▶ choose_sources ──▶ acquire read lease ──▶ READ chunks (pool) ──┐
-       ▲             ▲ (exclude lost / withdrawn)                              │
-       └─────────────┴──── a source failed or vanished: re-plan what is left ◀─┘
+    resolve ──▶ holder maps ──▶ choose_sources ──▶ acquire read lease ──▶ READ transfers (pool) ──┐
+       ▲        (readlayout)     ▲ (exclude lost / withdrawn)                                     │
+       └─────────────────────────┴──── a source failed or vanished: re-plan what is left ◀───────┘
 
-Every chunk of one pull comes from replicas of one resolved version, so a pull
+A chunk of the reader's bytes is done when every transfer planned for it has
+landed; a chunk may come from several holders (one per shard it spans).
+Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
+
+The job talks to the reference server through ``ControlPlane`` and moves bytes
+through ``Transport``: the real ones are ``ReferenceClient`` and ``NixlAgent``;
+tests drive the failover logic with fakes.
 """
 
 from __future__ import annotations
@@ -17,20 +23,47 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from tensorhub.chunks import ChunkLayout
-from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
+from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
+from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.errors import SourceLost, TensorHubError, TransferStalled, VersionNotFound
 from tensorhub.planner import choose_sources
 from tensorhub.topology import Labels
-from tensorhub.transport import MemoryKind, NixlAgent, TransferFailed
+from tensorhub.transport import MemoryKind, TransferFailed
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 LandedFn = Callable[[list[int]], None]  # chunks that landed since the last call
+
+
+class ControlPlane(Protocol):
+    """What a pull asks of the reference server (``ReferenceClient``)."""
+
+    def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
+                group_round: int = 0, lease: bool = False) -> Resolved: ...
+
+    def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]: ...
+
+    def renew_lease(self, agent_id: str, lease_id: str) -> float: ...
+
+    def release_lease_async(self, agent_id: str, lease_id: str) -> None: ...
+
+    def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None: ...
+
+
+class Transport(Protocol):
+    """How a pull moves bytes (``NixlAgent``)."""
+
+    def connect(self, key: str, metadata: bytes) -> str: ...
+
+    def read(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
+             remote_kind: MemoryKind, *, deadline: float) -> None: ...
+
+    def forget(self, key: str) -> None: ...
 
 _REPORT_PERIOD_S = 0.05
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
@@ -48,7 +81,7 @@ class _Lease:
     """A read lease on the sources of one round. Renewed before it runs out;
     ``expiry`` is local and conservative (taken before the request was sent)."""
 
-    def __init__(self, rpc: ReferenceClient, agent_id: str, replica_ids: list[str],
+    def __init__(self, rpc: ControlPlane, agent_id: str, replica_ids: list[str],
                  taken: Resolved | None = None) -> None:
         self._rpc, self._agent_id = rpc, agent_id
         if taken is not None:  # leased together with the resolve
@@ -76,34 +109,6 @@ class _Lease:
             log.debug("release lease: %s", e)
 
 
-class ChunkReader:
-    """Builds NIXL descriptors for a chunk between the destination and a source."""
-
-    def __init__(self, layout: ChunkLayout, dest_regions: np.ndarray, dest_kind: MemoryKind) -> None:
-        self.layout = layout
-        self.dest = dest_regions
-        self.dest_kind = dest_kind
-        self._segments: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def _segs(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        segs = self._segments.get(chunk)
-        if segs is None:
-            raw = self.layout.segments(chunk)
-            segs = (
-                np.array([s.tensor for s in raw], dtype=np.int64),
-                np.array([s.offset for s in raw], dtype=np.uint64),
-                np.array([s.length for s in raw], dtype=np.uint64),
-            )
-            self._segments[chunk] = segs
-        return segs
-
-    def descriptors(self, chunk: int, source: RemoteReplica) -> tuple[np.ndarray, np.ndarray]:
-        t, off, length = self._segs(chunk)
-        local = np.stack([self.dest[t, 0] + off, length, self.dest[t, 2]], axis=1)
-        remote = np.stack([source.regions[t, 0] + off, length, source.regions[t, 2]], axis=1)
-        return local, remote
-
-
 def _run_inline(fn: Callable[..., int], *args: object) -> cf.Future:
     fut: cf.Future = cf.Future()
     try:
@@ -115,12 +120,12 @@ def _run_inline(fn: Callable[..., int], *args: object) -> cf.Future:
 
 @dataclass(kw_only=True, slots=True)
 class PullJob:
-    rpc: ReferenceClient
-    nixl: NixlAgent
+    rpc: ControlPlane
+    nixl: Transport
     agent_id: str
     labels: Labels
     resolved: Resolved
-    dest_regions: np.ndarray
+    layout: ReadLayout
     dest_kind: MemoryKind
     pool: cf.ThreadPoolExecutor
     workers: int
@@ -132,22 +137,31 @@ class PullJob:
 
     def run(self) -> PullStats:
         res = self.resolved
-        layout = ChunkLayout([t.nbytes for t in res.manifest.tensors], res.chunk_size)
-        reader = ChunkReader(layout, self.dest_regions, self.dest_kind)
         stats = PullStats()
-        needed = set(range(layout.num_chunks))
-        replicas = {r.source.replica_id: r for r in res.replicas}
+        needed = {c for c in range(self.layout.num_chunks)}
+        maps = self._maps(res.replicas, set())
         upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
-            self._rounds(res, layout, reader, stats, needed, replicas, upfront)
+            self._rounds(res, stats, needed, maps, upfront)
         finally:
             if upfront is not None and upfront.lease_id not in self._used_leases:
                 _Lease(self.rpc, self.agent_id, [], upfront).release()
-        stats.nbytes = layout.total_bytes
+        stats.nbytes = self.layout.total_bytes
         return stats
 
-    def _rounds(self, res: Resolved, layout: ChunkLayout, reader: ChunkReader, stats: PullStats, needed: set[int],
-                replicas: dict[str, RemoteReplica], upfront: Resolved | None) -> None:
+    def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
+        """What each holder can give of the read set; holders of none of it are dropped."""
+        out = {}
+        for r in replicas:
+            if r.source.replica_id in excluded:
+                continue
+            m = self.layout.holder_map(r)
+            if len(m.chunk):
+                out[r.source.replica_id] = m
+        return out
+
+    def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap],
+                upfront: Resolved | None) -> None:
         excluded: set[str] = set()
         stale_rounds = 0
         while needed:
@@ -155,14 +169,24 @@ class PullJob:
                 raise TransferStalled(res.model, res.version, stats.lost_sources,
                                       f"{len(needed)} chunk(s) still missing at the pull's deadline")
             stats.rounds += 1
-            plan = choose_sources(sorted(needed), [r.source for r in replicas.values()], self.labels,
-                                  exclude=frozenset(excluded))
-            if plan.unavailable:
-                replicas = self._refresh(stats, excluded, stale_rounds)
+            usable = [m for rid, m in maps.items() if rid not in excluded]
+            chunks = sorted(needed)
+            plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
+                                  self.labels, exclude=frozenset(excluded))
+            transfers: dict[int, list[Transfer]] = {}
+            unavailable = list(plan.unavailable)
+            for chunk, ranked in plan.order.items():
+                planned = self.layout.transfers(chunk, [maps[rid] for rid in ranked])
+                if planned is None:
+                    unavailable.append(chunk)
+                else:
+                    transfers[chunk] = planned
+            if unavailable:
+                maps = self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable)
                 stale_rounds += 1
                 upfront = None  # new replicas are not covered by it
                 continue
-            primaries = sorted(plan.primary_load())
+            primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
             lease = _Lease(self.rpc, self.agent_id, primaries, upfront)
             if upfront is not None:
                 self._used_leases.add(upfront.lease_id)
@@ -176,56 +200,64 @@ class PullJob:
                         raise SourceLost(res.model, res.version, sorted(withdrawn), "sources were withdrawn")
                     continue
                 before = len(needed)
-                self._read_round(plan.order, replicas, reader, lease, needed, excluded, stats, layout)
+                self._read_round(transfers, maps, lease, needed, excluded, stats)
                 stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             finally:
                 lease.release()
 
-    def _refresh(self, stats: PullStats, excluded: set[str], stale_rounds: int) -> dict[str, RemoteReplica]:
+    def _refresh(self, stats: PullStats, excluded: set[str], stale_rounds: int, unavailable: list[int],
+                 usable: list[HolderMap]) -> dict[str, HolderMap]:
         """Ask the server again who holds the version; new holders may exist."""
         res = self.resolved
         if stale_rounds >= _MAX_ROUNDS_WITHOUT_PROGRESS:
-            raise SourceLost(res.model, res.version, stats.lost_sources, "no remaining holder has the missing chunks")
+            raise SourceLost(res.model, res.version, stats.lost_sources,
+                             f"no remaining holder has {self.layout.missing(unavailable, usable)}")
         try:
             fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
-        except VersionNotFound:
+        except VersionNotFound as e:
             raise SourceLost(res.model, res.version, stats.lost_sources,
-                             "the version has no complete replica any more") from None
+                             f"no remaining holder has {self.layout.missing(unavailable, usable)} ({e})") from None
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
-        return {r.source.replica_id: r for r in fresh.replicas if r.source.replica_id not in excluded}
+        return self._maps(fresh.replicas, excluded)
 
-    def _read_round(self, order: dict[int, list[str]], replicas: dict[str, RemoteReplica], reader: ChunkReader,
-                    lease: _Lease, needed: set[int], excluded: set[str], stats: PullStats,
-                    layout: ChunkLayout) -> None:
+    def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap], lease: _Lease,
+                    needed: set[int], excluded: set[str], stats: PullStats) -> None:
         lost_now: set[str] = set()
+        layout = self.layout
 
-        def read(chunk: int, replica: RemoteReplica) -> int:
-            rid = replica.source.replica_id
+        def read(transfer: Transfer) -> int:
+            rid = transfer.replica_id
             if rid in lost_now:
                 return -1  # skip: its source already failed this round
+            replica = maps[rid].replica
             remote_name = self.nixl.connect(rid, replica.metadata)
-            local, remote = reader.descriptors(chunk, replica)
             deadline = min(time.monotonic() + self.chunk_timeout_s, lease.valid_until(), self.deadline)
-            self.nixl.read(remote_name, local, reader.dest_kind, remote, replica.kind, deadline=deadline)
-            return chunk
+            self.nixl.read(remote_name, transfer.local, self.dest_kind, transfer.remote, replica.kind,
+                           deadline=deadline)
+            return transfer.nbytes
 
         # A window of reads in flight (twice the workers): a failed source is noticed
         # before more reads are queued on it, and the caller's progress
         # callback paces the pull.
-        todo = iter(order.items())
-        submit = self.pool.submit if len(order) > 1 else _run_inline  # one chunk: no thread hop
-        futures: dict[cf.Future, tuple[int, str]] = {}
+        todo = iter([(chunk, t) for chunk, planned in transfers.items() for t in planned])
+        pending = {chunk: len(planned) for chunk, planned in transfers.items()}
+        failed: set[int] = set()
+        got: dict[int, dict[str, int]] = {}  # bytes per source of chunks not complete yet
+        total = sum(len(p) for p in transfers.values())
+        submit = self.pool.submit if total > 1 else _run_inline  # one read: no thread hop
+        futures: dict[cf.Future, tuple[int, Transfer]] = {}
 
         def refill() -> None:
             while len(futures) < 2 * self.workers:  # keep the pool busy while results are handled
                 item = next(todo, None)
                 if item is None:
                     return
-                chunk, sources = item
-                if sources[0] in lost_now:
+                chunk, transfer = item
+                if transfer.replica_id in lost_now or chunk in failed:
+                    failed.add(chunk)
                     continue  # stays needed: the next round re-plans it
-                futures[submit(read, chunk, replicas[sources[0]])] = (chunk, sources[0])
+                futures[submit(read, transfer)] = (chunk, transfer)
 
         landed: list[int] = []
         last_report = time.monotonic()
@@ -234,27 +266,37 @@ class PullJob:
         while futures:
             done, _ = cf.wait(futures, timeout=_REPORT_PERIOD_S, return_when=cf.FIRST_COMPLETED)
             for fut in done:
-                chunk, rid = futures.pop(fut)
+                chunk, transfer = futures.pop(fut)
+                rid = transfer.replica_id
                 try:
                     if fut.result() < 0:
+                        failed.add(chunk)
                         continue
                 except TransferFailed as e:
                     if rid not in lost_now:
                         lost_now.add(rid)
-                        self._lose(replicas[rid], str(e), stats)
+                        self._lose(maps[rid].replica, str(e), stats)
                     excluded.add(rid)
+                    failed.add(chunk)
                     continue
                 except TensorHubError as e:  # e.g. the lease could not be renewed: next round
                     log.info("chunk %d deferred: %s", chunk, e)
+                    failed.add(chunk)
                     continue
-                needed.discard(chunk)
-                landed.append(chunk)
-                name = replicas[rid].source.agent_name
-                nbytes = layout.chunk_bytes(chunk)
-                stats.bytes_by_source[name] = stats.bytes_by_source.get(name, 0) + nbytes
-                done_bytes += nbytes
+                name = maps[rid].replica.source.agent_name
+                by_source = got.setdefault(chunk, {})
+                by_source[name] = by_source.get(name, 0) + transfer.nbytes
+                pending[chunk] -= 1
+                if pending[chunk] == 0 and chunk not in failed:
+                    # Counted once the whole chunk is in: a chunk that failed
+                    # in part is read again, whole, next round.
+                    for source, nbytes in got.pop(chunk).items():
+                        stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
+                    done_bytes += layout.chunk_bytes(chunk)
+                    needed.discard(chunk)
+                    landed.append(chunk)
             if self.progress is not None and done:
-                self.progress(done_bytes, layout.total_bytes)
+                self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
             refill()
             if landed and self.landed is not None and (
                 not futures or time.monotonic() - last_report >= _REPORT_PERIOD_S

@@ -22,12 +22,14 @@ from tensorhub.errors import (
     TensorHubError,
     VersionNotFound,
 )
-from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.manifest import Manifest
 from tensorhub.planner import Source
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.proto import wire
+from tensorhub.regions import Region
 from tensorhub.topology import Labels, Reliability
-from tensorhub.transport import MemoryKind, Region
+from tensorhub.transport import MemoryKind, MemoryRegion
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -48,9 +50,6 @@ _SERVICE_CONFIG = json.dumps({
     }]
 })
 
-_KIND = {MemoryKind.DRAM: pb.MEMORY_KIND_DRAM, MemoryKind.VRAM: pb.MEMORY_KIND_VRAM}
-_KIND_BACK = {v: k for k, v in _KIND.items()}
-
 
 class AgentUnknown(TensorHubError):
     """The server does not know this agent (it restarted or the agent expired)."""
@@ -63,8 +62,11 @@ class RemoteReplica:
     source: Source
     agent_id: str
     kind: MemoryKind
-    regions: np.ndarray  # (tensors x 3): addr, nbytes, device id
+    held: tuple[tuple[int, Region], ...]  # (manifest tensor index, region), in memory order
+    regions: np.ndarray  # (held regions x 3): addr, nbytes, device id
     metadata: bytes
+    chunk_size: int  # of the replica's own bytes: the unit of its bitmap
+    bitmap: bytes = b""  # chunks present while filling (bit i, LSB first); unused when complete
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +74,6 @@ class Resolved:
     model: str
     version: int
     manifest: Manifest
-    chunk_size: int
     replicas: tuple[RemoteReplica, ...]
     lease_id: str = ""  # a read lease on every replica, when asked for
     lease_ttl_s: float = 0.0
@@ -85,6 +86,7 @@ class VersionInfo:
     complete_replicas: int
     filling_replicas: int
     total_bytes: int
+    visible: bool  # complete replicas cover every element: listed, latest, pullable
 
 
 class ReferenceClient:
@@ -144,8 +146,8 @@ class ReferenceClient:
         resp = self._call(self._stub.RegisterAgent, pb.RegisterAgentRequest(
             agent_id=agent_id,
             name=name,
-            labels=pb.Labels(host=labels.host, rack=labels.rack, zone=labels.zone),
-            reliability=pb.RELIABILITY_SPOT if reliability is Reliability.SPOT else pb.RELIABILITY_RELIABLE,
+            labels=wire.labels_to_wire(labels),
+            reliability=wire.reliability_to_wire(reliability),
         ))
         return resp.instance_id, resp.lease_ttl_s
 
@@ -160,24 +162,18 @@ class ReferenceClient:
     # ---------------------------------------------------------------- holders
 
     def publish(self, *, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
-                chunk_size: int, kind: MemoryKind, regions: list[Region], metadata: bytes,
-                complete: bool, bitmap: bytes, origin: bool, retained: bool = False) -> None:
+                held: list[tuple[int, Region]], chunk_size: int, kind: MemoryKind, regions: list[MemoryRegion],
+                metadata: bytes, complete: bool, bitmap: bytes, origin: bool, retained: bool = False) -> None:
+        """``held``: (tensor index, region) per memory region; empty: every tensor whole."""
         self._call(self._stub.Publish, pb.PublishRequest(
             agent_id=agent_id,
             replica_id=replica_id,
             model=model,
             version=version,
-            manifest=pb.Manifest(
-                tensors=[pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
-                         for t in manifest.tensors],
-                fingerprint=manifest.fingerprint,
-            ),
+            manifest=wire.manifest_to_wire(manifest),
+            held=[wire.region_to_wire(i, r) for i, r in held],
             chunk_size=chunk_size,
-            memory=pb.ReplicaMemory(
-                kind=_KIND[kind],
-                regions=[pb.Region(addr=r.addr, size=r.size, device_id=r.device_id) for r in regions],
-                nixl_metadata=metadata,
-            ),
+            memory=wire.memory_to_wire(kind, regions, metadata),
             state=pb.REPLICA_STATE_COMPLETE if complete else pb.REPLICA_STATE_FILLING,
             chunk_bitmap=bytes(bitmap),
             origin=origin,
@@ -223,14 +219,13 @@ class ReferenceClient:
                           not_found=lambda d: VersionNotFound(model, "latest" if version is None else version, d))
         manifest = self._manifests.get(resp.fingerprint)
         if manifest is None or resp.HasField("manifest"):
-            manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes)
-                                      for t in resp.manifest.tensors))
+            manifest = wire.manifest_from_wire(resp.manifest)
             with self._cache_lock:
                 self._manifests[resp.fingerprint] = manifest
                 while len(self._manifests) > _MANIFESTS_CACHED:
                     self._manifests.pop(next(iter(self._manifests)))
         self._last_fingerprint[model] = resp.fingerprint
-        return Resolved(model, resp.version, manifest, resp.chunk_size, tuple(_replica(r) for r in resp.replicas),
+        return Resolved(model, resp.version, manifest, tuple(_replica(r, manifest) for r in resp.replicas),
                         resp.lease_id, resp.lease_ttl_s, sent)
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
@@ -272,20 +267,29 @@ class ReferenceClient:
 
     def list_versions(self, model: str) -> list[VersionInfo]:
         resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))
-        return [VersionInfo(v.version, v.complete_replicas, v.filling_replicas, v.total_bytes) for v in resp.versions]
+        return [VersionInfo(v.version, v.complete_replicas, v.filling_replicas, v.total_bytes, v.visible)
+                for v in resp.versions]
+
+    def wait_for_version(self, model: str, at_least: int, timeout_s: float) -> int | None:
+        """The highest visible version once one >= ``at_least`` exists; None
+        when ``timeout_s`` passed first (one long poll on the server)."""
+        resp = self._call(self._stub.WaitForVersion,
+                          pb.WaitForVersionRequest(model=model, at_least=at_least, timeout_s=timeout_s),
+                          timeout=timeout_s + self.timeout_s)
+        return resp.version if resp.found else None
 
 
-def _replica(msg: pb.ReplicaInfo) -> RemoteReplica:
-    labels = Labels(msg.labels.host, msg.labels.rack, msg.labels.zone)
+def _replica(msg: pb.ReplicaInfo, manifest: Manifest) -> RemoteReplica:
     source = Source(
         replica_id=msg.replica_id,
         agent_name=msg.agent_name,
-        labels=labels,
-        reliability=Reliability.SPOT if msg.reliability == pb.RELIABILITY_SPOT else Reliability.RELIABLE,
+        labels=wire.labels_from_wire(msg.labels),
+        reliability=wire.reliability_from_wire(msg.reliability),
         complete=msg.state == pb.REPLICA_STATE_COMPLETE,
-        bitmap=msg.chunk_bitmap,
         origin=msg.origin,
         active_reads=msg.active_reads,
     )
+    held = tuple(wire.region_from_wire(r) for r in msg.held) if msg.held else tuple(wire.whole_model(manifest))
     regions = np.array([(r.addr, r.size, r.device_id) for r in msg.memory.regions], dtype=np.uint64).reshape(-1, 3)
-    return RemoteReplica(source, msg.agent_id, _KIND_BACK[msg.memory.kind], regions, msg.memory.nixl_metadata)
+    return RemoteReplica(source, msg.agent_id, wire.KIND_BACK[msg.memory.kind], held, regions,
+                         msg.memory.nixl_metadata, msg.chunk_size, bytes(msg.chunk_bitmap))

@@ -26,11 +26,10 @@ def test_generated_stubs_are_up_to_date(tmp_path):
 
 
 def test_server_command_serves_on_the_given_port():
-    with ServerProcess() as server:
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.ReferenceServiceStub(channel)
-            reply = stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="probe", name="probe"), timeout=10)
-            assert len(reply.instance_id) == 32 and reply.lease_ttl_s == 10.0
+    with ServerProcess() as server, grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        reply = stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="probe", name="probe"), timeout=10)
+        assert len(reply.instance_id) == 32 and reply.lease_ttl_s == 10.0
 
 
 def test_bench_pull_writes_rows_for_both_methods(tmp_path):

@@ -1,44 +1,18 @@
-"""Pure parts: manifests, chunk layout, bitmaps, the source planner, config."""
+"""Pure parts: manifests, bitmaps, the source planner, config."""
 
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 import torch
 
-from tensorhub.chunks import ChunkLayout, bitmap_count, bitmap_empty, bitmap_full, bitmap_has, bitmap_set
+from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_has, bitmap_set
 from tensorhub.client.config import HubConfig
-from tensorhub.errors import ManifestMismatch
+from tensorhub.errors import InvalidRequest, ManifestMismatch
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.planner import Source, choose_sources
 from tensorhub.topology import Labels, Reliability
-
-
-def test_chunk_segments_cover_every_byte_exactly_once():
-    rng = random.Random(0)
-    for _ in range(200):
-        sizes = [rng.choice([0, 1, 2, 7, 4096, 5000, 70000]) for _ in range(rng.randint(0, 12))]
-        layout = ChunkLayout(sizes, 4096)
-        seen = [bytearray(s) for s in sizes]
-        for chunk in range(layout.num_chunks):
-            segs = layout.segments(chunk)
-            assert sum(s.length for s in segs) == layout.chunk_bytes(chunk)
-            for s in segs:
-                assert s.length > 0
-                for i in range(s.offset, s.offset + s.length):
-                    assert seen[s.tensor][i] == 0
-                    seen[s.tensor][i] = 1
-        assert all(all(b) for b in seen)
-        assert layout.num_chunks == -(-sum(sizes) // 4096)
-
-
-def test_chunk_size_bounds():
-    with pytest.raises(ValueError, match="chunk_size"):
-        ChunkLayout([10], 100)
-    with pytest.raises(IndexError):
-        ChunkLayout([10], 4096).segments(1)
 
 
 def test_bitmap_roundtrip():
@@ -81,17 +55,22 @@ def test_check_destination_names_every_problem():
         "not in the version 'x'": {"w": torch.zeros(2, 3), "b": torch.zeros(3), "x": torch.zeros(1)},
         "version has float32[2, 3], destination torch.float32[3, 2]": {"w": torch.zeros(3, 2), "b": torch.zeros(3)},
         "destination torch.float16[3]": {"w": torch.zeros(2, 3), "b": torch.zeros(3, dtype=torch.float16)},
-        "not contiguous": {"w": torch.zeros(3, 2).t(), "b": torch.zeros(3)},
     }
     for needle, into in cases.items():
         with pytest.raises(ManifestMismatch, match="Nothing was transferred") as err:
             manifest.check_destination(into, model="m", version=1)
         assert needle in str(err.value)
         assert "'m' version 1" in str(err.value)
+    with pytest.raises(InvalidRequest, match="w: the local tensor is not contiguous"):
+        manifest.check_destination({"w": torch.zeros(3, 2).t(), "b": torch.zeros(3)}, model="m", version=1)
 
 
 def _src(rid, host="h0", rack="r0", zone="z0", **kw):
     return Source(replica_id=rid, agent_name=rid, labels=Labels(host, rack, zone), **kw)
+
+
+def _all(chunks, sources, whole=True):
+    return {c: {s.replica_id: whole for s in sources} for c in chunks}
 
 
 def test_planner_prefers_near_reliable_rollouts_then_spreads_load():
@@ -101,43 +80,50 @@ def test_planner_prefers_near_reliable_rollouts_then_spreads_load():
     same_rack = _src("b", host="h2")
     other_zone = _src("c", host="h3", rack="r9", zone="z9")
     spot = _src("d", host="h1", reliability=Reliability.SPOT)
-    plan = choose_sources(range(4), [trainer, same_rack, other_zone, spot, same_host], reader)
+    sources = [trainer, same_rack, other_zone, spot, same_host]
+    plan = choose_sources(_all(range(4), sources), sources, reader)
     assert all(order[0] == "a" for order in plan.order.values())
     assert plan.order[0] == ["a", "d", "b", "trainer", "c"]  # host > spot-on-host > rack > origin > elsewhere
 
 
-def test_planner_uses_partial_replicas_only_for_chunks_they_hold():
-    bits = bitmap_empty(4)
-    bitmap_set(bits, 1)
-    filling = _src("filling", complete=False, bitmap=bytes(bits))
+def test_planner_ranks_whole_chunk_holders_before_part_holders_of_the_same_tier():
+    filling = _src("filling", complete=False)
     trainer = _src("trainer", host="h9", origin=True)
-    plan = choose_sources(range(4), [filling, trainer], Labels("h0", "r0", "z0"))
+    shard = _src("shard", host="h9", origin=True)
+    holders = {0: {"filling": False, "trainer": True}, 1: {"filling": True, "trainer": True},
+               2: {"shard": False, "trainer": True}, 3: {"trainer": True}}
+    plan = choose_sources(holders, [filling, trainer, shard], Labels("h0", "r0", "z0"))
+    assert plan.order[0] == ["filling", "trainer"]  # nearer first, even for a part
     assert plan.order[1][0] == "filling"
-    assert all(plan.order[c] == ["trainer"] for c in (0, 2, 3))
+    assert plan.order[2] == ["trainer", "shard"]  # same tier: one read of the whole chunk first
+    assert plan.order[3] == ["trainer"]
 
 
 def test_planner_spreads_ties_and_reports_unavailable():
     a, b = _src("a"), _src("b")
-    plan = choose_sources(range(10), [a, b], Labels("h0"))
+    plan = choose_sources(_all(range(10), [a, b]), [a, b], Labels("h0"))
     assert plan.primary_load() == {"a": 5, "b": 5}
-    plan = choose_sources(range(3), [a, b], Labels("h0"), exclude=frozenset({"a", "b"}))
+    plan = choose_sources(_all(range(3), [a, b]), [a, b], Labels("h0"), exclude=frozenset({"a", "b"}))
     assert plan.unavailable == [0, 1, 2]
-    busy = _src("busy", active_reads=3)
-    plan = choose_sources(range(4), [busy, _src("idle")], Labels("h0"))
+    busy, idle = _src("busy", active_reads=3), _src("idle")
+    plan = choose_sources(_all(range(4), [busy, idle]), [busy, idle], Labels("h0"))
     assert plan.primary_load() == {"idle": 4}
 
 
-def test_planner_exhaustive_small_cases_always_pick_a_holder():
-    """Every chunk any usable source holds is assigned, first to a holder."""
+def test_planner_exhaustive_small_cases_always_rank_exactly_the_holders():
+    """Every chunk any usable source holds (whole or in part) is assigned, to its holders only."""
     labels = [Labels("h0", "r0", "z0"), Labels("h1", "r0", "z0"), Labels("h2", "r1", "z1")]
-    for bits_a, bits_b in itertools.product(range(16), repeat=2):
-        a = _src("a", complete=False, bitmap=bytes([bits_a]))
-        b = Source("b", "b", labels[bits_b % 3], complete=False, bitmap=bytes([bits_b]))
-        plan = choose_sources(range(4), [a, b], labels[0])
-        for chunk in range(4):
-            holders = {s.replica_id for s in (a, b) if s.has(chunk)}
-            if holders:
-                assert plan.order[chunk][0] in holders and set(plan.order[chunk]) == holders
+    states = [None, False, True]  # holds nothing / a part / the whole chunk
+    for layout in itertools.product(states, repeat=6):
+        a, b = _src("a"), Source("b", "b", labels[layout.count(True) % 3])
+        holders = {c: {rid: layout[2 * c + i] for i, rid in enumerate("ab") if layout[2 * c + i] is not None}
+                   for c in range(3)}
+        plan = choose_sources(holders, [a, b], labels[0])
+        for chunk in range(3):
+            if holders[chunk]:
+                assert set(plan.order[chunk]) == set(holders[chunk])
+                tiers = [labels[0].tier({"a": a, "b": b}[r].labels) for r in plan.order[chunk]]
+                assert tiers == sorted(tiers)
             else:
                 assert chunk in plan.unavailable
 

@@ -1,0 +1,259 @@
+"""What this process holds, and its session with the reference server.
+
+    Hub.publish ─┐                          ┌─ heartbeat thread: re-register after a server
+    Hub.pull(serve=True) ── open_filling ──▶│  restart, re-announce dropped replicas,
+                 │                          │  release retained copies nobody needs
+                 ▼                          │
+          Publication  FILLING ─▶ COMPLETE ─▶ WITHDRAWING ─▶ CLOSED
+                                    (unpublish: the server drains readers; the
+                                     last reliable holder of a retained region
+                                     first keeps a host copy)
+
+Every state change of a Publication happens here, under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from tensorhub.client.config import HubConfig
+from tensorhub.client.publication import Publication, PubState
+from tensorhub.client.rpc import AgentUnknown, ReferenceClient
+from tensorhub.errors import ServerUnavailable, TensorHubError, UnpublishTimeout
+from tensorhub.manifest import Manifest
+from tensorhub.shard import Part
+from tensorhub.transport import NixlAgent
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class Holdings:
+    """The publishing side of a Hub: agent session, heartbeats, publications,
+    retention copies and unpublish-with-drain. Thread-safe."""
+
+    def __init__(self, *, rpc: ReferenceClient, nixl: NixlAgent, agent_id: str, name: str,
+                 config: HubConfig) -> None:
+        self._rpc, self._nixl = rpc, nixl
+        self.agent_id, self.name, self.config = agent_id, name, config
+        self._lock = threading.RLock()
+        self._publications: dict[str, Publication] = {}
+        self._replica_seq = itertools.count()
+        self._instance_id = ""
+        self.lease_ttl_s = 10.0
+        self._retain_spares: dict[tuple, list[list[torch.Tensor]]] = {}
+        self._releasing: set[str] = set()
+        # Slow housekeeping off the heartbeat thread (releasing retained copies drains readers).
+        self._chores = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-chores")
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- session
+
+    def register(self, wait_s: float = 0.0) -> None:
+        """Register the agent (retrying up to ``wait_s``) and announce what it holds."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                instance, lease_ttl = self._rpc.register_agent(
+                    self.agent_id, self.name, self.config.labels, self.config.reliability)
+                break
+            except ServerUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+        with self._lock:
+            changed = self._instance_id != instance
+            self._instance_id, self.lease_ttl_s = instance, lease_ttl
+            pubs = [p for p in self._publications.values() if p.announced]
+        if changed and pubs:
+            log.info("reference server %s: re-registering %d replica(s)", instance[:8], len(pubs))
+        for pub in pubs:
+            self._announce(pub)
+
+    def with_agent(self, fn: Callable[[], T]) -> T:
+        """Run an RPC; if the server forgot this agent, register again and retry once."""
+        try:
+            return fn()
+        except AgentUnknown:
+            self.register()
+            return fn()
+
+    def start_heartbeats(self) -> None:
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tensorhub-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._heartbeat_once()
+            except ServerUnavailable as e:
+                log.debug("heartbeat: %s", e)
+            except Exception:
+                log.exception("heartbeat failed")
+
+    def _heartbeat_once(self) -> None:
+        with self._lock:
+            held = [p.replica_id for p in self._publications.values() if p.announced]
+        instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, held,
+                                                                timeout=max(self.config.heartbeat_interval_s, 1.0))
+        if not known or instance != self._instance_id:
+            self.register()
+            return
+        for rid in release:
+            with self._lock:
+                pub = self._publications.get(rid)
+                if pub is None or not pub.retained or not pub.announced or rid in self._releasing:
+                    continue
+                self._releasing.add(rid)
+            self._chores.submit(self._release_retained, pub)
+        for rid in unknown:
+            with self._lock:
+                pub = self._publications.get(rid)
+            if pub is not None and pub.announced:
+                log.info("server dropped replica %s; publishing it again", rid)
+                self._announce(pub)
+
+    # ---------------------------------------------------------------- publishing
+
+    def publish(self, model: str, version: int, manifest: Manifest, parts: list[Part], chunk_size: int, *,
+                origin: bool = True, complete: bool = True, retained: bool = False) -> Publication:
+        """Register ``parts`` in place and announce them as a replica."""
+        registration = self._nixl.register([p.tensor for p in parts])
+        pub = Publication(self, model=model, version=version, replica_id=f"{self.agent_id}.{next(self._replica_seq)}",
+                          manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
+                          origin=origin, complete=complete, retained=retained)
+        try:
+            self.with_agent(lambda: self._announce(pub))
+        except BaseException:
+            self._nixl.deregister(registration)
+            raise
+        with self._lock:
+            self._publications[pub.replica_id] = pub
+        return pub
+
+    def open_filling(self, model: str, version: int, manifest: Manifest, parts: list[Part],
+                     chunk_size: int) -> Publication:
+        """A pull's destination, served as its chunks land (see ``landed``)."""
+        return self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False)
+
+    def landed(self, pub: Publication, chunks: list[int], complete: bool = False) -> None:
+        pub.mark_landed(chunks)
+        if complete:
+            with pub.lock:
+                if pub.state is PubState.FILLING:
+                    pub.state = PubState.COMPLETE
+        self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete))
+
+    def _announce(self, pub: Publication) -> None:
+        with pub.lock:
+            bitmap, complete = bytes(pub.bitmap), pub.complete
+        self._rpc.publish(
+            agent_id=self.agent_id, replica_id=pub.replica_id, model=pub.model, version=pub.version,
+            manifest=pub.manifest, held=[] if pub.whole_model else pub.held, chunk_size=pub.chunk_size,
+            kind=pub.registration.kind, regions=pub.registration.regions, metadata=pub.registration.metadata,
+            complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained,
+        )
+
+    def find(self, model: str, version: int) -> list[Publication]:
+        with self._lock:
+            return [p for p in self._publications.values()
+                    if (p.model, p.version) == (model, version) and not p.retained]
+
+    def publications(self) -> list[Publication]:
+        with self._lock:
+            return list(self._publications.values())
+
+    # ---------------------------------------------------------------- unpublish
+
+    def unpublish(self, pub: Publication, timeout: float, *, force: bool = False) -> None:
+        with self._lock, pub.lock:
+            if pub.state is PubState.CLOSED:
+                return
+            # From here on heartbeats must never publish it again: the server may
+            # drop it any moment, and the caller is about to reuse the memory.
+            pub.state = PubState.WITHDRAWING
+        try:
+            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout, force=force)
+            if retain:
+                # The last reliable holder of a region of a retained version: keep
+                # the bytes in host memory of this process before letting go.
+                self._retain_copy(pub)
+                drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout)
+                if retain:
+                    raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
+        except (ServerUnavailable, AgentUnknown) as e:
+            # The server cannot say who still reads. Readers stop at their
+            # lease's expiry, so waiting one lease TTL is safe.
+            wait = min(self.lease_ttl_s, timeout)
+            log.warning("unpublish %r v%d: %s; waiting %.1fs for read leases to expire", pub.model, pub.version, e, wait)
+            time.sleep(wait)
+            drained, outstanding = wait >= self.lease_ttl_s, -1
+        if not drained:
+            raise UnpublishTimeout(
+                f"{pub.model!r} version {pub.version}: {outstanding} reader(s) still held read leases after "
+                f"{timeout:.1f}s; the replica is withdrawn, but its memory must not be reused yet: call unpublish again"
+            )
+        with self._lock, pub.lock:
+            self._publications.pop(pub.replica_id, None)
+            pub.state = PubState.CLOSED
+        self._nixl.deregister(pub.registration)
+
+    # ---------------------------------------------------------------- retention
+
+    def _retain_copy(self, pub: Publication) -> Publication:
+        """Copy a publication's regions into host memory (a reused buffer where
+        one is free) and publish the copy as a retained replica."""
+        key = tuple((p.name, p.region, p.tensor.dtype, p.tensor.numel()) for p in pub.parts)
+        with self._lock:
+            spares = self._retain_spares.get(key, [])
+            buffers = spares.pop() if spares else None
+        if buffers is None:
+            buffers = [torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu") for p in pub.parts]
+        for buffer, part in zip(buffers, pub.parts):
+            buffer.copy_(part.tensor)
+        log.info("retaining %r v%d in host memory (%d bytes)", pub.model, pub.version, pub.nbytes)
+        parts = [Part(p.name, p.full_shape, p.region, b) for p, b in zip(pub.parts, buffers)]
+        return self.publish(pub.model, pub.version, pub.manifest, parts, pub.chunk_size, retained=True)
+
+    def _release_retained(self, pub: Publication) -> None:
+        """The server no longer needs this retained copy: drop it, keep its buffer."""
+        try:
+            self.unpublish(pub, 60.0, force=True)
+        except TensorHubError as e:
+            log.warning("releasing retained %r v%d: %s", pub.model, pub.version, e)
+            return
+        finally:
+            with self._lock:
+                self._releasing.discard(pub.replica_id)
+        key = tuple((p.name, p.region, p.tensor.dtype, p.tensor.numel()) for p in pub.parts)
+        with self._lock:
+            spares = self._retain_spares.setdefault(key, [])
+            if not spares:  # one spare buffer per layout is enough to avoid re-allocating
+                spares.append([p.tensor for p in pub.parts])
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def close(self, timeout: float) -> None:
+        """Stop heartbeats and unpublish everything (nothing can be retained past
+        this process)."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        self._chores.shutdown(wait=True)
+        for pub in self.publications():
+            try:
+                self.unpublish(pub, timeout, force=True)
+            except TensorHubError as e:
+                log.warning("close: %s", e)
+
+    def shutdown_local(self) -> None:
+        self._chores.shutdown(wait=True)

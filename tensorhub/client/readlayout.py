@@ -1,0 +1,272 @@
+"""The reader's bytes, and what each holder can give of them.
+
+The reader's *read set* is a list of parts (a region of a manifest tensor, in
+local memory); laid back to back they form the reader's byte space, cut into
+chunks of ``chunk_size``. A chunk is the unit of planning, completion and
+(when the reader serves) of what it reports to the server: chunk i of the
+reader is chunk i of the replica it serves.
+
+    read parts ──────────┐
+                         ├─ overlap() per held region ─▶ HolderMap: segments (reader offset,
+    holder's held regions┘   split at chunk boundaries     length, local addr, remote addr),
+                             (and the holder's own, when    only those it has landed
+                             it is still filling)
+                                                            │
+    planner ranks the holders of a chunk ─▶ transfers(): the first gives what it has,
+                                            the next what is still missing, ...
+
+Every segment lies inside one read part and one held region, so addresses on
+both sides are plain offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorhub.client.rpc import RemoteReplica
+from tensorhub.manifest import Manifest, itemsize
+from tensorhub.regions import Runs, describe_elements, overlap
+from tensorhub.transport.memory import MemoryRegion
+
+# Columns of a segment table; the first four move together when a segment is cut.
+_SHIFTING = ("r_off", "h_off", "local", "remote")
+_FIXED = ("local_dev", "remote_dev")
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPart:
+    """One region the reader wants: manifest tensor ``tensor``, in local memory."""
+
+    name: str
+    tensor: int
+    shape: tuple[int, ...]
+    runs: Runs
+    itemsize: int
+    memory: MemoryRegion
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.size
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One READ: ``local`` and ``remote`` are N x 3 descriptor arrays (addr, bytes, device)."""
+
+    replica_id: str
+    local: np.ndarray
+    remote: np.ndarray
+    nbytes: int
+
+
+class HolderMap:
+    """The segments of the reader's bytes one holder can give now, sorted by
+    reader offset and cut at the reader's chunk boundaries."""
+
+    def __init__(self, replica: RemoteReplica, cols: dict[str, np.ndarray], chunk_size: int, num_chunks: int) -> None:
+        self.replica = replica
+        self.cols = cols
+        self.chunk = cols["r_off"] // chunk_size
+        self._bounds = np.searchsorted(self.chunk, np.arange(num_chunks + 1))
+        self.covered = np.bincount(self.chunk, weights=cols["length"], minlength=num_chunks).astype(np.int64)
+
+    @property
+    def replica_id(self) -> str:
+        return self.replica.source.replica_id
+
+    def rows(self, chunk: int) -> slice:
+        return slice(int(self._bounds[chunk]), int(self._bounds[chunk + 1]))
+
+
+class ReadLayout:
+    def __init__(self, manifest: Manifest, parts: list[ReadPart], chunk_size: int) -> None:
+        self.manifest = manifest
+        self.parts = parts
+        self.chunk_size = chunk_size
+        sizes = np.array([p.nbytes for p in parts], np.int64)
+        self.part_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.total_bytes = int(self.part_base[-1])
+        self.num_chunks = -(-self.total_bytes // chunk_size)
+        self._by_tensor: dict[int, list[int]] = {}
+        for i, p in enumerate(parts):
+            self._by_tensor.setdefault(p.tensor, []).append(i)
+
+    def chunk_bytes(self, chunk: int) -> int:
+        return min(self.chunk_size, self.total_bytes - chunk * self.chunk_size)
+
+    # ------------------------------------------------------------ holders
+
+    def holder_map(self, replica: RemoteReplica) -> HolderMap:
+        """What ``replica`` holds of the read set (and, while it fills, has landed)."""
+        tables = []
+        held_base = 0
+        specs = self.manifest.tensors
+        for h, (t, region) in enumerate(replica.held):
+            spec = specs[t]
+            size = itemsize(spec.dtype)
+            held_runs = region.runs(spec.shape)
+            for p in self._by_tensor.get(t, ()):
+                part = self.parts[p]
+                ov = overlap(part.runs, held_runs)
+                if not len(ov.start):
+                    continue
+                n = len(ov.start)
+                tables.append({
+                    "r_off": self.part_base[p] + ov.a * size,
+                    "h_off": held_base + ov.b * size,
+                    "length": ov.length * size,
+                    "local": part.memory.addr + ov.a * size,
+                    "remote": int(replica.regions[h, 0]) + ov.b * size,
+                    "local_dev": np.full(n, part.memory.device_id, np.int64),
+                    "remote_dev": np.full(n, int(replica.regions[h, 2]), np.int64),
+                })
+            held_base += region.numel(spec.shape) * size
+        if tables:
+            cols = {k: np.concatenate([tb[k] for tb in tables]).astype(np.int64) for k in tables[0]}
+        else:
+            cols = {k: np.zeros(0, np.int64) for k in (*_SHIFTING, "length", *_FIXED)}
+        order = np.argsort(cols["r_off"], kind="stable")
+        cols = {k: v[order] for k, v in cols.items()}
+        cols = _cut(cols, "r_off", self.chunk_size)
+        if not replica.source.complete:
+            cols = _cut(cols, "h_off", replica.chunk_size)
+            bits = np.unpackbits(np.frombuffer(replica.bitmap, np.uint8), bitorder="little")
+            own = cols["h_off"] // replica.chunk_size
+            landed = np.zeros(len(own), bool)
+            inside = own < len(bits)
+            landed[inside] = bits[own[inside]].astype(bool)
+            cols = {k: v[landed] for k, v in cols.items()}
+        return HolderMap(replica, cols, self.chunk_size, self.num_chunks)
+
+    def holders(self, chunks: list[int], maps: list[HolderMap]) -> dict[int, dict[str, bool]]:
+        """The planner's input: per chunk, which holders give all of it (True) or a part."""
+        out: dict[int, dict[str, bool]] = {}
+        for chunk in chunks:
+            need = self.chunk_bytes(chunk)
+            out[chunk] = {m.replica_id: bool(m.covered[chunk] >= need) for m in maps if m.covered[chunk] > 0}
+        return out
+
+    # ------------------------------------------------------------ transfers
+
+    def transfers(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:
+        """The reads that fill ``chunk``: the first holder gives what it has, each
+        next one what is still missing. None if together they miss some bytes."""
+        need = self.chunk_bytes(chunk)
+        out: list[Transfer] = []
+        taken: list[tuple[int, int]] = []  # reader byte ranges already planned, sorted
+        got = 0
+        for holder in ranked:
+            rows = holder.rows(chunk)
+            cols = {k: v[rows] for k, v in holder.cols.items()}
+            if taken:
+                cols = _subtract(cols, taken)
+            if not len(cols["length"]):
+                continue
+            nbytes = int(cols["length"].sum())
+            local = np.stack([cols["local"], cols["length"], cols["local_dev"]], axis=1).astype(np.uint64)
+            remote = np.stack([cols["remote"], cols["length"], cols["remote_dev"]], axis=1).astype(np.uint64)
+            out.append(Transfer(holder.replica_id, local, remote, nbytes))
+            got += nbytes
+            if got >= need:
+                return out
+            taken = _union(taken, cols["r_off"], cols["length"])
+        return None
+
+    def missing(self, chunks: list[int], maps: list[HolderMap], limit: int = 4) -> str:
+        """What no holder in ``maps`` has of ``chunks``, in the manifest's terms."""
+        found: list[str] = []
+        for chunk in chunks:
+            lo = chunk * self.chunk_size
+            hi = lo + self.chunk_bytes(chunk)
+            have: list[tuple[int, int]] = []
+            for m in maps:
+                rows = m.rows(chunk)
+                have = _union(have, m.cols["r_off"][rows], m.cols["length"][rows])
+            for a, b in _gaps(lo, hi, have):
+                found.append(self._describe(a, b))
+                if len(found) >= limit:
+                    return "; ".join(found) + " (and more)"
+        return "; ".join(dict.fromkeys(found)) or "nothing"
+
+    def _describe(self, a: int, b: int) -> str:
+        """Reader bytes [a, b) as a range of the full tensor where one run holds them."""
+        p = int(np.searchsorted(self.part_base, a, side="right")) - 1
+        part = self.parts[p]
+        ea = (a - int(self.part_base[p])) // part.itemsize
+        eb = -(-(min(b, int(self.part_base[p + 1])) - int(self.part_base[p])) // part.itemsize)
+        run = int(np.searchsorted(part.runs.offset, ea, side="right")) - 1
+        start, offset, length = int(part.runs.start[run]), int(part.runs.offset[run]), int(part.runs.length[run])
+        if eb - offset <= length:  # inside one run: contiguous in the full tensor too
+            return f"{part.name} {describe_elements(part.shape, start + ea - offset, start + eb - offset)}"
+        return f"{part.name} (elements {ea}:{eb} of the requested region)"
+
+
+def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.ndarray]:
+    """Cut segments where ``cols[key]`` crosses a multiple of ``period``."""
+    x, n = cols[key], cols["length"]
+    first = x // period
+    pieces = (x + n - 1) // period - first + 1
+    if not len(x) or bool((pieces == 1).all()):
+        return cols
+    idx = np.repeat(np.arange(len(x)), pieces)
+    j = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    lo = np.maximum(x[idx], (first[idx] + j) * period)
+    hi = np.minimum(x[idx] + n[idx], (first[idx] + j + 1) * period)
+    shift = lo - x[idx]
+    out = {k: cols[k][idx] + shift for k in _SHIFTING}
+    out.update({k: cols[k][idx] for k in _FIXED})
+    out["length"] = hi - lo
+    return out
+
+
+def _subtract(cols: dict[str, np.ndarray], taken: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    """The parts of the segments outside the sorted, disjoint ``taken`` ranges."""
+    keep_idx: list[int] = []
+    keep_lo: list[int] = []
+    keep_hi: list[int] = []
+    t = 0
+    for i, (s, n) in enumerate(zip(cols["r_off"].tolist(), cols["length"].tolist())):
+        e = s + n
+        while t < len(taken) and taken[t][1] <= s:
+            t += 1
+        cur, k = s, t
+        while cur < e:
+            if k < len(taken) and taken[k][0] < e:
+                if taken[k][0] > cur:
+                    keep_idx.append(i), keep_lo.append(cur), keep_hi.append(taken[k][0])
+                cur = max(cur, taken[k][1])
+                k += 1
+            else:
+                keep_idx.append(i), keep_lo.append(cur), keep_hi.append(e)
+                cur = e
+    idx = np.array(keep_idx, np.int64)
+    lo = np.array(keep_lo, np.int64)
+    shift = lo - cols["r_off"][idx]
+    out = {k: cols[k][idx] + shift for k in _SHIFTING}
+    out.update({k: cols[k][idx] for k in _FIXED})
+    out["length"] = np.array(keep_hi, np.int64) - lo
+    return out
+
+
+def _union(ranges: list[tuple[int, int]], starts: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
+    merged = sorted([*ranges, *zip(starts.tolist(), (starts + lengths).tolist())])
+    out: list[tuple[int, int]] = []
+    for a, b in merged:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _gaps(lo: int, hi: int, have: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, cur = [], lo
+    for a, b in have:
+        if a > cur:
+            out.append((cur, min(a, hi)))
+        cur = max(cur, b)
+    if cur < hi:
+        out.append((cur, hi))
+    return [(a, b) for a, b in out if b > a]

@@ -1,0 +1,267 @@
+"""Regions, read layouts and the pull logic, against generated shard layouts.
+
+The pull tests run the real ``PullJob`` (planning, leases, failover) with a
+fake control plane and a fake transport that copies bytes with memmove inside
+this process: the seam is NIXL itself, which ``test_shards.py`` exercises
+across real processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import itertools
+import math
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tensorhub import InvalidRequest, ManifestMismatch, Shard, SourceLost
+from tensorhub.client.puller import PullJob
+from tensorhub.client.readlayout import ReadLayout, ReadPart
+from tensorhub.client.rpc import RemoteReplica, Resolved
+from tensorhub.manifest import Manifest, itemsize
+from tensorhub.planner import Source
+from tensorhub.regions import Region, gaps, overlap
+from tensorhub.topology import Labels
+from tensorhub.transport import MemoryKind, TransferFailed
+from tensorhub.transport.memory import regions_of
+
+# ---------------------------------------------------------------- regions
+
+
+def _random_region(rng: random.Random, shape: tuple[int, ...]) -> Region:
+    kind = rng.choice(["whole", "box", "flat", "rows", "cols"])
+    n = math.prod(shape)
+    if kind == "flat" and n:
+        a = rng.randrange(n)
+        return Region(flat=(a, rng.randint(a + 1, n)))
+    if kind == "rows" and shape and shape[0]:
+        a = rng.randrange(shape[0])
+        return Region.of(shape, rows=(a, rng.randint(a + 1, shape[0])))
+    if kind == "cols" and len(shape) >= 2 and shape[1]:
+        a = rng.randrange(shape[1])
+        return Region.of(shape, cols=(a, rng.randint(a + 1, shape[1])))
+    if kind == "box" and shape and all(shape):
+        box = []
+        for d in shape:
+            a = rng.randrange(d)
+            box.append((a, rng.randint(a + 1, d)))
+        return Region(box=tuple(box))
+    return Region()
+
+
+def _elements(region: Region, shape: tuple[int, ...]) -> torch.Tensor:
+    """Ground truth: the flat indices of the region, in local (row-major) order."""
+    index = torch.arange(math.prod(shape)).reshape(shape)
+    if region.flat is not None:
+        return index.flatten()[region.flat[0]:region.flat[1]]
+    return index[tuple(slice(a, b) for a, b in region.bounds(shape))].flatten()
+
+
+SHAPES = [(), (1,), (7,), (5, 3), (4, 1), (1, 6), (3, 4, 5), (2, 3, 1, 4), (0, 3)]
+
+
+def test_runs_list_exactly_the_region_elements_in_local_order():
+    rng = random.Random(1)
+    for shape, _ in itertools.product(SHAPES, range(30)):
+        region = _random_region(rng, shape)
+        if region.problem(shape):
+            continue
+        runs = region.runs(shape)
+        got = [s + i for s, n in zip(runs.start.tolist(), runs.length.tolist()) for i in range(n)]
+        assert got == _elements(region, shape).tolist(), (shape, region)
+        assert int(runs.length.sum()) == region.numel(shape)
+        assert list(runs.start) == sorted(runs.start)
+
+
+def test_overlap_and_gaps_match_set_arithmetic():
+    rng = random.Random(2)
+    for shape, _ in itertools.product([s for s in SHAPES if math.prod(s)], range(40)):
+        a, b = _random_region(rng, shape), _random_region(rng, shape)
+        ea, eb = _elements(a, shape).tolist(), _elements(b, shape).tolist()
+        ov = overlap(a.runs(shape), b.runs(shape))
+        pairs = {(s + i, oa + i, ob + i) for s, n, oa, ob in zip(ov.start, ov.length, ov.a, ov.b) for i in range(n)}
+        want = {(e, ea.index(e), eb.index(e)) for e in set(ea) & set(eb)}
+        assert pairs == want
+        holes = {e for lo, hi in gaps(math.prod(shape), [a.runs(shape), b.runs(shape)]) for e in range(lo, hi)}
+        assert holes == set(range(math.prod(shape))) - set(ea) - set(eb)
+
+
+def test_region_problems_name_the_dimension():
+    assert Region.of((10, 4), rows=(0, 11)).problem((10, 4)) == "dimension 0: [0:11) is empty, inverted or outside [0:10)"
+    assert "inverted" in Region(flat=(5, 5)).problem((10,))
+    assert "2 dimension(s)" in Region(box=((0, 1), (0, 1))).problem((3,))
+    with pytest.raises(ValueError, match="two dimensions"):
+        Region.of((5,), cols=(0, 1))
+
+
+def test_bad_shards_are_refused_naming_tensor_and_region():
+    m = Manifest.of({"w": torch.zeros(10, 4), "b": torch.zeros(4)})
+    cases = {
+        "w [0:11, 0:4]": {"w": Shard(torch.zeros(11, 4), (10, 4), rows=(0, 11)), "b": torch.zeros(4)},
+        "the local tensor has 12 elements, the region 8": {"w": Shard(torch.zeros(3, 4), (10, 4), rows=(0, 2)),
+                                                           "b": torch.zeros(4)},
+        "not contiguous": {"w": Shard(torch.zeros(4, 2).t(), (10, 4), rows=(0, 2)), "b": torch.zeros(4)},
+        "flat[3:3]": {"w": torch.zeros(10, 4), "b": Shard(torch.zeros(0), (4,), flat=(3, 3))},
+        "overlaps [0:5, 0:4]": {"w": [Shard(torch.zeros(5, 4), (10, 4), rows=(0, 5)),
+                                      Shard(torch.zeros(2, 4), (10, 4), rows=(4, 6))], "b": torch.zeros(4)},
+    }
+    for needle, entries in cases.items():
+        with pytest.raises(InvalidRequest, match="Nothing was registered or read") as err:
+            m.parts(entries, model="m", version=1)
+        assert needle in str(err.value), str(err.value)
+    with pytest.raises(InvalidRequest, match="not both|one of"):
+        Shard(torch.zeros(2, 4), (10, 4), rows=(0, 2), cols=(0, 4))
+    with pytest.raises(ManifestMismatch, match="w: version has float32\\[10, 4\\], destination torch.float32\\[12, 4\\]"):
+        m.parts({"w": Shard(torch.zeros(2, 4), (12, 4), rows=(0, 2)), "b": torch.zeros(4)}, model="m", version=1)
+
+
+# ---------------------------------------------------------------- pull logic with fakes
+
+
+class MemcpyTransport:
+    """Moves bytes with memmove in this process; ``fail`` makes a replica's reads raise."""
+
+    def __init__(self) -> None:
+        self.fail: set[str] = set()
+        self.reads: list[tuple[str, int]] = []
+
+    def connect(self, key: str, metadata: bytes) -> str:
+        return key
+
+    def read(self, remote, local, local_kind, remote_descs, remote_kind, *, deadline):
+        if remote in self.fail:
+            raise TransferFailed(remote, "peer is gone")
+        for (dst, n, _), (src, m, _) in zip(local.tolist(), remote_descs.tolist()):
+            assert n == m
+            ctypes.memmove(dst, src, n)
+        self.reads.append((remote, int(local[:, 1].sum())))
+
+    def forget(self, key: str) -> None:
+        pass
+
+
+class FakeControlPlane:
+    def __init__(self, resolved: Resolved) -> None:
+        self.resolved = resolved
+        self.lost: list[str] = []
+
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+        alive = tuple(r for r in self.resolved.replicas if r.source.replica_id not in self.lost)
+        return Resolved(model, self.resolved.version, self.resolved.manifest, alive)
+
+    def acquire_lease(self, agent_id, replica_ids):
+        return "lease", [r for r in replica_ids if r not in self.lost], 60.0
+
+    def renew_lease(self, agent_id, lease_id):
+        return 60.0
+
+    def release_lease_async(self, agent_id, lease_id):
+        pass
+
+    def report_lost(self, agent_id, replica_id, reason):
+        self.lost.append(replica_id)
+
+
+def _remote(rid: str, manifest: Manifest, parts: list[tuple[str, Region, torch.Tensor]], *,
+            origin: bool = True) -> RemoteReplica:
+    index = manifest.index()
+    _, mem = regions_of([t for _, _, t in parts])
+    regions = np.array([(m.addr, m.size, 0) for m in mem], np.uint64).reshape(-1, 3)
+    return RemoteReplica(Source(rid, rid, Labels("h0"), origin=origin), rid, MemoryKind.DRAM,
+                         tuple((index[n], r) for n, r, _ in parts), regions, b"", 1 << 20)
+
+
+def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[str, Region]], *,
+          chunk_size: int = 4096, transport: MemcpyTransport | None = None):
+    index = manifest.index()
+    dests = []
+    for name, region in want:
+        spec = manifest.tensors[index[name]]
+        dests.append(torch.full((region.numel(spec.shape),), -1, dtype=getattr(torch, spec.dtype)))
+    _, mem = regions_of(dests)
+    parts = [ReadPart(n, index[n], manifest.tensors[index[n]].shape, r.runs(manifest.tensors[index[n]].shape),
+                      itemsize(manifest.tensors[index[n]].dtype), m) for (n, r), m in zip(want, mem)]
+    transport = transport or MemcpyTransport()
+    plane = FakeControlPlane(Resolved("m", 1, manifest, tuple(replicas)))
+    with cf.ThreadPoolExecutor(2) as pool:
+        job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("h0"),
+                      resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, chunk_size),
+                      dest_kind=MemoryKind.DRAM, pool=pool, workers=2, chunk_timeout_s=5,
+                      deadline=time.monotonic() + 30)
+        stats = job.run()
+    return stats, dests, plane
+
+
+def _model(rng: random.Random) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(rng.randint(1, 4)):
+        shape = rng.choice([(37, 11), (8, 300), (1000,), (5, 6, 7), (64, 64)])
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
+        out[f"t{i}"] = (torch.randn(shape) * 100).to(dtype)
+    return out
+
+
+def _split(rng: random.Random, shape: tuple[int, ...], holders: int) -> list[Region]:
+    """Regions that together cover the tensor: rows, columns or flat ranges."""
+    kind = rng.choice(["rows", "flat"] + (["cols"] if len(shape) >= 2 else []))
+    dim = {"rows": shape[0], "cols": shape[1] if len(shape) > 1 else 0, "flat": math.prod(shape)}[kind]
+    cuts = sorted(set([0, dim, *(rng.randrange(1, dim) for _ in range(holders - 1))]))
+    return [Region.of(shape, **{kind: (a, b)}) for a, b in zip(cuts, cuts[1:])]
+
+
+def test_generated_shard_layouts_pull_byte_exact_and_count_each_byte_once():
+    rng = random.Random(3)
+    for trial in range(40):
+        full = _model(rng)
+        manifest = Manifest.of(full)
+        holders: dict[str, list] = {f"h{i}": [] for i in range(rng.randint(1, 4))}
+        for name, tensor in full.items():
+            regions = _split(rng, tuple(tensor.shape), len(holders))
+            if rng.random() < 0.3:  # replicated: every holder has it whole
+                regions = [Region()] * len(holders)
+            for rid, region in zip(itertools.cycle(holders), regions):
+                local = _elements(region, tuple(tensor.shape))
+                holders[rid].append((name, region, tensor.flatten()[local].contiguous()))
+        replicas = [_remote(rid, manifest, parts) for rid, parts in holders.items() if parts]
+        want = [(name, _random_region(rng, tuple(t.shape))) for name, t in full.items()]
+        stats, dests, _ = _pull(manifest, replicas, want, chunk_size=rng.choice([4096, 8192, 1 << 20]))
+        for (name, region), dest in zip(want, dests):
+            expected = full[name].flatten()[_elements(region, tuple(full[name].shape))]
+            assert torch.equal(dest, expected), (trial, name, region)
+        requested = sum(d.numel() * d.element_size() for d in dests)
+        assert stats.nbytes == requested
+        assert sum(stats.bytes_by_source.values()) == requested
+
+
+def test_a_whole_tensor_spanning_four_shards_reads_from_all_four():
+    full = {"w": torch.arange(1000 * 8, dtype=torch.float32).reshape(1000, 8)}
+    manifest = Manifest.of(full)
+    cuts = [0, 250, 500, 750, 1000]
+    replicas = [_remote(f"rank{i}", manifest, [("w", Region.of((1000, 8), rows=(a, b)), full["w"][a:b].contiguous())])
+                for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    stats, dests, _ = _pull(manifest, replicas, [("w", Region())], chunk_size=1 << 20)
+    assert torch.equal(dests[0].reshape(1000, 8), full["w"])
+    assert stats.bytes_by_source == {f"rank{i}": 250 * 8 * 4 for i in range(4)}
+
+
+def test_failover_to_another_holder_of_the_region_else_source_lost_names_it():
+    full = {"w": torch.arange(100 * 4, dtype=torch.float32).reshape(100, 4)}
+    manifest = Manifest.of(full)
+    top = ("w", Region.of((100, 4), rows=(0, 50)), full["w"][:50].contiguous())
+    bottom = ("w", Region.of((100, 4), rows=(50, 100)), full["w"][50:].contiguous())
+    transport = MemcpyTransport()
+    transport.fail = {"reader2"}  # a reader serving the bottom half ranks first for it, then dies
+    replicas = [_remote("rank0", manifest, [top]), _remote("rank1", manifest, [bottom]),
+                _remote("reader2", manifest, [bottom], origin=False)]
+    stats, dests, plane = _pull(manifest, replicas, [("w", Region())], transport=transport)
+    assert torch.equal(dests[0].reshape(100, 4), full["w"])
+    assert stats.bytes_by_source == {"rank0": 800, "rank1": 800} and plane.lost == ["reader2"]
+    transport = MemcpyTransport()
+    transport.fail = {"rank1"}
+    with pytest.raises(SourceLost, match="no remaining holder has w rows 50:100"):
+        _pull(manifest, replicas[:2], [("w", Region())], transport=transport)
