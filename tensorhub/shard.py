@@ -42,6 +42,27 @@ class Shard:
         except (ValueError, TypeError) as e:
             raise InvalidRequest(f"Shard of full shape {list(self.full_shape)}: {e}") from None
 
+    @classmethod
+    def of(cls, full: torch.Tensor, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+           box: Bounds | None = None, flat: tuple[int, int] | None = None) -> Shard:
+        """The region of ``full`` as a Shard: a view where the region is contiguous
+        in ``full`` (rows, flat ranges), else a contiguous copy (columns)."""
+        shape = tuple(full.shape)
+        try:
+            region = Region.of(shape, rows=rows, cols=cols, box=box, flat=flat)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(f"Shard of full shape {list(shape)}: {e}") from None
+        problem = region.problem(shape)
+        if problem:
+            raise InvalidRequest(f"Shard.of {list(shape)} {region.describe()}: {problem}")
+        if region.flat is not None:
+            local = full.reshape(-1)[region.flat[0]:region.flat[1]]
+        else:
+            local = full[tuple(slice(a, b) for a, b in region.bounds(shape))]
+        shard = cls.__new__(cls)
+        shard.tensor, shard.full_shape, shard.region = local.contiguous(), shape, region
+        return shard
+
     def __repr__(self) -> str:
         return f"Shard({self.tensor.dtype}{list(self.tensor.shape)} of {list(self.full_shape)} {self.region.describe()})"
 

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from tensorhub.manifest import DTYPES
+from tensorhub.manifest import DTYPES, Manifest
+from tensorhub.regions import Region
+from tensorhub.shard import Shard
 
 Spec = tuple[str, str, tuple[int, ...]]  # name, dtype name, shape
 
@@ -61,6 +63,48 @@ def make_tensors(specs: Sequence[Spec], seed: int) -> dict[str, torch.Tensor]:
 
 def empty_like_specs(specs: Sequence[Spec]) -> dict[str, torch.Tensor]:
     return {name: torch.zeros(shape, dtype=DTYPES[dtype]) for name, dtype, shape in specs}
+
+
+# --------------------------------------------------------------------- shard layouts
+
+
+def cuts(n: int, world: int, *, uneven: bool = True) -> list[int]:
+    """Boundaries splitting ``n`` over ``world`` ranks; uneven by default (rank i
+    gets a growing share, e.g. 1000 over 4: 142, 215, 285, 358); may be empty."""
+    if not uneven:
+        return [n * i // world for i in range(world + 1)]
+    return [n * i * (i + 3) // (world * (world + 3)) for i in range(world + 1)]
+
+
+def shard_region(shape: tuple[int, ...], how: str, rank: int, world: int) -> Region | None:
+    """Rank ``rank``'s part of a tensor split ``how`` ("rows", "cols", "flat" or
+    "whole" = replicated); None where the split leaves it nothing."""
+    if how == "whole" or not shape:
+        return Region() if how == "whole" or rank == 0 else None
+    if how == "cols" and len(shape) < 2:
+        how = "rows"
+    size = {"rows": shape[0], "cols": shape[1] if how == "cols" else 0, "flat": int(torch.Size(shape).numel())}[how]
+    a, b = cuts(size, world)[rank: rank + 2]
+    if a == b:
+        return None
+    return Region.of(shape, **{how: (a, b)})
+
+
+def read_region(shape: tuple[int, ...], index: int, read: str, rank: int, world: int) -> Region:
+    """What a reader asks of tensor number ``index``: "whole", "flat" (an even
+    flat slice), or "tp" (tensor parallel: rows of even-numbered tensors, columns
+    of odd-numbered ones, even splits; whole where a split leaves nothing)."""
+    if read == "whole" or not shape:
+        return Region()
+    how = "flat" if read == "flat" else ("cols" if index % 2 and len(shape) >= 2 else "rows")
+    size = {"rows": shape[0], "cols": shape[1] if how == "cols" else 0, "flat": int(torch.Size(shape).numel())}[how]
+    a, b = cuts(size, world, uneven=False)[rank: rank + 2]
+    return Region.of(shape, **{how: (a, b)}) if a < b else Region()
+
+
+def take(full: torch.Tensor, region: Region) -> torch.Tensor:
+    """The elements of ``region`` of ``full``, as a new contiguous tensor."""
+    return Shard.of(full, box=region.box, flat=region.flat).tensor.clone()
 
 
 # --------------------------------------------------------------------- hub process
@@ -108,17 +152,44 @@ def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, see
     return pub.manifest.fingerprint
 
 
+def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, how: str,
+                   rank: int, world: int, replicated: tuple[str, ...] = (), chunk_size: int | None = None) -> dict:
+    """Publish rank ``rank``'s regions of the seeded tensors, as one trainer rank would."""
+    full = make_tensors(specs, seed)
+    shards: dict[str, Shard] = {}
+    for name, tensor in full.items():
+        region = shard_region(tuple(tensor.shape), "whole" if name in replicated else how, rank, world)
+        if region is not None:
+            shards[name] = Shard.of(tensor, box=region.box, flat=region.flat)
+    pub = hub.publish(model, version, shards, manifest=Manifest.of(full), chunk_size=chunk_size)
+    held[(model, version)] = pub
+    return {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
+
+
 def _unpublish(hub: Any, held: dict, *, model: str, version: int, timeout: float = 60.0) -> dict:
     start = time.monotonic()
     held.pop((model, version)).unpublish(timeout)
     return {"start": start, "end": time.monotonic()}
 
 
+def _destination(specs: list, read: tuple[str, int, int] | None) -> tuple[dict, dict[str, Region]]:
+    if read is None:
+        return empty_like_specs(specs), {}
+    regions = {name: read_region(tuple(shape), i, *read) for i, (name, _, shape) in enumerate(specs)}
+    into = {name: Shard(torch.zeros(regions[name].numel(tuple(shape)), dtype=DTYPES[dtype]), tuple(shape),
+                        box=regions[name].box, flat=regions[name].flat)
+            for name, dtype, shape in specs}
+    return into, regions
+
+
 def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: list | None = None,
-          expect_seed: int | None = None, serve: bool = False, pace_s: float = 0.0, group: str = "",
-          group_round: int = 0, timeout: float | None = None, progress_file: str | None = None) -> dict:
-    into = empty_like_specs(specs) if specs is not None else None
-    ptrs = {k: v.data_ptr() for k, v in into.items()} if into else {}
+          expect_seed: int | str | None = None, serve: bool = False, pace_s: float = 0.0, group: str = "",
+          group_round: int = 0, timeout: float | None = None, progress_file: str | None = None,
+          read: tuple[str, int, int] | None = None) -> dict:
+    """``read``: ("tp" | "flat" | "whole", rank, world) pulls that slice (see read_region).
+    ``expect_seed="version"``: the publisher seeded each version with its number."""
+    into, regions = _destination(specs, read) if specs is not None else (None, {})
+    ptrs = {k: (v.tensor if isinstance(v, Shard) else v).data_ptr() for k, v in into.items()} if into else {}
 
     def pace(done: int, total: int) -> None:
         if progress_file:  # lets a test act at a known point of the pull
@@ -136,10 +207,25 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
     if expect_seed is not None and specs is not None:
-        expected = make_tensors(specs, expect_seed)
-        bad = [k for k in expected if not torch.equal(result.tensors[k], expected[k])]
-        out["mismatched"] = bad
+        expected = make_tensors(specs, result.version if expect_seed == "version" else expect_seed)
+        if regions:
+            expected = {k: take(v, regions[k]) for k, v in expected.items()}
+        out["mismatched"] = [k for k in expected if not torch.equal(result.tensors[k].flatten(), expected[k].flatten())]
     return out
+
+
+def _pull_latest_loop(hub: Any, held: dict, *, model: str, specs: list, times: int,
+                      read: tuple[str, int, int] | None = None) -> dict:
+    """Pull ``latest`` again and again; every result must equal the version it
+    claims (published with seed = version): no hole, no mix of two versions."""
+    versions: dict[int, int] = {}
+    bad: list[tuple[int, list[str]]] = []
+    for _ in range(times):
+        got = _pull(hub, held, model=model, specs=specs, expect_seed="version", read=read)
+        versions[got["version"]] = versions.get(got["version"], 0) + 1
+        if got["mismatched"]:
+            bad.append((got["version"], got["mismatched"][:5]))
+    return {"versions": versions, "bad": bad}
 
 
 def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) -> int:
@@ -171,8 +257,13 @@ def _versions(hub: Any, held: dict, *, model: str) -> list[int]:
     return hub.versions(model)
 
 
-_HANDLERS = {"publish": _publish, "unpublish": _unpublish, "pull": _pull, "latest": _latest, "versions": _versions,
-             "overwrite": _overwrite}
+def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeout: float = 60.0) -> int:
+    return hub.wait_for_version(model, at_least, timeout)
+
+
+_HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "unpublish": _unpublish, "pull": _pull,
+             "pull_latest_loop": _pull_latest_loop, "latest": _latest, "versions": _versions,
+             "overwrite": _overwrite, "wait_for_version": _wait_for_version}
 
 
 class HubProcess:

@@ -98,11 +98,14 @@ class NixlAgent:
 
     def connect(self, key: str, metadata: bytes) -> str:
         """Load a remote agent's metadata once per ``key`` (a replica id);
-        returns the remote agent's name."""
+        returns the remote agent's name. TransferFailed if it cannot be reached."""
         with self._lock:
             name = self._remotes.get(key)
             if name is None:
-                raw = self._agent.add_remote_agent(metadata)
+                try:
+                    raw = self._agent.add_remote_agent(metadata)
+                except Exception as e:  # its endpoint is gone (process died, link cut)
+                    raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 self._remotes[key] = name
             return name
