@@ -163,6 +163,7 @@ def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: lis
             shards[name] = Shard.of(tensor, box=region.box, flat=region.flat)
     pub = hub.publish(model, version, shards, manifest=Manifest.of(full), chunk_size=chunk_size)
     held[(model, version)] = pub
+    held[("tensors", model, version)] = (specs, full)  # row shards are views of these: see _overwrite
     return {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
 
 

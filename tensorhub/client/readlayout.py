@@ -155,12 +155,12 @@ class ReadLayout:
         next one what is still missing. None if together they miss some bytes."""
         need = self.chunk_bytes(chunk)
         out: list[Transfer] = []
-        taken: list[tuple[int, int]] = []  # reader byte ranges already planned, sorted
+        taken = _no_ranges()  # reader byte ranges already planned
         got = 0
         for holder in ranked:
             rows = holder.rows(chunk)
             cols = {k: v[rows] for k, v in holder.cols.items()}
-            if taken:
+            if len(taken[0]):
                 cols = _subtract(cols, taken)
             if not len(cols["length"]):
                 continue
@@ -180,7 +180,7 @@ class ReadLayout:
         for chunk in chunks:
             lo = chunk * self.chunk_size
             hi = lo + self.chunk_bytes(chunk)
-            have: list[tuple[int, int]] = []
+            have = _no_ranges()
             for m in maps:
                 rows = m.rows(chunk)
                 have = _union(have, m.cols["r_off"][rows], m.cols["length"][rows])
@@ -221,49 +221,63 @@ def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.nda
     return out
 
 
-def _subtract(cols: dict[str, np.ndarray], taken: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-    """The parts of the segments outside the sorted, disjoint ``taken`` ranges."""
-    keep_idx: list[int] = []
-    keep_lo: list[int] = []
-    keep_hi: list[int] = []
-    t = 0
-    for i, (s, n) in enumerate(zip(cols["r_off"].tolist(), cols["length"].tolist())):
-        e = s + n
-        while t < len(taken) and taken[t][1] <= s:
-            t += 1
-        cur, k = s, t
-        while cur < e:
-            if k < len(taken) and taken[k][0] < e:
-                if taken[k][0] > cur:
-                    keep_idx.append(i), keep_lo.append(cur), keep_hi.append(taken[k][0])
-                cur = max(cur, taken[k][1])
+Ranges = tuple[np.ndarray, np.ndarray]  # sorted, disjoint [start, end) byte ranges
+
+
+def _no_ranges() -> Ranges:
+    return np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+
+def _subtract(cols: dict[str, np.ndarray], taken: Ranges) -> dict[str, np.ndarray]:
+    """The parts of the segments outside the ``taken`` ranges."""
+    ts, te = taken
+    s = cols["r_off"]
+    e = s + cols["length"]
+    nxt = np.searchsorted(te, s, side="right")  # first taken range ending after the segment starts
+    clear = (nxt >= len(ts)) | (ts[np.minimum(nxt, len(ts) - 1)] >= e)
+    if bool(clear.all()):  # disjoint holders (the usual shard layout): nothing to cut
+        return cols
+    keep_idx, keep_lo, keep_hi = np.nonzero(clear)[0].tolist(), s[clear].tolist(), e[clear].tolist()
+    for i in np.nonzero(~clear)[0].tolist():
+        cur, end, k = int(s[i]), int(e[i]), int(nxt[i])
+        while cur < end:
+            if k < len(ts) and ts[k] < end:
+                if ts[k] > cur:
+                    keep_idx.append(i), keep_lo.append(cur), keep_hi.append(int(ts[k]))
+                cur = max(cur, int(te[k]))
                 k += 1
             else:
-                keep_idx.append(i), keep_lo.append(cur), keep_hi.append(e)
-                cur = e
+                keep_idx.append(i), keep_lo.append(cur), keep_hi.append(end)
+                cur = end
     idx = np.array(keep_idx, np.int64)
     lo = np.array(keep_lo, np.int64)
-    shift = lo - cols["r_off"][idx]
+    order = np.argsort(lo, kind="stable")
+    idx, lo, hi = idx[order], lo[order], np.array(keep_hi, np.int64)[order]
+    shift = lo - s[idx]
     out = {k: cols[k][idx] + shift for k in _SHIFTING}
     out.update({k: cols[k][idx] for k in _FIXED})
-    out["length"] = np.array(keep_hi, np.int64) - lo
+    out["length"] = hi - lo
     return out
 
 
-def _union(ranges: list[tuple[int, int]], starts: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
-    merged = sorted([*ranges, *zip(starts.tolist(), (starts + lengths).tolist())])
-    out: list[tuple[int, int]] = []
-    for a, b in merged:
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
+def _union(ranges: Ranges, starts: np.ndarray, lengths: np.ndarray) -> Ranges:
+    """``ranges`` joined with the ranges [start, start + length)."""
+    lo = np.concatenate([ranges[0], starts])
+    hi = np.concatenate([ranges[1], starts + lengths])
+    if not len(lo):
+        return _no_ranges()
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    first = np.ones(len(lo), bool)
+    first[1:] = lo[1:] > reach[:-1]
+    heads = np.nonzero(first)[0]
+    return lo[heads], np.maximum.reduceat(hi, heads)
 
 
-def _gaps(lo: int, hi: int, have: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _gaps(lo: int, hi: int, have: Ranges) -> list[tuple[int, int]]:
     out, cur = [], lo
-    for a, b in have:
+    for a, b in zip(have[0].tolist(), have[1].tolist()):
         if a > cur:
             out.append((cur, min(a, hi)))
         cur = max(cur, b)

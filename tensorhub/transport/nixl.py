@@ -35,7 +35,7 @@ _ENV_DEFAULTS = (("NIXL_LOG_LEVEL", "WARN"), ("UCX_TCP_KEEPIDLE", "1s"), ("UCX_T
                  ("UCX_TCP_KEEPCNT", "3"), ("UCX_TCP_USER_TIMEOUT", "5s"))
 
 
-def _nixl_api():  # type: ignore[no-untyped-def]
+def nixl_api():  # type: ignore[no-untyped-def]
     """NIXL's API module, imported on first use, after the environment defaults."""
     for key, value in _ENV_DEFAULTS:
         os.environ.setdefault(key, value)
@@ -68,7 +68,7 @@ class NixlAgent:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        api = _nixl_api()
+        api = nixl_api()
         self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         self._lock = threading.Lock()  # guards the remote-agent table
         self._remotes: dict[str, str] = {}  # metadata key -> remote agent name

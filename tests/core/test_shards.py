@@ -10,13 +10,13 @@ import time
 import pytest
 
 from tensorhub.manifest import itemsize
-from tensorhub.testing import RemoteError, mixed_specs, read_region, wait_for_progress
+from tensorhub.testing import HubProcess, RemoteError, mixed_specs, read_region, wait_for_progress
 
 SPECS = [*mixed_specs(98, largest_bytes=1 << 20), ("big.rows", "bfloat16", (1000, 64)), ("norm", "float32", (64,))]
 REPLICATED = ("norm",)
 
 
-def _bytes(specs, read=None) -> int:  # noqa: ANN001
+def _bytes(specs, read=None) -> int:
     total = 0
     for i, (_, dtype, shape) in enumerate(specs):
         region = read_region(tuple(shape), i, *read) if read else None
@@ -25,11 +25,11 @@ def _bytes(specs, read=None) -> int:  # noqa: ANN001
     return total
 
 
-def _publishers(hubs, world: int, **config):  # noqa: ANN001, ANN202
+def _publishers(hubs, world: int, **config):
     return [hubs(f"rank{r}", **config) for r in range(world)]
 
 
-def _publish(ranks, version: int, how: str, specs=SPECS, only=None, **kw):  # noqa: ANN001, ANN202
+def _publish(ranks, version: int, how: str, specs=SPECS, only=None, **kw):
     world = len(ranks)
     return [rank.call("publish_shard", model="m", version=version, specs=specs, seed=version, how=how, rank=r,
                       world=world, replicated=REPLICATED, **kw)
@@ -89,6 +89,13 @@ def test_version_is_invisible_until_the_last_shard_and_latest_never_has_a_hole(h
     assert set(looped["versions"]) <= {1, 2} and sum(looped["versions"].values()) == 200
     assert waiter.result(timeout=60) == 2
 
+    # One rank withdraws its shard of version 2: the version has a hole again.
+    ranks[3].call("unpublish", model="m", version=2)
+    assert reader.call("versions", model="m") == [1]
+    with pytest.raises(RemoteError) as err:
+        reader.call("pull", model="m", version=2, specs=specs)
+    assert err.value.type_name == "VersionNotFound" and "largest elements 168521:262144" in err.value.message
+
 
 def test_shard_holder_killed_mid_pull_names_the_region_or_fails_over_to_a_reader(hubs, tmp_path):
     big = [("w", "float32", (8192, 1024))]  # 32 MiB, 32 chunks of 1 MiB
@@ -128,3 +135,18 @@ def test_a_tp_reader_serves_exactly_its_slice_to_the_same_rank_of_the_next_engin
     second = hubs("engine1-tp0")
     got = second.call("pull", model="m", version=1, specs=SPECS, read=read, expect_seed=1)
     assert got["mismatched"] == [] and got["sources"] == {"engine0-tp0": _bytes(SPECS, read)}
+
+
+def test_retention_keeps_the_latest_version_whole_across_shard_holders(retaining_server):
+    specs = SPECS[:10] + SPECS[-2:]
+    address = retaining_server.address
+    with HubProcess(address, name="rank0") as rank0, HubProcess(address, name="rank1") as rank1, \
+            HubProcess(address, name="reader") as reader:
+        ranks = [rank0, rank1]
+        _publish(ranks, 1, "rows", specs=specs)
+        for rank in ranks:  # each rank unpublishes and reuses its memory (the optimizer step)
+            rank.call("unpublish", model="m", version=1)
+            rank.call("overwrite", model="m", version=1, seed=99)
+        got = reader.call("pull", model="m", specs=specs, expect_seed=1)
+        assert got["version"] == 1 and got["mismatched"] == [], "each rank's host copy keeps its region"
+        assert set(got["sources"]) == {"rank0", "rank1"}
