@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   - embedded reference server, one publisher, two readers
+#   make demo   - embedded reference server, two trainer ranks (shards), two rollouts
 #   make test   - every test suite, each in the environment it needs
 # Each target creates or refreshes its own virtual environment.
 

@@ -29,7 +29,8 @@ def _bench_pull(args: argparse.Namespace) -> int:
     from tensorhub.bench.payload import parse_size
 
     for readers in args.readers:
-        cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, reps=args.reps,
+        cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, publishers=args.publishers,
+                                   reader_slice=args.reader_slice, reps=args.reps,
                                    chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers)
         json_path = args.json if len(args.readers) == 1 else (args.json and args.json.replace(".json", f"-r{readers}.json"))
         pull.run(cfg, json_path=json_path)
@@ -47,7 +48,11 @@ def _demo(args: argparse.Namespace) -> int:
     from tensorhub import demo
     from tensorhub.bench.payload import parse_size
 
-    return demo.run(size=parse_size(args.size), versions=args.versions, readers=args.readers)
+    if min(args.versions, args.readers, args.trainer_ranks) < 1:
+        print("tensorhub demo: --versions, --readers and --trainer-ranks must each be at least 1", file=sys.stderr)
+        return 2
+    return demo.run(size=parse_size(args.size), versions=args.versions, readers=args.readers,
+                    trainer_ranks=args.trainer_ranks)
 
 
 def _readers(text: str) -> list[int]:
@@ -75,10 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "0 turns retention off (default 1)")
     server.set_defaults(func=_server)
 
-    demo = sub.add_parser("demo", help="embedded server, one publisher, readers pulling new versions")
+    demo = sub.add_parser("demo", help="embedded server, trainer ranks publishing shards, rollouts pulling new versions")
     demo.add_argument("--size", default="256MiB", help="bytes per version (default 256MiB)")
     demo.add_argument("--versions", type=int, default=4, help="versions to publish (default 4)")
-    demo.add_argument("--readers", type=int, default=2, help="reader processes (default 2)")
+    demo.add_argument("--trainer-ranks", type=int, default=2,
+                      help="trainer rank processes, each publishing only its rows (default 2)")
+    demo.add_argument("--readers", type=int, default=2,
+                      help="rollout processes; even ones pull whole tensors, odd ones a TP=2 slice (default 2)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks against baselines run in the same process tree")
@@ -86,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     pull = bench_sub.add_parser("pull", help="TensorHub pull vs raw NIXL READ of the same bytes")
     pull.add_argument("--size", default="1GiB", help="bytes per version (default 1GiB)")
     pull.add_argument("--readers", type=_readers, default=[1], help="reader processes, or a list like 1,2,4")
+    pull.add_argument("--publishers", type=int, default=1,
+                      help="publisher processes, each holding its rows of every tensor (default 1: the whole model)")
+    pull.add_argument("--reader-slice", choices=["whole", "tp2"], default="whole",
+                      help="what each reader pulls: whole tensors, or TP rank 0 of 2 (rows of half the matrices, "
+                           "columns of the other half)")
     pull.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
     pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
     pull.add_argument("--read-workers", type=int, default=2, help="chunk reads in flight per reader")

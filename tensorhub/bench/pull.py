@@ -1,13 +1,21 @@
-"""``tensorhub bench pull``: one publisher process, R reader processes, and the
-same bytes moved two ways in the same run:
+"""``tensorhub bench pull``: P publisher processes (a trainer's ranks, each
+holding its rows of every tensor), R reader processes, and the same bytes moved
+two ways in the same run:
 
-* ``nixl-raw``: each reader READs the publisher's whole buffer with one NIXL
-  descriptor (no server, no chunks): the best NIXL alone can do here;
-* ``tensorhub``: each reader pulls the version (the buffer published as a
-  state dict of views) into preallocated tensors through the hub.
+* ``nixl-raw``: each reader READs the bytes it needs straight out of the
+  publishers' buffers, one descriptor per publisher, all in flight at once (no
+  server, no chunks, no regions): the best NIXL alone can do here;
+* ``tensorhub``: each reader pulls the version through the hub into
+  preallocated tensors: whole tensors, or with ``--reader-slice tp2`` the TP
+  rank 0 of 2 slice (rows of half the matrices, columns of the other half).
 
 Methods alternate within each repetition so machine noise hits both alike.
 A last row measures the latency of pulling a 4 KiB single-tensor version.
+
+    publisher 0..P-1 ── own rows, registered in place ──┐
+                                                        ├── nixl-raw: READ the same byte count
+    reference server ◀── publish shards / resolve ──────┤
+                                                        └── tensorhub: pull whole / tp2 into views
 """
 
 from __future__ import annotations
@@ -24,69 +32,137 @@ from tensorhub.bench.report import Row, print_table, write_json
 
 MODEL, SMALL = "bench/model", "bench/small"
 SMALL_BYTES = 4096
+SLICES = ("whole", "tp2")
 
 
 @dataclass(kw_only=True, slots=True)
 class PullBenchConfig:
     size: int = 1 << 30
     readers: int = 1
+    publishers: int = 1
+    reader_slice: str = "whole"  # or "tp2": TP rank 0 of 2
     reps: int = 5
     warmup: int = 1
     latency_pulls: int = 50
     chunk_size: int = 32 << 20
     read_workers: int = 2
 
+    def __post_init__(self) -> None:
+        if self.reader_slice not in SLICES:
+            raise ValueError(f"reader slice {self.reader_slice!r} is not one of {', '.join(SLICES)}")
+        if self.publishers < 1 or self.readers < 1:
+            raise ValueError("--publishers and --readers must be >= 1")
 
-def _publisher(conn, address: str, cfg: PullBenchConfig) -> None:
+
+def _model(size: int):
+    from tensorhub.bench.payload import layout, pattern, shaped, views
+
+    return shaped(views(pattern(size, seed=1).clone(), layout(size)))
+
+
+def _publisher(conn, address: str, cfg: PullBenchConfig, rank: int) -> None:
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config
 
-    from tensorhub import Hub
-    from tensorhub.bench.payload import layout, pattern, views
+    from tensorhub import Hub, Manifest, Shard
+    from tensorhub.bench.payload import row_region
+    from tensorhub.transport.nixl import nixl_api
 
     torch.set_num_threads(1)
-    flat = pattern(cfg.size, seed=1).clone()
-    raw = nixl_agent(f"raw-pub-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
-    raw.register_memory(flat)
-    with Hub.connect(address, name="publisher", chunk_size=cfg.chunk_size) as hub:
-        hub.publish(MODEL, 1, views(flat, layout(cfg.size)))
-        hub.publish(SMALL, 1, {"x": torch.ones(SMALL_BYTES // 4)})
-        conn.send((raw.get_agent_metadata(), flat.data_ptr(), cfg.size))
+    full = _model(cfg.size)
+    manifest = Manifest.of(full)
+    if cfg.publishers == 1:  # the whole model in one buffer, as a single trainer holds it
+        tensors: dict = full
+        own = next(iter(full.values())).untyped_storage()
+        own_addr, own_bytes = own.data_ptr(), cfg.size
+    else:  # this rank's rows of every tensor, back to back in its own buffer
+        regions = {n: row_region(tuple(t.shape), rank, cfg.publishers) for n, t in full.items()}
+        regions = {n: r for n, r in regions.items() if r is not None}
+        sizes = {n: r.numel(tuple(full[n].shape)) * full[n].element_size() for n, r in regions.items()}
+        buffer = torch.empty(sum(sizes.values()), dtype=torch.uint8)
+        tensors, offset = {}, 0
+        for name, region in regions.items():
+            t = full[name]
+            src = Shard.of(t, box=region.box, flat=region.flat)
+            local = buffer[offset: offset + sizes[name]].view(t.dtype).view(src.tensor.shape)
+            local.copy_(src.tensor)
+            tensors[name] = Shard(local, tuple(t.shape), box=region.box, flat=region.flat)
+            offset += sizes[name]
+        del full, src
+        own_addr, own_bytes = buffer.data_ptr(), buffer.numel()
+    api = nixl_api()  # with the same environment defaults as the hub's agents
+    raw = api.nixl_agent(f"raw-pub-{rank}-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    raw.register_memory([(own_addr, own_bytes, 0, "")], "DRAM")
+    with Hub.connect(address, name=f"publisher-{rank}", chunk_size=cfg.chunk_size) as hub:
+        hub.publish(MODEL, 1, tensors, manifest=manifest)
+        if rank == 0:
+            hub.publish(SMALL, 1, {"x": torch.ones(SMALL_BYTES // 4)})
+        conn.send((raw.get_agent_metadata(), own_addr, own_bytes))
         conn.recv()  # stop
 
 
-def _reader(conn, address: str, cfg: PullBenchConfig, raw_info: tuple[bytes, int, int], index: int) -> None:
+def _destination(cfg: PullBenchConfig):
+    """(flat buffer, into, expected bytes) for this reader's slice."""
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config
+
+    from tensorhub import Shard
+    from tensorhub.bench.payload import layout, tp_region, views
+
+    full = _model(cfg.size)
+    if cfg.reader_slice == "whole":
+        flat = torch.zeros(cfg.size, dtype=torch.uint8)
+        return flat, {n: v.view(full[n].shape) for n, v in views(flat, layout(cfg.size)).items()}, None
+    wanted = {n: tp_region(tuple(t.shape), i, 0, 2) for i, (n, t) in enumerate(full.items())}
+    pieces = {n: Shard.of(full[n], box=r.box, flat=r.flat).tensor for n, r in wanted.items()}
+    expected = torch.cat([p.reshape(-1).view(torch.uint8) for p in pieces.values()])
+    flat = torch.zeros_like(expected)
+    into, offset = {}, 0
+    for name, piece in pieces.items():
+        nbytes = piece.numel() * piece.element_size()
+        local = flat[offset: offset + nbytes].view(piece.dtype).view(piece.shape)
+        into[name] = Shard(local, tuple(full[name].shape), box=wanted[name].box, flat=wanted[name].flat)
+        offset += nbytes
+    return flat, into, expected
+
+
+def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: int) -> None:
+    import torch
 
     from tensorhub import Hub
-    from tensorhub.bench.payload import layout, pattern, views
+    from tensorhub.bench.payload import pattern
+    from tensorhub.transport.nixl import nixl_api
 
     torch.set_num_threads(1)
-    metadata, remote_addr, size = raw_info
-    dest = torch.zeros(size, dtype=torch.uint8)  # touched once, reused: no page faults in the timing
-    into = views(dest, layout(size))
+    dest, into, expected = _destination(cfg)  # touched once, reused: no page faults in the timing
+    if expected is None:
+        expected = pattern(cfg.size, seed=1)
     small = {"x": torch.zeros(SMALL_BYTES // 4)}
-    raw = nixl_agent(f"raw-reader-{index}-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+    api = nixl_api()
+    raw = api.nixl_agent(f"raw-reader-{index}-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
     raw.register_memory(dest)
-    remote = raw.add_remote_agent(metadata)
-    remote = remote.decode() if isinstance(remote, bytes) else remote
-    local_descs = raw.get_xfer_descs(dest)
-    remote_descs = raw.get_xfer_descs([(remote_addr, size, 0)], "DRAM")
-    expected = pattern(size, seed=1)
+    # Raw NIXL moves the same byte count: the same share of every publisher's buffer.
+    requested, offset, reads = dest.numel(), 0, []
+    for i, (metadata, addr, nbytes) in enumerate(raw_infos):
+        share = requested - offset if i == len(raw_infos) - 1 else nbytes * requested // cfg.size
+        remote = raw.add_remote_agent(metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        reads.append((raw.get_xfer_descs([(dest.data_ptr() + offset, share, 0)], "DRAM"),
+                      raw.get_xfer_descs([(addr, share, 0)], "DRAM"), remote))
+        offset += share
+    exact_raw = len(raw_infos) == 1 and cfg.reader_slice == "whole"  # raw bytes land where tensorhub's do
 
     def raw_read() -> None:
-        handle = raw.initialize_xfer("READ", local_descs, remote_descs, remote)
-        state = raw.transfer(handle)
+        handles = [raw.initialize_xfer("READ", local, remote, peer) for local, remote, peer in reads]
+        states = [raw.transfer(h) for h in handles]
         deadline = time.monotonic() + 60
-        while state != "DONE":
-            if state == "ERR" or time.monotonic() > deadline:
-                raise RuntimeError(f"raw NIXL READ failed: {state}")
-            state = raw.check_xfer_state(handle)
-        raw.release_xfer_handle(handle)
+        while any(s != "DONE" for s in states):
+            if "ERR" in states or time.monotonic() > deadline:
+                raise RuntimeError(f"raw NIXL READ failed: {states}")
+            states = [s if s == "DONE" else raw.check_xfer_state(h) for s, h in zip(states, handles)]
+        for h in handles:
+            raw.release_xfer_handle(h)
 
     with Hub.connect(address, name=f"reader-{index}", read_workers=cfg.read_workers) as hub:
-        conn.send("ready")
+        conn.send(("ready", requested))
         while True:
             cmd, arg = conn.recv()
             if cmd == "stop":
@@ -99,7 +175,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_info: tuple[bytes, int
                     samples.append(time.perf_counter() - t0)
                 conn.send(samples)
                 continue
-            dest.zero_() if cmd == "verify" else None
+            dest.zero_() if cmd.startswith("verify") else None
             while time.monotonic() < arg:  # common start instant for all readers
                 time.sleep(0.0005)
             start = time.monotonic()
@@ -108,7 +184,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_info: tuple[bytes, int
             else:
                 hub.pull(MODEL, 1, into=into)
             end = time.monotonic()
-            ok = torch.equal(dest, expected) if cmd.startswith("verify") else True
+            ok = torch.equal(dest, expected) if cmd == "verify" or (cmd == "verify-raw" and exact_raw) else True
             conn.send((start, end, ok))
 
 
@@ -120,22 +196,30 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
     rows: list[Row] = []
     with EmbeddedServer() as server, Progress(disable=quiet, transient=True) as progress:
         task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * 2 + 2)
-        pub_conn, child = ctx.Pipe()
-        publisher = ctx.Process(target=_publisher, args=(child, server.address, cfg), daemon=True)
-        publisher.start()
-        if not pub_conn.poll(120):
-            raise RuntimeError("the benchmark publisher did not start within 120 s")
-        raw_info = pub_conn.recv()
+        pub_conns, publishers = [], []
+        for rank in range(cfg.publishers):
+            pub_conn, child = ctx.Pipe()
+            publisher = ctx.Process(target=_publisher, args=(child, server.address, cfg, rank), daemon=True)
+            publisher.start()
+            pub_conns.append(pub_conn)
+            publishers.append(publisher)
+        raw_infos = []
+        for pub_conn in pub_conns:
+            if not pub_conn.poll(180):
+                raise RuntimeError("a benchmark publisher did not start within 180 s")
+            raw_infos.append(pub_conn.recv())
         conns, procs = [], []
         for i in range(cfg.readers):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_reader, args=(child, server.address, cfg, raw_info, i), daemon=True)
+            proc = ctx.Process(target=_reader, args=(child, server.address, cfg, raw_infos, i), daemon=True)
             proc.start()
             conns.append(conn)
             procs.append(proc)
+        requested = cfg.size
         for conn in conns:
-            if not conn.poll(120) or conn.recv() != "ready":
-                raise RuntimeError("a benchmark reader did not start within 120 s")
+            if not conn.poll(180):
+                raise RuntimeError("a benchmark reader did not start within 180 s")
+            _, requested = conn.recv()
 
         def round_(cmd: str) -> float:
             start_at = time.monotonic() + 0.05
@@ -164,26 +248,33 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
                 if rep >= cfg.warmup:
                     samples[method].append(seconds)
                 progress.advance(task)
+        shape = {"publishers": cfg.publishers, "requested_bytes": requested, "model_bytes": cfg.size,
+                 "reader_slice": cfg.reader_slice}
         for method, values in samples.items():
-            rows.append(Row.of(method, cfg.readers, cfg.size, values))
+            rows.append(Row.of(method, cfg.readers, requested, values, **shape))
         progress.update(task, description="4 KiB latency")
         conns[0].send(("latency", cfg.latency_pulls))
         latency = conns[0].recv()
-        rows.append(Row.of("tensorhub", 1, SMALL_BYTES, latency, latency_p90=sorted(latency)[int(0.9 * len(latency))]))
+        rows.append(Row.of("tensorhub", 1, SMALL_BYTES, latency, latency_p90=sorted(latency)[int(0.9 * len(latency))],
+                           publishers=1, requested_bytes=SMALL_BYTES))
         for conn in conns:
             conn.send(("stop", None))
-        pub_conn.send("stop")
-        for proc in [*procs, publisher]:
+        for pub_conn in pub_conns:
+            pub_conn.send("stop")
+        for proc in [*procs, *publishers]:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
     if not quiet:
-        print_table(f"pull {cfg.size:,} bytes, {cfg.readers} reader(s), median of {cfg.reps}", rows,
-                    {"tensorhub": "nixl-raw"})
-        th = next(r for r in rows if r.method == "tensorhub" and r.bytes == cfg.size)
+        print_table(f"pull {requested:,} of {cfg.size:,} bytes ({cfg.reader_slice}) from {cfg.publishers} "
+                    f"publisher(s), {cfg.readers} reader(s), median of {cfg.reps}", rows, {"tensorhub": "nixl-raw"})
+        th = next(r for r in rows if r.method == "tensorhub" and r.bytes == requested)
         raw = next(r for r in rows if r.method == "nixl-raw")
         print(f"tensorhub / nixl-raw throughput: {raw.seconds / th.seconds:.2f}x (goal >= 0.8); "
-              f"4 KiB pull latency: {statistics.median(latency) * 1e3:.2f} ms (goal <= 5 ms)")
+              f"bytes read / model bytes: {requested / cfg.size:.3f}"
+              + (" (goal <= 0.55)" if cfg.reader_slice == "tp2" else "")
+              + f"; 4 KiB pull latency: {statistics.median(latency) * 1e3:.2f} ms (goal <= 5 ms)")
     if json_path:
-        write_json(json_path, rows, benchmark="pull", chunk_size=cfg.chunk_size, read_workers=cfg.read_workers)
+        write_json(json_path, rows, benchmark="pull", chunk_size=cfg.chunk_size, read_workers=cfg.read_workers,
+                   publishers=cfg.publishers, reader_slice=cfg.reader_slice)
     return rows

@@ -1,8 +1,10 @@
-"""The committed gRPC stubs, the command line, and the benchmark's output."""
+"""The committed gRPC stubs, the command line, the demo and the benchmark's output."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,46 @@ def test_bench_pull_writes_rows_for_both_methods(tmp_path):
     for row in rows:
         assert set(row) >= {"method", "readers", "bytes", "seconds", "gbps"} and row["seconds"] > 0
     assert "tensorhub / nixl-raw throughput" in proc.stdout
+
+
+def test_bench_pull_from_shard_holders_reads_only_the_tp_slice(tmp_path):
+    out = tmp_path / "pull.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorhub.cli", "bench", "pull", "--size", "16MiB", "--reps", "1", "--publishers", "2",
+         "--reader-slice", "tp2", "--chunk-size", "4MiB", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["publishers"] == 2 and data["reader_slice"] == "tp2"
+    big = [r for r in data["results"] if r["bytes"] != 4096]
+    assert {r["method"] for r in big} == {"nixl-raw", "tensorhub"}
+    for row in big:
+        assert row["publishers"] == 2 and row["requested_bytes"] == row["bytes"]
+        assert 0.4 * (16 << 20) < row["requested_bytes"] <= 0.55 * (16 << 20)
+    assert "bytes read / model bytes" in proc.stdout
+
+
+def test_demo_trainer_ranks_publish_shards_and_every_pull_is_verified():
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorhub.cli", "demo", "--size", "8MiB", "--versions", "2"],
+        check=False, capture_output=True, text=True, timeout=400,
+        env={**os.environ, "COLUMNS": "200"},  # wide enough that no table row wraps
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    for version in (1, 2):
+        for rank in (0, 1):
+            assert re.search(rf"trainer-{rank} published its [0-9.]+ MiB of version {version}", out), out
+    # The final table: version, reader, MiB requested, seconds, GB/s, MiB per source.
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    assert [(r[0], r[1]) for r in rows] == [(v, reader) for v in ("1", "2")
+                                            for reader in ("rollout-1 (TP 0/2)", "rollout-0 (whole)")]
+    for row in rows:
+        mib = float(row[2])
+        assert 3.9 < mib < 4.1 if "TP" in row[1] else mib == 8.0
+        sources = set(re.findall(r"(trainer-\d|rollout-\d) ", row[5]))
+        # The TP slice: rows from one trainer rank, columns from both; the
+        # whole-tensor rollout: the slice from rollout-1, the rest from both ranks.
+        assert sources == ({"trainer-0", "trainer-1"} if "TP" in row[1] else {"trainer-0", "trainer-1", "rollout-1"})
+    assert "all 2 versions verified: every byte of 4 pulls matched" in out
