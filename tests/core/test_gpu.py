@@ -25,3 +25,21 @@ def test_publish_and_pull_cuda_tensors_in_place():
         torch.cuda.synchronize()
         assert all(torch.equal(into[k], src[k]) for k in src)
         assert result.tensors["w"].data_ptr() == into["w"].data_ptr()
+
+
+def test_cuda_row_shards_pull_a_column_slice_onto_the_device():
+    from tensorhub import Manifest, Shard
+
+    full = torch.randn(512, 256, device="cuda")
+    with EmbeddedServer() as server, Hub.connect(server.address, name="gpu-rank0") as rank0, \
+            Hub.connect(server.address, name="gpu-rank1") as rank1, \
+            Hub.connect(server.address, name="gpu-tp0") as reader:
+        manifest = Manifest.of({"w": full})
+        # Each rank's rows in memory of its own (two agents of one process must not share a buffer).
+        rank0.publish("m", 1, {"w": Shard(full[:200].clone(), (512, 256), rows=(0, 200))}, manifest=manifest)
+        rank1.publish("m", 1, {"w": Shard(full[200:].clone(), (512, 256), rows=(200, 512))}, manifest=manifest)
+        dest = torch.empty(512, 128, device="cuda")
+        result = reader.pull("m", 1, into={"w": Shard(dest, (512, 256), cols=(0, 128))})
+        torch.cuda.synchronize()
+        assert torch.equal(dest, full[:, :128])
+        assert result.nbytes == dest.numel() * 4 == sum(result.bytes_by_source.values())
