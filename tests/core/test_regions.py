@@ -265,3 +265,25 @@ def test_failover_to_another_holder_of_the_region_else_source_lost_names_it():
     transport.fail = {"rank1"}
     with pytest.raises(SourceLost, match="no remaining holder has w rows 50:100"):
         _pull(manifest, replicas[:2], [("w", Region())], transport=transport)
+
+
+def test_a_filling_holder_gives_only_the_chunks_it_has_landed():
+    full = {"w": torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256)}  # 64 KiB
+    manifest = Manifest.of(full)
+    trainer = _remote("trainer", manifest, [("w", Region(), full["w"])])
+    # A reader that serves the whole tensor, 4 KiB chunks, only every other one landed;
+    # the rest of its memory is garbage that must never be read.
+    landed = full["w"].clone()
+    bits = bytearray(2)
+    for chunk in range(16):
+        if chunk % 2:
+            bits[chunk >> 3] |= 1 << (chunk & 7)
+        else:
+            landed.view(-1)[chunk * 1024:(chunk + 1) * 1024] = -7.0
+    filling = _remote("filling", manifest, [("w", Region(), landed)], origin=False)
+    filling = RemoteReplica(Source("filling", "filling", Labels("h0"), complete=False), "filling", MemoryKind.DRAM,
+                            filling.held, filling.regions, b"", 4096, bytes(bits))
+    stats, dests, _ = _pull(manifest, [trainer, filling], [("w", Region.of((64, 256), cols=(0, 200)))],
+                            chunk_size=8192)
+    assert torch.equal(dests[0].reshape(64, 200), full["w"][:, :200])
+    assert stats.bytes_by_source["filling"] > 0 and stats.bytes_by_source["trainer"] > 0
