@@ -4,6 +4,7 @@ NIXL, driven the way verl drives it (send on the trainer, receive on rollouts)."
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -13,7 +14,7 @@ from tensorhub_verl.engine import TensorHubCheckpointEngine
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl_testlib import assert_identical, make_weights, receive
 
-from tensorhub import ServerUnavailable
+from tensorhub import ServerUnavailable, VersionNotFound
 
 
 def send(engine, step, weights=None):
@@ -86,6 +87,17 @@ def test_receive_waits_for_the_step_being_published(engines):
     send(trainer, 5)
     reader.join(timeout=20)
     assert_identical(got["r"], make_weights(5))
+
+
+def test_receive_gives_up_after_wait_timeout_naming_what_it_waited_for(engines, server):
+    trainer, rollout = engines(is_master=True), engines(wait_timeout_s=1.0)
+    send(trainer, 1)
+    start = time.monotonic()
+    with pytest.raises(VersionNotFound, match=re.escape(
+            f"no version >= 2 of model 'tiny/policy' was published at {server.address} within 1s "
+            "(pullable now: [1]); check that the trainer publishes under the same model key")):
+        receive(rollout, 2)
+    assert 1.0 <= time.monotonic() - start < 10
 
 
 def test_without_steps_versions_count_up(engines):

@@ -37,7 +37,7 @@ from tensorhub_verl.config import CONFIG_KEY, TensorHubEngineConfig
 log = logging.getLogger(__name__)
 
 BACKEND = "tensorhub"
-_POLL_FIRST_S, _POLL_MAX_S = 0.05, 0.5
+_RETRY_S = 0.05  # after a version vanished between the wait and the pull
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -150,23 +150,23 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         return self._received
 
     def _pull_newest(self, target: int) -> PullResult:
-        deadline = time.monotonic() + self.config.wait_timeout_s
-        delay = _POLL_FIRST_S
-        # The server has no "wait for version" call: look, back off, look again.
+        """Wait for a version >= ``target`` (the server's long poll answers as soon
+        as one is pullable) and pull the newest one."""
+        model, timeout = self.config.model, self.config.wait_timeout_s
+        deadline = time.monotonic() + timeout
+        version = None
         while True:
-            versions = self.hub.versions(self.config.model)
-            if versions and versions[-1] >= target:
-                try:
-                    return self._pull(versions[-1])
-                except VersionNotFound:
-                    log.debug("version %d went away before the pull; looking again", versions[-1])
-            if time.monotonic() >= deadline:
-                raise VersionNotFound(self.config.model, target, (
-                    f"no version >= {target} of model {self.config.model!r} was published at {self.hub.address} "
-                    f"within {self.config.wait_timeout_s:.0f}s (pullable now: {versions or 'none'}); "
-                    f"check that the trainer publishes under the same model key ({CONFIG_KEY}.model)"))
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+            try:
+                version = self.hub.wait_for_version(model, target, timeout=max(0.0, deadline - time.monotonic()))
+                return self._pull(version)
+            except VersionNotFound as e:
+                if time.monotonic() >= deadline:
+                    raise VersionNotFound(model, target, (
+                        f"no version >= {target} of model {model!r} was published at {self.hub.address} "
+                        f"within {timeout:.0f}s (pullable now: {self.hub.versions(model) or 'none'}); "
+                        f"check that the trainer publishes under the same model key ({CONFIG_KEY}.model)")) from e
+                log.debug("version %s went away before the pull; waiting again", version)
+                time.sleep(_RETRY_S)  # it may still look visible for a moment
 
     def _pull(self, version: int) -> PullResult:
         if self._serving is not None:
