@@ -65,7 +65,7 @@ def _publisher(conn, address: str, cfg: PullBenchConfig, rank: int) -> None:
 
     from tensorhub import Hub, Manifest, Shard
     from tensorhub.bench.payload import row_region
-    from tensorhub.transport.nixl import nixl_api
+    from tensorhub.transport.nixl import new_agent
 
     torch.set_num_threads(1)
     full = _model(cfg.size)
@@ -87,10 +87,9 @@ def _publisher(conn, address: str, cfg: PullBenchConfig, rank: int) -> None:
             local.copy_(src.tensor)
             tensors[name] = Shard(local, tuple(t.shape), box=region.box, flat=region.flat)
             offset += sizes[name]
-        del full, src
+        del full, src, t  # nothing may keep the whole model alive in this process
         own_addr, own_bytes = buffer.data_ptr(), buffer.numel()
-    api = nixl_api()  # with the same environment defaults as the hub's agents
-    raw = api.nixl_agent(f"raw-pub-{rank}-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    raw = new_agent(f"raw-pub-{rank}-{os.getpid()}")  # configured as the hub's agents are
     raw.register_memory([(own_addr, own_bytes, 0, "")], "DRAM")
     with Hub.connect(address, name=f"publisher-{rank}", chunk_size=cfg.chunk_size) as hub:
         hub.publish(MODEL, 1, tensors, manifest=manifest)
@@ -129,15 +128,14 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
 
     from tensorhub import Hub
     from tensorhub.bench.payload import pattern
-    from tensorhub.transport.nixl import nixl_api
+    from tensorhub.transport.nixl import new_agent
 
     torch.set_num_threads(1)
     dest, into, expected = _destination(cfg)  # touched once, reused: no page faults in the timing
     if expected is None:
         expected = pattern(cfg.size, seed=1)
     small = {"x": torch.zeros(SMALL_BYTES // 4)}
-    api = nixl_api()
-    raw = api.nixl_agent(f"raw-reader-{index}-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    raw = new_agent(f"raw-reader-{index}-{os.getpid()}")
     raw.register_memory(dest)
     # Raw NIXL moves the same byte count: the same share of every publisher's buffer.
     requested, offset, reads = dest.numel(), 0, []

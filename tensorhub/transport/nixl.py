@@ -35,6 +35,14 @@ _ENV_DEFAULTS = (("NIXL_LOG_LEVEL", "WARN"), ("UCX_TCP_KEEPIDLE", "1s"), ("UCX_T
                  ("UCX_TCP_KEEPCNT", "3"), ("UCX_TCP_USER_TIMEOUT", "5s"))
 
 
+# NIXL's Python API starts every agent's progress thread with no delay: it
+# busy-polls a whole core per agent, idle or not (measured: 1.0 CPU-s/s, and
+# 0.03 with any delay > 0, where the thread waits for events). On a trainer
+# node that is a core per rank; on a small machine it starves the transfers.
+PROGRESS_DELAY_US = 100
+_agent_lock = threading.Lock()
+
+
 def nixl_api():  # type: ignore[no-untyped-def]
     """NIXL's API module, imported on first use, after the environment defaults."""
     for key, value in _ENV_DEFAULTS:
@@ -42,6 +50,28 @@ def nixl_api():  # type: ignore[no-untyped-def]
     from nixl import _api
 
     return _api
+
+
+def new_agent(name: str):  # type: ignore[no-untyped-def]
+    """A raw ``nixl_agent`` (UCX) whose progress thread waits instead of spinning.
+
+    The Python API hard-codes the delay; its config object is swapped for one
+    that keeps ours, for the duration of this constructor only.
+    """
+    api = nixl_api()
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: object) -> None:
+            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    with _agent_lock:
+        bindings.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bindings.nixlAgentConfig = base
 
 
 class TransferFailed(Exception):
@@ -68,8 +98,7 @@ class NixlAgent:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        api = nixl_api()
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = new_agent(name)
         self._lock = threading.Lock()  # guards the remote-agent table
         self._remotes: dict[str, str] = {}  # metadata key -> remote agent name
 

@@ -137,3 +137,15 @@ def test_config_from_dict_names_bad_fields():
         HubConfig.from_dict({"reliability": "sometimes"})
     with pytest.raises(ValueError, match="label"):
         HubConfig.from_dict({"labels": {"planet": "earth"}})
+
+
+def test_an_idle_nixl_agent_does_not_spin_a_core():
+    """NIXL's Python API busy-polls its progress thread (a whole core per agent);
+    ours waits for events. CPU time, not wall time: robust on a loaded machine."""
+    import subprocess
+    import sys
+
+    code = ("import time; from tensorhub.transport import NixlAgent; a = NixlAgent('idle'); "
+            "t = time.process_time(); time.sleep(2); print(time.process_time() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert float(out.stdout.split()[-1]) < 1.0, "an idle agent used more than half a core"
