@@ -149,13 +149,16 @@ class Runs:
 
 @dataclass(frozen=True, slots=True)
 class Overlap:
-    """Elements two regions share: ``start`` in the full tensor, ``length``, and
-    the local offsets ``a`` and ``b`` on either side."""
+    """Elements two regions share: ``start`` in the full tensor, ``length``, the
+    local offsets ``a`` and ``b`` on either side, and the index of the run each
+    piece lies in on either side (``a_run``, ``b_run``)."""
 
     start: np.ndarray
     length: np.ndarray
     a: np.ndarray
     b: np.ndarray
+    a_run: np.ndarray
+    b_run: np.ndarray
 
 
 def overlap(a: Runs, b: Runs) -> Overlap:
@@ -168,7 +171,7 @@ def overlap(a: Runs, b: Runs) -> Overlap:
     total = int(counts.sum())
     if total == 0:
         empty = np.zeros(0, np.int64)
-        return Overlap(empty, empty, empty, empty)
+        return Overlap(empty, empty, empty, empty, empty, empty)
     ai = np.repeat(np.arange(len(a.start)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     bi = np.arange(total) - first + np.repeat(lo, counts)
@@ -176,7 +179,8 @@ def overlap(a: Runs, b: Runs) -> Overlap:
     end = np.minimum(a_end[ai], b_end[bi])
     keep = end > start
     start, end, ai, bi = start[keep], end[keep], ai[keep], bi[keep]
-    return Overlap(start, end - start, a.offset[ai] + (start - a.start[ai]), b.offset[bi] + (start - b.start[bi]))
+    return Overlap(start, end - start, a.offset[ai] + (start - a.start[ai]), b.offset[bi] + (start - b.start[bi]),
+                   ai, bi)
 
 
 def gaps(numel: int, runs: list[Runs]) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ class HubConfig:
     labels: Labels = field(default_factory=Labels.local)
     reliability: Reliability = Reliability.RELIABLE
     chunk_size: int = DEFAULT_CHUNK_SIZE  # bytes per chunk of the versions this hub publishes
-    read_workers: int = 2  # chunk reads in flight at once
+    read_workers: int = 2  # READs in flight per pull: twice this (one thread posts and polls them)
     chunk_timeout_s: float = 10.0  # a chunk read making no progress this long = source lost
     pull_timeout_s: float = 600.0  # a whole pull, failovers included
     rpc_timeout_s: float = 10.0

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import re
@@ -102,7 +101,6 @@ class Hub:
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
         self._destinations = Destinations(self._nixl)
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, config.read_workers), thread_name_prefix="tensorhub-read")
         try:
             self._holdings.register(wait_s=config.connect_timeout_s)
         except BaseException:
@@ -212,8 +210,8 @@ class Hub:
         ]
         job = PullJob(
             rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels, resolved=resolved,
-            layout=ReadLayout(manifest, read_parts, chunk_size), dest_kind=registration.kind, pool=self._pool,
-            workers=max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
+            layout=ReadLayout(manifest, read_parts, chunk_size), dest_kind=registration.kind,
+            in_flight=2 * max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s), progress=progress,
             landed=(lambda chunks: self._holdings.landed(publication, chunks)) if publication else None,
         )
@@ -280,7 +278,6 @@ class Hub:
 
     def _shutdown_local(self) -> None:
         self._holdings.shutdown_local()
-        self._pool.shutdown(wait=True)
         self._destinations.close()
         self._nixl.close()
         self._rpc.close()

@@ -1,6 +1,6 @@
 """Executing one pull: plan, lease, read chunks in parallel, fail over.
 
-    resolve ──▶ holder maps ──▶ choose_sources ──▶ acquire read lease ──▶ READ transfers (pool) ──┐
+    resolve ──▶ holder maps ──▶ choose_sources ──▶ acquire read lease ──▶ READs (posted, polled) ┐
        ▲        (readlayout)     ▲ (exclude lost / withdrawn)                                     │
        └─────────────────────────┴──── a source failed or vanished: re-plan what is left ◀───────┘
 
@@ -17,13 +17,12 @@ tests drive the failover logic with fakes.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,16 +55,23 @@ class ControlPlane(Protocol):
 
 
 class Transport(Protocol):
-    """How a pull moves bytes (``NixlAgent``)."""
+    """How a pull moves bytes (``NixlAgent``): READs posted, polled, released."""
 
     def connect(self, key: str, metadata: bytes) -> str: ...
 
-    def read(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
-             remote_kind: MemoryKind, *, deadline: float) -> None: ...
+    def post(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
+             remote_kind: MemoryKind) -> Any: ...
+
+    def poll(self, pending: Any) -> bool: ...
+
+    def release(self, pending: Any) -> None: ...
 
     def forget(self, key: str) -> None: ...
 
+
 _REPORT_PERIOD_S = 0.05
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 2e-3
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 
 
@@ -109,15 +115,6 @@ class _Lease:
             log.debug("release lease: %s", e)
 
 
-def _run_inline(fn: Callable[..., int], *args: object) -> cf.Future:
-    fut: cf.Future = cf.Future()
-    try:
-        fut.set_result(fn(*args))
-    except BaseException as e:  # delivered through the future, like the pool's
-        fut.set_exception(e)
-    return fut
-
-
 @dataclass(kw_only=True, slots=True)
 class PullJob:
     rpc: ControlPlane
@@ -127,8 +124,7 @@ class PullJob:
     resolved: Resolved
     layout: ReadLayout
     dest_kind: MemoryKind
-    pool: cf.ThreadPoolExecutor
-    workers: int
+    in_flight: int  # READs posted and not yet complete, at most
     chunk_timeout_s: float
     deadline: float
     progress: ProgressFn | None = None
@@ -223,71 +219,78 @@ class PullJob:
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap], lease: _Lease,
                     needed: set[int], excluded: set[str], stats: PullStats) -> None:
-        lost_now: set[str] = set()
+        """Post the round's READs, up to ``in_flight`` at a time, from this one
+        thread, and poll them. Over shared memory a READ is done when posted (no
+        thread hop, as raw NIXL); over TCP or RDMA several are in flight at once.
+        A chunk is done when all its READs are; a failed one is planned again."""
         layout = self.layout
-
-        def read(transfer: Transfer) -> int:
-            rid = transfer.replica_id
-            if rid in lost_now:
-                return -1  # skip: its source already failed this round
-            replica = maps[rid].replica
-            remote_name = self.nixl.connect(rid, replica.metadata)
-            deadline = min(time.monotonic() + self.chunk_timeout_s, lease.valid_until(), self.deadline)
-            self.nixl.read(remote_name, transfer.local, self.dest_kind, transfer.remote, replica.kind,
-                           deadline=deadline)
-            return transfer.nbytes
-
-        # A window of reads in flight (twice the workers): a failed source is noticed
-        # before more reads are queued on it, and the caller's progress
-        # callback paces the pull.
         todo = iter([(chunk, t) for chunk, planned in transfers.items() for t in planned])
         pending = {chunk: len(planned) for chunk, planned in transfers.items()}
+        lost_now: set[str] = set()
         failed: set[int] = set()
         got: dict[int, dict[str, int]] = {}  # bytes per source of chunks not complete yet
-        total = sum(len(p) for p in transfers.values())
-        submit = self.pool.submit if total > 1 else _run_inline  # one read: no thread hop
-        futures: dict[cf.Future, tuple[int, Transfer]] = {}
-
-        def refill() -> None:
-            while len(futures) < 2 * self.workers:  # keep the pool busy while results are handled
-                item = next(todo, None)
-                if item is None:
-                    return
-                chunk, transfer = item
-                if transfer.replica_id in lost_now or chunk in failed:
-                    failed.add(chunk)
-                    continue  # stays needed: the next round re-plans it
-                futures[submit(read, transfer)] = (chunk, transfer)
-
+        flying: list[tuple[int, Transfer, Any, float]] = []  # chunk, transfer, handle, deadline
         landed: list[int] = []
         last_report = time.monotonic()
         done_bytes = layout.total_bytes - sum(layout.chunk_bytes(c) for c in needed)
-        refill()
-        while futures:
-            done, _ = cf.wait(futures, timeout=_REPORT_PERIOD_S, return_when=cf.FIRST_COMPLETED)
-            for fut in done:
-                chunk, transfer = futures.pop(fut)
-                rid = transfer.replica_id
+        pause = _POLL_MIN_S
+
+        def lost(transfer: Transfer, error: TransferFailed) -> None:
+            rid = transfer.replica_id
+            if rid not in lost_now:
+                lost_now.add(rid)
+                self._lose(maps[rid].replica, str(error), stats)
+            excluded.add(rid)
+
+        def post(chunk: int, transfer: Transfer) -> None:
+            replica = maps[transfer.replica_id].replica
+            try:
+                deadline = min(time.monotonic() + self.chunk_timeout_s, lease.valid_until(), self.deadline)
+                remote = self.nixl.connect(transfer.replica_id, replica.metadata)
+                handle = self.nixl.post(remote, transfer.local, self.dest_kind, transfer.remote, replica.kind)
+            except TransferFailed as e:
+                lost(transfer, e)
+                failed.add(chunk)
+            except TensorHubError as e:  # e.g. the lease could not be renewed: next round
+                log.info("chunk %d deferred: %s", chunk, e)
+                failed.add(chunk)
+            else:
+                flying.append((chunk, transfer, handle, deadline))
+
+        while True:
+            while len(flying) < self.in_flight:
+                item = next(todo, None)
+                if item is None:
+                    break
+                chunk, transfer = item
+                if transfer.replica_id in lost_now or chunk in failed:
+                    failed.add(chunk)  # stays needed: the next round re-plans it
+                    continue
+                post(chunk, transfer)
+            if not flying:
+                break
+            finished = []
+            for entry in flying:
+                chunk, transfer, handle, deadline = entry
                 try:
-                    if fut.result() < 0:
-                        failed.add(chunk)
-                        continue
+                    if not self.nixl.poll(handle):
+                        if time.monotonic() <= deadline:
+                            continue
+                        raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
+                                             stalled=True)
                 except TransferFailed as e:
-                    if rid not in lost_now:
-                        lost_now.add(rid)
-                        self._lose(maps[rid].replica, str(e), stats)
-                    excluded.add(rid)
+                    lost(transfer, e)
                     failed.add(chunk)
+                    finished.append(entry)
                     continue
-                except TensorHubError as e:  # e.g. the lease could not be renewed: next round
-                    log.info("chunk %d deferred: %s", chunk, e)
-                    failed.add(chunk)
+                finished.append(entry)
+                if chunk in failed:
                     continue
-                name = maps[rid].replica.source.agent_name
+                name = maps[transfer.replica_id].replica.source.agent_name
                 by_source = got.setdefault(chunk, {})
                 by_source[name] = by_source.get(name, 0) + transfer.nbytes
                 pending[chunk] -= 1
-                if pending[chunk] == 0 and chunk not in failed:
+                if pending[chunk] == 0:
                     # Counted once the whole chunk is in: a chunk that failed
                     # in part is read again, whole, next round.
                     for source, nbytes in got.pop(chunk).items():
@@ -295,15 +298,24 @@ class PullJob:
                     done_bytes += layout.chunk_bytes(chunk)
                     needed.discard(chunk)
                     landed.append(chunk)
-            if self.progress is not None and done:
-                self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
-            refill()
+            for entry in finished:
+                flying.remove(entry)
+                self.nixl.release(entry[2])
+            if finished:
+                pause = _POLL_MIN_S
+                if self.progress is not None:
+                    self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
             if landed and self.landed is not None and (
-                not futures or time.monotonic() - last_report >= _REPORT_PERIOD_S
+                not flying or time.monotonic() - last_report >= _REPORT_PERIOD_S
             ):
                 self.landed(landed)
                 landed = []
                 last_report = time.monotonic()
+        if landed and self.landed is not None:
+            self.landed(landed)
 
     def _lose(self, replica: RemoteReplica, reason: str, stats: PullStats) -> None:
         rid = replica.source.replica_id

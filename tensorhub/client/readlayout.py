@@ -21,6 +21,7 @@ both sides are plain offsets.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,9 +90,28 @@ class ReadLayout:
         self.part_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.total_bytes = int(self.part_base[-1])
         self.num_chunks = -(-self.total_bytes // chunk_size)
-        self._by_tensor: dict[int, list[int]] = {}
-        for i, p in enumerate(parts):
-            self._by_tensor.setdefault(p.tensor, []).append(i)
+        # Every tensor's elements laid end to end (the "model space"): the runs of
+        # all parts, or of all held regions, then overlap in one vectorised call.
+        numels = [math.prod(t.shape) for t in manifest.tensors]
+        self._tensor_base = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)]).astype(np.int64)
+        self._itemsize = np.array([itemsize(t.dtype) for t in manifest.tensors], np.int64)
+        self._runs, self._run_part = self._model_space([(p.tensor, p.runs) for p in parts])
+        self._part_addr = np.array([p.memory.addr for p in parts], np.int64)
+        self._part_dev = np.array([p.memory.device_id for p in parts], np.int64)
+        self._part_tensor = np.array([p.tensor for p in parts], np.int64)
+
+    def _model_space(self, pieces: list[tuple[int, Runs]]) -> tuple[Runs, np.ndarray]:
+        """The runs of ``(tensor, runs)`` pieces in model space, sorted, with the
+        piece each run belongs to; offsets stay local to the piece."""
+        if not pieces:
+            empty = np.zeros(0, np.int64)
+            return Runs(empty, empty, empty), empty
+        start = np.concatenate([r.start + self._tensor_base[t] for t, r in pieces])
+        length = np.concatenate([r.length for _, r in pieces])
+        offset = np.concatenate([r.offset for _, r in pieces])
+        owner = np.repeat(np.arange(len(pieces)), [len(r.start) for _, r in pieces])
+        order = np.argsort(start, kind="stable")
+        return Runs(start[order], length[order], offset[order]), owner[order]
 
     def chunk_bytes(self, chunk: int) -> int:
         return min(self.chunk_size, self.total_bytes - chunk * self.chunk_size)
@@ -100,33 +120,23 @@ class ReadLayout:
 
     def holder_map(self, replica: RemoteReplica) -> HolderMap:
         """What ``replica`` holds of the read set (and, while it fills, has landed)."""
-        tables = []
-        held_base = 0
         specs = self.manifest.tensors
-        for h, (t, region) in enumerate(replica.held):
-            spec = specs[t]
-            size = itemsize(spec.dtype)
-            held_runs = region.runs(spec.shape)
-            for p in self._by_tensor.get(t, ()):
-                part = self.parts[p]
-                ov = overlap(part.runs, held_runs)
-                if not len(ov.start):
-                    continue
-                n = len(ov.start)
-                tables.append({
-                    "r_off": self.part_base[p] + ov.a * size,
-                    "h_off": held_base + ov.b * size,
-                    "length": ov.length * size,
-                    "local": part.memory.addr + ov.a * size,
-                    "remote": int(replica.regions[h, 0]) + ov.b * size,
-                    "local_dev": np.full(n, part.memory.device_id, np.int64),
-                    "remote_dev": np.full(n, int(replica.regions[h, 2]), np.int64),
-                })
-            held_base += region.numel(spec.shape) * size
-        if tables:
-            cols = {k: np.concatenate([tb[k] for tb in tables]).astype(np.int64) for k in tables[0]}
-        else:
-            cols = {k: np.zeros(0, np.int64) for k in (*_SHIFTING, "length", *_FIXED)}
+        held = [(t, region.runs(specs[t].shape)) for t, region in replica.held]
+        held_sizes = [int(r.length.sum()) * int(self._itemsize[t]) for t, r in held]
+        held_base = np.concatenate([[0], np.cumsum(held_sizes, dtype=np.int64)]).astype(np.int64)
+        runs, run_held = self._model_space(held)
+        ov = overlap(self._runs, runs)
+        p, h = self._run_part[ov.a_run], run_held[ov.b_run]
+        size = self._itemsize[self._part_tensor[p]]
+        cols = {
+            "r_off": self.part_base[p] + ov.a * size,
+            "h_off": held_base[h] + ov.b * size,
+            "length": ov.length * size,
+            "local": self._part_addr[p] + ov.a * size,
+            "remote": replica.regions[h, 0].astype(np.int64) + ov.b * size,
+            "local_dev": self._part_dev[p],
+            "remote_dev": replica.regions[h, 2].astype(np.int64),
+        }
         order = np.argsort(cols["r_off"], kind="stable")
         cols = {k: v[order] for k, v in cols.items()}
         cols = _cut(cols, "r_off", self.chunk_size)

@@ -84,6 +84,15 @@ class TransferFailed(Exception):
 
 
 @dataclass(slots=True)
+class PendingRead:
+    """A READ in flight: poll it until done, then release it."""
+
+    remote: str
+    handle: object
+    done: bool = False
+
+
+@dataclass(slots=True)
 class Registration:
     """Memory registered with this agent, and what a remote reader needs to read it."""
 
@@ -151,6 +160,48 @@ class NixlAgent:
 
     # ---------------------------------------------------------------- reads
 
+    def post(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
+             remote_kind: MemoryKind) -> PendingRead:
+        """Start a READ of ``remote_descs`` of agent ``remote`` into ``local`` (both
+        N x 3: addr, nbytes, device). Over shared memory it has usually finished
+        on return; over TCP or RDMA it is in flight: ``poll`` it, then ``release``
+        it. Raises TransferFailed (with nothing left to release) on a NIXL error."""
+        agent = self._agent
+        handle = None
+        try:
+            local_list = agent.get_xfer_descs(local, local_kind.value)
+            remote_list = agent.get_xfer_descs(remote_descs, remote_kind.value)
+            handle = agent.initialize_xfer("READ", local_list, remote_list, remote)
+            state = agent.transfer(handle)
+            if state == "ERR":
+                raise TransferFailed(remote, "NIXL reported ERR")
+        except Exception as e:  # nixlRemoteDisconnectError and friends
+            if handle is not None:
+                self.release(PendingRead(remote, handle))
+            if isinstance(e, TransferFailed):
+                raise
+            raise TransferFailed(remote, f"{type(e).__name__}: {e}") from e
+        return PendingRead(remote, handle, done=state == "DONE")
+
+    def poll(self, pending: PendingRead) -> bool:
+        """Whether the READ finished; TransferFailed if it failed (release it still)."""
+        if pending.done:
+            return True
+        try:
+            state = self._agent.check_xfer_state(pending.handle)
+        except Exception as e:
+            raise TransferFailed(pending.remote, f"{type(e).__name__}: {e}") from e
+        if state == "ERR":
+            raise TransferFailed(pending.remote, "NIXL reported ERR")
+        pending.done = state == "DONE"
+        return pending.done
+
+    def release(self, pending: PendingRead) -> None:
+        try:
+            self._agent.release_xfer_handle(pending.handle)
+        except Exception as e:  # a failed transfer may refuse release
+            log.debug("release_xfer_handle: %s", e)
+
     def read(
         self,
         remote: str,
@@ -161,38 +212,21 @@ class NixlAgent:
         *,
         deadline: float,
     ) -> None:
-        """READ ``remote_descs`` of agent ``remote`` into ``local`` and wait.
+        """READ and wait: ``post``, ``poll`` until done, always ``release``.
 
-        Both descriptor arrays are N x 3 (addr, nbytes, device). Raises
-        TransferFailed on a NIXL error or when ``time.monotonic()`` passes
+        Raises TransferFailed on a NIXL error or when ``time.monotonic()`` passes
         ``deadline``; the destination bytes are garbage then.
         """
-        agent = self._agent
-        handle = None
+        pending = self.post(remote, local, local_kind, remote_descs, remote_kind)
         try:
-            local_list = agent.get_xfer_descs(local, local_kind.value)
-            remote_list = agent.get_xfer_descs(remote_descs, remote_kind.value)
-            handle = agent.initialize_xfer("READ", local_list, remote_list, remote)
-            state = agent.transfer(handle)
             pause = _POLL_MIN_S
-            while state != "DONE":
-                if state == "ERR":
-                    raise TransferFailed(remote, "NIXL reported ERR")
+            while not self.poll(pending):
                 if time.monotonic() > deadline:
                     raise TransferFailed(remote, "no completion before the reader's deadline", stalled=True)
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX_S)
-                state = agent.check_xfer_state(handle)
-        except TransferFailed:
-            raise
-        except Exception as e:  # nixlRemoteDisconnectError and friends
-            raise TransferFailed(remote, f"{type(e).__name__}: {e}") from e
         finally:
-            if handle is not None:
-                try:
-                    agent.release_xfer_handle(handle)
-                except Exception as e:  # a failed transfer may refuse release
-                    log.debug("release_xfer_handle: %s", e)
+            self.release(pending)
 
     def close(self) -> None:
         with self._lock:

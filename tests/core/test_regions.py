@@ -8,7 +8,6 @@ across real processes.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import ctypes
 import itertools
 import math
@@ -124,22 +123,34 @@ def test_bad_shards_are_refused_naming_tensor_and_region():
 
 
 class MemcpyTransport:
-    """Moves bytes with memmove in this process; ``fail`` makes a replica's reads raise."""
+    """Moves bytes with memmove in this process, done when posted (as NIXL over
+    shared memory); ``fail`` makes a replica's reads raise, ``slow`` never finish."""
 
     def __init__(self) -> None:
         self.fail: set[str] = set()
+        self.slow: set[str] = set()
         self.reads: list[tuple[str, int]] = []
+        self.released = 0
 
     def connect(self, key: str, metadata: bytes) -> str:
         return key
 
-    def read(self, remote, local, local_kind, remote_descs, remote_kind, *, deadline):
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):  # noqa: ANN001, ANN201
         if remote in self.fail:
             raise TransferFailed(remote, "peer is gone")
+        if remote in self.slow:
+            return remote
         for (dst, n, _), (src, m, _) in zip(local.tolist(), remote_descs.tolist()):
             assert n == m
             ctypes.memmove(dst, src, n)
         self.reads.append((remote, int(local[:, 1].sum())))
+        return None
+
+    def poll(self, pending) -> bool:  # noqa: ANN001
+        return pending is None
+
+    def release(self, pending) -> None:  # noqa: ANN001
+        self.released += 1
 
     def forget(self, key: str) -> None:
         pass
@@ -177,7 +188,7 @@ def _remote(rid: str, manifest: Manifest, parts: list[tuple[str, Region, torch.T
 
 
 def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[str, Region]], *,
-          chunk_size: int = 4096, transport: MemcpyTransport | None = None):
+          chunk_size: int = 4096, transport: MemcpyTransport | None = None, chunk_timeout_s: float = 5):
     index = manifest.index()
     dests = []
     for name, region in want:
@@ -188,12 +199,11 @@ def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[st
                       itemsize(manifest.tensors[index[n]].dtype), m) for (n, r), m in zip(want, mem)]
     transport = transport or MemcpyTransport()
     plane = FakeControlPlane(Resolved("m", 1, manifest, tuple(replicas)))
-    with cf.ThreadPoolExecutor(2) as pool:
-        job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("h0"),
-                      resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, chunk_size),
-                      dest_kind=MemoryKind.DRAM, pool=pool, workers=2, chunk_timeout_s=5,
-                      deadline=time.monotonic() + 30)
-        stats = job.run()
+    job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("h0"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, chunk_size),
+                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=chunk_timeout_s,
+                  deadline=time.monotonic() + 30)
+    stats = job.run()
     return stats, dests, plane
 
 
@@ -287,3 +297,18 @@ def test_a_filling_holder_gives_only_the_chunks_it_has_landed():
                             chunk_size=8192)
     assert torch.equal(dests[0].reshape(64, 200), full["w"][:, :200])
     assert stats.bytes_by_source["filling"] > 0 and stats.bytes_by_source["trainer"] > 0
+
+
+def test_a_read_that_never_completes_is_a_stalled_source_and_every_handle_is_released():
+    full = {"w": torch.arange(100 * 4, dtype=torch.float32).reshape(100, 4)}
+    manifest = Manifest.of(full)
+    reader = ("w", Region(), full["w"].clone())
+    transport = MemcpyTransport()
+    transport.slow = {"stuck"}  # a cut link: the READ is posted and never finishes
+    replicas = [_remote("stuck", manifest, [reader], origin=False), _remote("trainer", manifest, [reader])]
+    start = time.monotonic()
+    stats, dests, plane = _pull(manifest, replicas, [("w", Region())], transport=transport, chunk_timeout_s=0.3)
+    assert time.monotonic() - start < 5
+    assert torch.equal(dests[0].reshape(100, 4), full["w"])
+    assert plane.lost == ["stuck"] and stats.bytes_by_source == {"trainer": 1600}
+    assert transport.released == len(transport.reads) + 1  # the stalled handle too

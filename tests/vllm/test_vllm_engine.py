@@ -48,16 +48,16 @@ def test_source_killed_mid_pull_keeps_serving_old_weights(engine, trainer, hub_s
     doomed = Trainer(hub_server.address, tiny_model, chunk_size=64 << 10)  # ~14 chunks
     doomed.publish(5, "original")
     reads = 0
-    real_read = nixl_transport.NixlAgent.read
+    real_post = nixl_transport.NixlAgent.post
 
-    def read_then_kill(self, *args, **kwargs):  # the trainer dies after two chunks landed
+    def post_then_kill(self, *args, **kwargs):  # the trainer dies after two chunks were read
         nonlocal reads
         reads += 1
         if reads == 3:
             doomed.kill()
-        return real_read(self, *args, **kwargs)
+        return real_post(self, *args, **kwargs)
 
-    monkeypatch.setattr(nixl_transport.NixlAgent, "read", read_then_kill)
+    monkeypatch.setattr(nixl_transport.NixlAgent, "post", post_then_kill)
     with pytest.raises(SourceLost, match="lost its source"):
         update(engine, 5)
     assert reads >= 3
