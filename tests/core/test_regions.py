@@ -135,7 +135,7 @@ class MemcpyTransport:
     def connect(self, key: str, metadata: bytes) -> str:
         return key
 
-    def post(self, remote, local, local_kind, remote_descs, remote_kind):  # noqa: ANN001, ANN201
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
         if remote in self.fail:
             raise TransferFailed(remote, "peer is gone")
         if remote in self.slow:
@@ -146,10 +146,10 @@ class MemcpyTransport:
         self.reads.append((remote, int(local[:, 1].sum())))
         return None
 
-    def poll(self, pending) -> bool:  # noqa: ANN001
+    def poll(self, pending) -> bool:
         return pending is None
 
-    def release(self, pending) -> None:  # noqa: ANN001
+    def release(self, pending) -> None:
         self.released += 1
 
     def forget(self, key: str) -> None:
