@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ import numpy as np
 
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
-from tensorhub.errors import SourceLost, TensorHubError, TransferStalled, VersionNotFound
+from tensorhub.errors import ServerUnavailable, SourceLost, TensorHubError, TransferStalled, VersionNotFound
 from tensorhub.planner import choose_sources
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
@@ -70,6 +71,9 @@ class Transport(Protocol):
 
 
 _REPORT_PERIOD_S = 0.05
+_REFRESH_IDLE_S = 0.2  # a round posts READs this long, then the pull asks again who holds what
+_PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
+_WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-3
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
@@ -84,7 +88,7 @@ class PullStats:
 
 
 class _Lease:
-    """A read lease on the sources of one round. Renewed before it runs out;
+    """A read lease on some sources of a pull. Renewed before it runs out;
     ``expiry`` is local and conservative (taken before the request was sent)."""
 
     def __init__(self, rpc: ControlPlane, agent_id: str, replica_ids: list[str],
@@ -129,35 +133,95 @@ class PullJob:
     deadline: float
     progress: ProgressFn | None = None
     landed: LandedFn | None = None
-    _used_leases: set[str] = field(default_factory=set)
+    _upfront: Resolved | None = None  # a resolve whose lease the next round uses
+    # Read leases are kept until the pull ends: a holder that unpublishes
+    # mid-pull waits for it (the contract), and it stays readable meanwhile.
+    _leases: list[_Lease] = field(default_factory=list)
+    _covering: dict[str, _Lease] = field(default_factory=dict)  # replica id -> the lease that covers it
+    _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
+    _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
+    _resolved_at: float = 0.0
 
     def run(self) -> PullStats:
         res = self.resolved
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
         maps = self._maps(res.replicas, set())
-        upfront = res if res.lease_id else None  # the resolve's lease covers the first round
+        self._upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
-            self._rounds(res, stats, needed, maps, upfront)
+            self._rounds(res, stats, needed, maps)
         finally:
-            if upfront is not None and upfront.lease_id not in self._used_leases:
-                _Lease(self.rpc, self.agent_id, [], upfront).release()
+            self._drop_upfront()
+            for lease in self._leases:
+                lease.release()
         stats.nbytes = self.layout.total_bytes
         return stats
 
+    def _drop_upfront(self) -> None:
+        """Release a lease taken with a resolve that no round used."""
+        if self._upfront is not None:
+            _Lease(self.rpc, self.agent_id, [], self._upfront).release()
+            self._upfront = None
+
     def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
-        """What each holder can give of the read set; holders of none of it are dropped."""
+        """What each holder can give of the read set now; holders of none of it are dropped."""
+        self._resolved_at = time.monotonic()
         out = {}
         for r in replicas:
-            if r.source.replica_id in excluded:
+            rid = r.source.replica_id
+            if rid in excluded:
                 continue
-            m = self.layout.holder_map(r)
-            if len(m.chunk):
-                out[r.source.replica_id] = m
+            table = self._tables.get(rid)
+            if table is None:
+                table = self._tables[rid] = self.layout.holder_table(r)
+            if len(table["r_off"]):
+                m = self.layout.holder_map(r, table)
+                if len(m.chunk):
+                    out[rid] = m
         return out
 
-    def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap],
-                upfront: Resolved | None) -> None:
+    def _offset(self, agent_id: str) -> int:
+        """Where an agent's pulls start in the chunk order (the same for every reader)."""
+        return zlib.crc32(agent_id.encode()) % max(1, self.layout.num_chunks)
+
+    def _rotated(self, chunk: int) -> int:
+        """This pull's chunk order: readers that start together begin at different chunks."""
+        return (chunk - self._offset(self.agent_id)) % max(1, self.layout.num_chunks)
+
+    def _batch(self, needed: set[int], usable: list[HolderMap]) -> tuple[list[int], bool]:
+        """The chunks of the next round, and whether to ask the server again after it.
+
+        Alone (no other reader filling), all of them; a round stops posting after
+        ``_REFRESH_IDLE_S`` and the server is asked again, so readers that start
+        together (and were not yet registered) find each other early.
+
+        While other readers fill the same version (pipeline replication), a few at
+        a time so the next round sees what landed meanwhile. The chunks only the
+        origin has are shared out like a hash ring: every filling reader starts at
+        its own offset (from its agent id, so everyone computes the same split)
+        and owns the chunks up to the next reader's offset. A reader reads what
+        peers already hold from them, its own chunks from the origin, and waits
+        for the others' chunks to land instead of racing them to the origin;
+        after ``_PATIENCE_S`` without a chunk it reads anything from anywhere.
+        """
+        order = sorted(needed, key=self._rotated)
+        peers = [m for m in usable if not m.replica.source.complete]
+        if not peers:
+            return order, True  # the round stops posting after _REFRESH_IDLE_S (see _read_round)
+        size = 2 * self.in_flight
+        from_peers = [c for c in order if any(m.covered[c] > 0 for m in peers)][:size]
+        taken = set(from_peers)
+        if time.monotonic() - self._progress_at > _PATIENCE_S:
+            mine = [c for c in order if c not in taken]
+        else:
+            ring = sorted({(self._offset(m.replica.agent_id), m.replica.agent_id) for m in peers}
+                          | {(self._offset(self.agent_id), self.agent_id)})
+            starts = np.array([o for o, _ in ring])
+            owner = [ring[i][1] for i in (np.searchsorted(starts, order, side="right") - 1).tolist()]
+            mine = [c for c, who in zip(order, owner) if who == self.agent_id and c not in taken]
+        return from_peers + mine[: size - len(from_peers)], True
+
+    def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
         stale_rounds = 0
         while needed:
@@ -166,40 +230,67 @@ class PullJob:
                                       f"{len(needed)} chunk(s) still missing at the pull's deadline")
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
-            chunks = sorted(needed)
+            chunks, again = self._batch(needed, usable)
+            if not chunks:  # every chunk left is due from a peer: let them land
+                time.sleep(_WAIT_FOR_PEERS_S)
+                maps = self._refresh_quietly(res, excluded, maps)
+                continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded))
             transfers: dict[int, list[Transfer]] = {}
             unavailable = list(plan.unavailable)
-            for chunk, ranked in plan.order.items():
-                planned = self.layout.transfers(chunk, [maps[rid] for rid in ranked])
+            for chunk in chunks:  # in the batch's order: the round reads them in this order
+                ranked = plan.order.get(chunk)
+                planned = self.layout.transfers(chunk, [maps[rid] for rid in ranked]) if ranked else None
                 if planned is None:
-                    unavailable.append(chunk)
+                    if ranked:
+                        unavailable.append(chunk)
                 else:
                     transfers[chunk] = planned
             if unavailable:
-                maps = self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable)
+                self._drop_upfront()  # the holders it leased cannot fill this round
+                maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
+                                         maps, excluded)
                 stale_rounds += 1
-                upfront = None  # new replicas are not covered by it
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
-            lease = _Lease(self.rpc, self.agent_id, primaries, upfront)
-            if upfront is not None:
-                self._used_leases.add(upfront.lease_id)
-                upfront = None
-            try:
-                withdrawn = set(primaries) - lease.granted
+            uncovered = [rid for rid in primaries if rid not in self._covering]
+            if uncovered:
+                lease = _Lease(self.rpc, self.agent_id, uncovered, self._upfront)
+                self._upfront = None
+                self._leases.append(lease)
+                for rid in lease.granted:
+                    self._covering.setdefault(rid, lease)
+                withdrawn = set(uncovered) - lease.granted
                 if withdrawn:  # unpublished since the plan: never read them
                     excluded |= withdrawn
                     stale_rounds += 1
                     if stale_rounds > _MAX_ROUNDS_WITHOUT_PROGRESS:
                         raise SourceLost(res.model, res.version, sorted(withdrawn), "sources were withdrawn")
                     continue
-                before = len(needed)
-                self._read_round(transfers, maps, lease, needed, excluded, stats)
-                stale_rounds = 0 if len(needed) < before else stale_rounds + 1
-            finally:
-                lease.release()
+            before = len(needed)
+            self._read_round(transfers, maps, needed, excluded, stats)
+            stale_rounds = 0 if len(needed) < before else stale_rounds + 1
+            if needed and again:  # who holds what now: peers' chunks landed, readers joined
+                maps = self._refresh_quietly(res, excluded, maps)
+
+    def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
+        """Holders as the server sees them now; the old ones if it cannot say
+        (the next round finds out what is missing)."""
+        try:
+            fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
+        except (VersionNotFound, ServerUnavailable):
+            return maps
+        return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded)
+
+    def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap],
+                     excluded: set[str]) -> dict[str, HolderMap]:
+        """Holders the server no longer lists (they unpublish) stay readable while
+        this pull's lease holds their unpublish back."""
+        for rid, m in old.items():
+            if rid not in fresh and rid in self._covering and rid not in excluded:
+                fresh[rid] = m
+        return fresh
 
     def _refresh(self, stats: PullStats, excluded: set[str], stale_rounds: int, unavailable: list[int],
                  usable: list[HolderMap]) -> dict[str, HolderMap]:
@@ -217,7 +308,7 @@ class PullJob:
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
         return self._maps(fresh.replicas, excluded)
 
-    def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap], lease: _Lease,
+    def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats) -> None:
         """Post the round's READs, up to ``in_flight`` at a time, from this one
         thread, and poll them. Over shared memory a READ is done when posted (no
@@ -245,20 +336,23 @@ class PullJob:
         def post(chunk: int, transfer: Transfer) -> None:
             replica = maps[transfer.replica_id].replica
             try:
-                deadline = min(time.monotonic() + self.chunk_timeout_s, lease.valid_until(), self.deadline)
+                deadline = min(time.monotonic() + self.chunk_timeout_s,
+                               self._covering[transfer.replica_id].valid_until(), self.deadline)
                 remote = self.nixl.connect(transfer.replica_id, replica.metadata)
                 handle = self.nixl.post(remote, transfer.local, self.dest_kind, transfer.remote, replica.kind)
             except TransferFailed as e:
                 lost(transfer, e)
                 failed.add(chunk)
-            except TensorHubError as e:  # e.g. the lease could not be renewed: next round
+            except TensorHubError as e:  # the lease could not be renewed: lease again next round
                 log.info("chunk %d deferred: %s", chunk, e)
+                self._covering.pop(transfer.replica_id, None)
                 failed.add(chunk)
             else:
                 flying.append((chunk, transfer, handle, deadline))
 
+        stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
         while True:
-            while len(flying) < self.in_flight:
+            while len(flying) < self.in_flight and time.monotonic() < stop_posting_at:
                 item = next(todo, None)
                 if item is None:
                     break
@@ -296,6 +390,7 @@ class PullJob:
                     for source, nbytes in got.pop(chunk).items():
                         stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
                     done_bytes += layout.chunk_bytes(chunk)
+                    self._progress_at = time.monotonic()
                     needed.discard(chunk)
                     landed.append(chunk)
             for entry in finished:

@@ -118,8 +118,22 @@ class ReadLayout:
 
     # ------------------------------------------------------------ holders
 
-    def holder_map(self, replica: RemoteReplica) -> HolderMap:
-        """What ``replica`` holds of the read set (and, while it fills, has landed)."""
+    def holder_map(self, replica: RemoteReplica, table: dict[str, np.ndarray] | None = None) -> HolderMap:
+        """What ``replica`` holds of the read set (and, while it fills, has landed).
+        ``table``: its ``holder_table``, when the caller kept it from an earlier plan."""
+        cols = self.holder_table(replica) if table is None else table
+        if not replica.source.complete:
+            bits = np.unpackbits(np.frombuffer(replica.bitmap, np.uint8), bitorder="little")
+            own = cols["h_off"] // replica.chunk_size
+            landed = np.zeros(len(own), bool)
+            inside = own < len(bits)
+            landed[inside] = bits[own[inside]].astype(bool)
+            cols = {k: v[landed] for k, v in cols.items()}
+        return HolderMap(replica, cols, self.chunk_size, self.num_chunks)
+
+    def holder_table(self, replica: RemoteReplica) -> dict[str, np.ndarray]:
+        """Every segment of the read set ``replica``'s regions cover, cut at the
+        reader's chunks and the replica's own; depends only on its regions."""
         specs = self.manifest.tensors
         held = [(t, region.runs(specs[t].shape)) for t, region in replica.held]
         held_sizes = [int(r.length.sum()) * int(self._itemsize[t]) for t, r in held]
@@ -140,15 +154,7 @@ class ReadLayout:
         order = np.argsort(cols["r_off"], kind="stable")
         cols = {k: v[order] for k, v in cols.items()}
         cols = _cut(cols, "r_off", self.chunk_size)
-        if not replica.source.complete:
-            cols = _cut(cols, "h_off", replica.chunk_size)
-            bits = np.unpackbits(np.frombuffer(replica.bitmap, np.uint8), bitorder="little")
-            own = cols["h_off"] // replica.chunk_size
-            landed = np.zeros(len(own), bool)
-            inside = own < len(bits)
-            landed[inside] = bits[own[inside]].astype(bool)
-            cols = {k: v[landed] for k, v in cols.items()}
-        return HolderMap(replica, cols, self.chunk_size, self.num_chunks)
+        return _cut(cols, "h_off", replica.chunk_size) if replica.chunk_size else cols
 
     def holders(self, chunks: list[int], maps: list[HolderMap]) -> dict[int, dict[str, bool]]:
         """The planner's input: per chunk, which holders give all of it (True) or a part."""

@@ -49,3 +49,27 @@ def test_pull_across_hosts_and_a_cut_link_becomes_source_lost(hosts, tmp_path):
         noticed = time.monotonic() - cut_at
         assert err.value.type_name in ("SourceLost", "TransferStalled"), err.value
         assert noticed < 20, f"a cut link took {noticed:.1f}s to surface"
+
+
+def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_trainer():
+    names = ["server", "trainer", "r0", "r1", "r2", "r3"]
+    with netns.Hosts(names, rate="1gbit") as hosts, \
+            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
+        trainer = _hub(hosts, "trainer", server)
+        readers = [_hub(hosts, name, server) for name in names[2:]]
+        try:
+            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+            for reader in readers:
+                reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+            results = [reader.result(timeout=120) for reader in readers]
+        finally:
+            for proc in [*readers, trainer]:
+                proc.close(timeout=15)
+    assert all(r["mismatched"] == [] for r in results)
+    size = 64 << 20
+    from_trainer = sum(r["sources"].get("trainer", 0) for r in results)
+    assert all(sum(r["sources"].values()) == size for r in results)
+    detail = f"the trainer sent {from_trainer / size:.2f} copies; " + "; ".join(
+        f"{r['seconds']:.2f} s from {r['sources']}" for r in results)
+    print(detail)
+    assert from_trainer <= 1.5 * size, detail
