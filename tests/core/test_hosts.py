@@ -73,3 +73,25 @@ def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_tra
         f"{r['seconds']:.2f} s from {r['sources']}" for r in results)
     print(detail)
     assert from_trainer <= 1.5 * size, detail
+
+
+def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pull(tmp_path):
+    names = ["server", "trainer", "r0", "r1", "r2", "r3"]
+    with netns.Hosts(names, rate="1gbit") as hosts, \
+            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
+        trainer = _hub(hosts, "trainer", server)
+        readers = [_hub(hosts, name, server, chunk_timeout_s=3.0) for name in names[2:]]
+        try:
+            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+            marks = str(tmp_path / "progress")
+            readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks)
+            for reader in readers[1:]:
+                reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+            wait_for_progress(marks, at_least=8 << 20)
+            readers[0].kill()  # it served some chunks and owned others
+            results = [reader.result(timeout=120) for reader in readers[1:]]
+        finally:
+            for proc in [*readers, trainer]:
+                proc.close(timeout=15)
+    assert all(r["mismatched"] == [] for r in results)
+    assert all(sum(r["sources"].values()) == 64 << 20 for r in results)

@@ -312,3 +312,21 @@ def test_a_read_that_never_completes_is_a_stalled_source_and_every_handle_is_rel
     assert torch.equal(dests[0].reshape(100, 4), full["w"])
     assert plane.lost == ["stuck"] and stats.bytes_by_source == {"trainer": 1600}
     assert transport.released == len(transport.reads) + 1  # the stalled handle too
+
+
+def test_relay_reads_what_a_filling_peer_landed_and_waits_for_it_only_so_long():
+    full = {"w": torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)}  # 256 KiB: 64 chunks of 4 KiB
+    manifest = Manifest.of(full)
+    trainer = _remote("trainer", manifest, [("w", Region(), full["w"])])
+    bits = bytes([0xFF] * 4 + [0] * 4)  # the peer landed chunks 0-31 and is stuck there
+    peer_memory = full["w"].clone()  # kept alive: the fake transport reads it by address
+    base = _remote("peer", manifest, [("w", Region(), peer_memory)], origin=False)
+    peer = RemoteReplica(Source("peer", "peer", Labels("h0"), complete=False), "peer-agent", MemoryKind.DRAM,
+                         base.held, base.regions, b"", 4096, bits)
+    start = time.monotonic()
+    stats, dests, _ = _pull(manifest, [trainer, peer], [("w", Region())], chunk_size=4096)
+    assert torch.equal(dests[0].reshape(256, 256), full["w"])
+    assert stats.bytes_by_source["peer"] == 32 * 4096  # every landed chunk came from the peer
+    assert stats.bytes_by_source["trainer"] == 32 * 4096
+    # The chunks the peer owns on the ring but never landed were waited for, then read anyway.
+    assert time.monotonic() - start < 10
