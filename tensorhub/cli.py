@@ -37,6 +37,15 @@ def _bench_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from tensorhub.bench import cluster
+    from tensorhub.bench.payload import parse_size
+
+    cfg = cluster.ClusterBenchConfig(readers=args.readers, size=parse_size(args.size), link=args.link)
+    cluster.run(cfg, json_path=args.json)
+    return 0
+
+
 def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
@@ -104,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--read-workers", type=int, default=2, help="chunk reads in flight per reader")
     pull.add_argument("--json", help="write the results here as JSON")
     pull.set_defaults(func=_bench_pull)
+
+    cluster = bench_sub.add_parser("cluster", help="1 trainer and R readers on emulated hosts (netns + tc, needs "
+                                   "root): TensorHub with and without relay vs a gloo broadcast")
+    cluster.add_argument("--readers", type=int, default=4, help="reader hosts (default 4)")
+    cluster.add_argument("--size", default="256MiB", help="bytes per version (default 256MiB)")
+    cluster.add_argument("--link", default="1gbit", help="every host's link rate, as tc writes it (default 1gbit)")
+    cluster.add_argument("--json", help="write the results here as JSON")
+    cluster.set_defaults(func=_bench_cluster)
 
     vllm = bench_sub.add_parser("vllm", help="vLLM weight update through TensorHub vs vLLM's reload from safetensors")
     vllm.add_argument("--hidden", type=int, default=1024, help="hidden size of the random Qwen2 model")

@@ -233,7 +233,7 @@ class PullJob:
             chunks, again = self._batch(needed, usable)
             if not chunks:  # every chunk left is due from a peer: let them land
                 time.sleep(_WAIT_FOR_PEERS_S)
-                maps = self._refresh_quietly(res, excluded, maps)
+                maps = self._refresh_quietly(res, excluded, maps, needed)
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded))
@@ -250,13 +250,15 @@ class PullJob:
             if unavailable:
                 self._drop_upfront()  # the holders it leased cannot fill this round
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
-                                         maps, excluded)
+                                         maps, excluded, needed)
                 stale_rounds += 1
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
             uncovered = [rid for rid in primaries if rid not in self._covering]
             if uncovered:
-                lease = _Lease(self.rpc, self.agent_id, uncovered, self._upfront)
+                # A resolve's lease covers every holder it returned: all are ours to let go.
+                ids = [r.source.replica_id for r in self._upfront.replicas] if self._upfront else uncovered
+                lease = _Lease(self.rpc, self.agent_id, ids, self._upfront)
                 self._upfront = None
                 self._leases.append(lease)
                 for rid in lease.granted:
@@ -272,25 +274,51 @@ class PullJob:
             self._read_round(transfers, maps, needed, excluded, stats)
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed and again:  # who holds what now: peers' chunks landed, readers joined
-                maps = self._refresh_quietly(res, excluded, maps)
+                maps = self._refresh_quietly(res, excluded, maps, needed)
 
-    def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
+    def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap],
+                         needed: set[int]) -> dict[str, HolderMap]:
         """Holders as the server sees them now; the old ones if it cannot say
         (the next round finds out what is missing)."""
         try:
             fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
         except (VersionNotFound, ServerUnavailable):
             return maps
-        return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded)
+        return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded, needed)
 
-    def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap],
-                     excluded: set[str]) -> dict[str, HolderMap]:
-        """Holders the server no longer lists (they unpublish) stay readable while
-        this pull's lease holds their unpublish back."""
-        for rid, m in old.items():
-            if rid not in fresh and rid in self._covering and rid not in excluded:
-                fresh[rid] = m
+    def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap], excluded: set[str],
+                     needed: set[int]) -> dict[str, HolderMap]:
+        """Holders the server no longer lists are unpublishing, waiting for this
+        pull's lease. If the listed holders can give everything still needed
+        (e.g. the trainer's retained host copy, or peers), let the withdrawn ones
+        go at once so their unpublish returns; else keep reading them."""
+        gone = [rid for rid in old if rid not in fresh and rid in self._covering and rid not in excluded]
+        if not gone:
+            return fresh
+        if all(self.layout.transfers(c, list(fresh.values())) is not None for c in needed):
+            try:
+                self._release(set(gone), fresh)
+                return fresh
+            except TensorHubError as e:  # keep the old leases: they expire by themselves
+                log.debug("re-lease: %s", e)
+        for rid in gone:
+            fresh[rid] = old[rid]
         return fresh
+
+    def _release(self, gone: set[str], fresh: dict[str, HolderMap]) -> None:
+        """Release the leases that cover ``gone``; what else they covered and is
+        still listed is leased anew first (no READ is in flight between rounds)."""
+        for lease in {id(self._covering[rid]): self._covering[rid] for rid in gone}.values():
+            keep = [rid for rid, held in self._covering.items() if held is lease and rid not in gone and rid in fresh]
+            if keep:
+                renewed = _Lease(self.rpc, self.agent_id, keep)
+                self._leases.append(renewed)
+                for rid in renewed.granted:
+                    self._covering[rid] = renewed
+            for rid in [rid for rid, held in self._covering.items() if held is lease]:
+                del self._covering[rid]
+            self._leases.remove(lease)
+            lease.release()
 
     def _refresh(self, stats: PullStats, excluded: set[str], stale_rounds: int, unavailable: list[int],
                  usable: list[HolderMap]) -> dict[str, HolderMap]:

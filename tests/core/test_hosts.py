@@ -95,3 +95,20 @@ def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pul
                 proc.close(timeout=15)
     assert all(r["mismatched"] == [] for r in results)
     assert all(sum(r["sources"].values()) == 64 << 20 for r in results)
+
+
+def test_bench_cluster_writes_a_row_per_method(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "cluster.json"
+    proc = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "cluster", "--readers", "2", "--size",
+                           "16MiB", "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"single", "tensorhub", "tensorhub-no-relay", "gloo-broadcast"}
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["trainer_egress_bytes"] > 0 and row["trainer_stall_seconds"] >= 0
+    assert rows["tensorhub-no-relay"]["trainer_copies"] >= 1.8  # both readers read the trainer
+    assert "x single" in proc.stdout

@@ -1,0 +1,160 @@
+"""``tensorhub bench cluster``: one trainer and R readers on emulated hosts
+(network namespaces on one bridge, every link capped with ``tc``), the same
+version moved four ways in the same run:
+
+* ``single``: one reader pulls alone (the time to beat);
+* ``tensorhub-no-relay``: R readers pull together, none serves: all read the trainer;
+* ``tensorhub``: R readers pull together and serve what lands (relay);
+* ``gloo-broadcast``: ``torch.distributed`` gloo, the trainer and R readers in one
+  fixed group, one ``broadcast`` (what NCCL-style weight sync does today).
+
+    server   trainer ──1 Gbit── switch ──1 Gbit── r0, r1, ... (each its own host)
+
+Per method: ``seconds`` from the first reader's start until every reader holds
+the version, ``trainer_egress_bytes`` (the trainer host's interface counter),
+``trainer_stall_seconds`` (TensorHub: the trainer publishes and unpublishes at
+once, as a trainer wanting to step would, until unpublish returns; with
+retention on, as by default, it first keeps a host copy that readers who come
+later read; gloo: the broadcast on the trainer). Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rich.progress import Progress
+
+from tensorhub import netns
+from tensorhub.bench.report import Row, print_table, write_json
+
+MODEL = "bench/cluster"
+CHUNK = 4 << 20
+ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}  # no shared memory between "hosts"
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterBenchConfig:
+    readers: int = 4
+    size: int = 256 << 20
+    link: str = "1gbit"
+
+
+def _tx_bytes(hosts: netns.Hosts, name: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", hosts.netns(name), "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+def _gloo_main(conn: Any, ns: str, rank: int, world: int, addr: str, port: int, size: int) -> None:
+    netns.enter(ns)  # before any thread starts
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+    data = torch.full((size,), 7 if rank == 0 else 0, dtype=torch.uint8)
+    dist.barrier()
+    start = time.monotonic()
+    dist.broadcast(data, src=0)
+    end = time.monotonic()
+    conn.send((start, end, bool((data == 7).all())))
+    dist.destroy_process_group()
+
+
+def _gloo(hosts: netns.Hosts, names: list[str], size: int) -> tuple[float, float, bool]:
+    ctx = mp.get_context("spawn")
+    port = 29500 + os.getpid() % 1000
+    conns, procs = [], []
+    for rank, name in enumerate(names):
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_gloo_main, daemon=True,
+                           args=(child, hosts.netns(name), rank, len(names), hosts.addr(names[0]), port, size))
+        proc.start()
+        conns.append(conn)
+        procs.append(proc)
+    results = []
+    for conn in conns:
+        if not conn.poll(300):
+            raise RuntimeError("a gloo broadcast process did not finish within 300 s")
+        results.append(conn.recv())
+    for proc in procs:
+        proc.join(timeout=30)
+    starts, ends, oks = zip(*results)
+    return max(ends) - min(starts), ends[0] - starts[0], all(oks)
+
+
+def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
+    from tensorhub.testing import HubProcess, ServerProcess
+
+    reason = netns.available()
+    if reason is not None:
+        raise SystemExit(f"tensorhub bench cluster: skipped: {reason}")
+    readers = [f"r{i}" for i in range(cfg.readers)]
+    specs = [("w", "bfloat16", (cfg.size // 8192, 4096))]
+    size = (cfg.size // 8192) * 8192
+    rows: list[Row] = []
+    with netns.Hosts(["server", "trainer", *readers], rate=cfg.link) as hosts, \
+            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=1) as server, \
+            Progress(disable=quiet, transient=True) as progress:
+        task = progress.add_task("starting hubs on the emulated hosts", total=4)
+
+        def hub(name: str) -> HubProcess:
+            return HubProcess(server.address, name=name, netns=hosts.netns(name), env=ENV, labels={"host": name})
+
+        trainer = hub("trainer")
+        pulls = [hub(name) for name in readers]
+        try:
+            version = 0
+
+            def tensorhub(method: str, group: list[HubProcess], serve: bool) -> None:
+                nonlocal version
+                version += 1
+                progress.update(task, description=f"{method}: {len(group)} reader(s)")
+                trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=CHUNK)
+                sent = _tx_bytes(hosts, "trainer")
+                for reader in group:
+                    reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version)
+                stall = trainer.call("unpublish", model=MODEL, version=version, timeout=300)
+                got = [reader.result(timeout=300) for reader in group]
+                egress = _tx_bytes(hosts, "trainer") - sent
+                if any(g["mismatched"] for g in got):
+                    raise RuntimeError(f"{method}: a reader received wrong bytes")
+                if serve:
+                    for reader in group:
+                        reader.call("unpublish", model=MODEL, version=version)
+                seconds = max(g["end"] for g in got) - min(g["start"] for g in got)
+                rows.append(Row.of(method, len(group), size, [seconds], trainer_egress_bytes=egress,
+                                   trainer_stall_seconds=stall["end"] - stall["start"],
+                                   trainer_copies=round(egress / size, 2)))
+                progress.advance(task)
+
+            tensorhub("single", pulls[:1], serve=False)
+            tensorhub("tensorhub-no-relay", pulls, serve=False)
+            tensorhub("tensorhub", pulls, serve=True)
+        finally:
+            for proc in [*pulls, trainer]:
+                proc.close(timeout=15)
+        progress.update(task, description=f"gloo-broadcast: {cfg.readers} reader(s)")
+        sent = _tx_bytes(hosts, "trainer")
+        seconds, stall, ok = _gloo(hosts, ["trainer", *readers], size)
+        egress = _tx_bytes(hosts, "trainer") - sent
+        if not ok:
+            raise RuntimeError("gloo broadcast delivered wrong bytes")
+        rows.append(Row.of("gloo-broadcast", cfg.readers, size, [seconds], trainer_egress_bytes=egress,
+                           trainer_stall_seconds=stall, trainer_copies=round(egress / size, 2)))
+    if not quiet:
+        print_table(f"{size:,} bytes to {cfg.readers} reader(s) on emulated hosts, links {cfg.link}", rows,
+                    {m: "single" for m in ("tensorhub", "tensorhub-no-relay", "gloo-broadcast")})
+        single, gloo = rows[0], rows[-1]
+        for row in rows:
+            print(f"{row.method:>20}: {row.seconds:.2f} s = {row.seconds / single.seconds:.2f}x single, trainer sent "
+                  f"{row.extra['trainer_copies']:.2f} copies, trainer stalled {row.extra['trainer_stall_seconds']:.2f} s"
+                  f" = {row.extra['trainer_stall_seconds'] / gloo.extra['trainer_stall_seconds']:.2f}x gloo's")
+    if json_path:
+        write_json(json_path, rows, benchmark="cluster", link=cfg.link, readers=cfg.readers)
+    return rows
