@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "columns of the other half)")
     pull.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
     pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
-    pull.add_argument("--read-workers", type=int, default=2, help="chunk reads in flight per reader")
+    pull.add_argument("--read-workers", type=int, default=2, help="READs in flight per reader: twice this")
     pull.add_argument("--json", help="write the results here as JSON")
     pull.set_defaults(func=_bench_pull)
 

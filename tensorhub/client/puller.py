@@ -140,7 +140,6 @@ class PullJob:
     _covering: dict[str, _Lease] = field(default_factory=dict)  # replica id -> the lease that covers it
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
     _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
-    _resolved_at: float = 0.0
 
     def run(self) -> PullStats:
         res = self.resolved
@@ -165,7 +164,6 @@ class PullJob:
 
     def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
         """What each holder can give of the read set now; holders of none of it are dropped."""
-        self._resolved_at = time.monotonic()
         out = {}
         for r in replicas:
             rid = r.source.replica_id
@@ -218,8 +216,16 @@ class PullJob:
                           | {(self._offset(self.agent_id), self.agent_id)})
             starts = np.array([o for o, _ in ring])
             owner = [ring[i][1] for i in (np.searchsorted(starts, order, side="right") - 1).tolist()]
-            mine = [c for c, who in zip(order, owner) if who == self.agent_id and c not in taken]
+            # A peer that will never hold a chunk (its read set lacks it) does not own it.
+            will_hold = {m.replica.agent_id: self._chunks_of(m) for m in peers}
+            mine = [c for c, who in zip(order, owner)
+                    if c not in taken and (who == self.agent_id or c not in will_hold[who])]
         return from_peers + mine[: size - len(from_peers)], True
+
+    def _chunks_of(self, holder: HolderMap) -> set[int]:
+        """The chunks of the read set a holder has or will have once it is complete."""
+        table = self._tables[holder.replica_id]
+        return set(np.unique(table["r_off"] // self.layout.chunk_size).tolist())
 
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
