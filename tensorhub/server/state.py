@@ -16,6 +16,7 @@ or goes; waiters of ``wait_for_version`` are woken when it flips.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
@@ -424,10 +425,8 @@ class State:
             if remaining <= 0:
                 return None
             changed = self._visibility_changed  # taken after the check: no wake-up is lost
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # the loop answers "not found"
                 await asyncio.wait_for(changed.wait(), timeout=remaining)
-            except asyncio.TimeoutError:
-                pass
 
     # ------------------------------------------------------------ readers
 

@@ -153,7 +153,7 @@ class MemcpyTransport:
         self.released += 1
 
     def forget(self, key: str) -> None:
-        pass
+        """No connections to drop: reads are memmoves in this process."""
 
 
 class FakeControlPlane:
@@ -172,7 +172,7 @@ class FakeControlPlane:
         return 60.0
 
     def release_lease_async(self, agent_id, lease_id):
-        pass
+        """Leases are not tracked: nothing drains in these tests."""
 
     def report_lost(self, agent_id, replica_id, reason):
         self.lost.append(replica_id)
