@@ -83,9 +83,6 @@ class Part:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
-    def describe(self) -> str:
-        return f"{self.name}{self.region.describe() if not self.region.whole else ''}"
-
 
 def parts_of(entries: Mapping[str, Entry]) -> list[Part]:
     """Check every entry on its own; every problem is listed in one InvalidRequest."""

@@ -384,65 +384,69 @@ class PullJob:
             else:
                 flying.append((chunk, transfer, handle, deadline))
 
-        stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
-        while True:
-            while len(flying) < self.in_flight and time.monotonic() < stop_posting_at:
-                item = next(todo, None)
-                if item is None:
+        try:
+            stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
+            while True:
+                while len(flying) < self.in_flight and time.monotonic() < stop_posting_at:
+                    item = next(todo, None)
+                    if item is None:
+                        break
+                    chunk, transfer = item
+                    if transfer.replica_id in lost_now or chunk in failed:
+                        failed.add(chunk)  # stays needed: the next round re-plans it
+                        continue
+                    post(chunk, transfer)
+                if not flying:
                     break
-                chunk, transfer = item
-                if transfer.replica_id in lost_now or chunk in failed:
-                    failed.add(chunk)  # stays needed: the next round re-plans it
-                    continue
-                post(chunk, transfer)
-            if not flying:
-                break
-            finished = []
-            for entry in flying:
-                chunk, transfer, handle, deadline = entry
-                try:
-                    if not self.nixl.poll(handle):
-                        if time.monotonic() <= deadline:
-                            continue
-                        raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
-                                             stalled=True)
-                except TransferFailed as e:
-                    lost(transfer, e)
-                    failed.add(chunk)
+                finished = []
+                for entry in flying:
+                    chunk, transfer, handle, deadline = entry
+                    try:
+                        if not self.nixl.poll(handle):
+                            if time.monotonic() <= deadline:
+                                continue
+                            raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
+                                                 stalled=True)
+                    except TransferFailed as e:
+                        lost(transfer, e)
+                        failed.add(chunk)
+                        finished.append(entry)
+                        continue
                     finished.append(entry)
-                    continue
-                finished.append(entry)
-                if chunk in failed:
-                    continue
-                name = maps[transfer.replica_id].replica.source.agent_name
-                by_source = got.setdefault(chunk, {})
-                by_source[name] = by_source.get(name, 0) + transfer.nbytes
-                pending[chunk] -= 1
-                if pending[chunk] == 0:
-                    # Counted once the whole chunk is in: a chunk that failed
-                    # in part is read again, whole, next round.
-                    for source, nbytes in got.pop(chunk).items():
-                        stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
-                    done_bytes += layout.chunk_bytes(chunk)
-                    self._progress_at = time.monotonic()
-                    needed.discard(chunk)
-                    landed.append(chunk)
-            for entry in finished:
-                flying.remove(entry)
+                    if chunk in failed:
+                        continue
+                    name = maps[transfer.replica_id].replica.source.agent_name
+                    by_source = got.setdefault(chunk, {})
+                    by_source[name] = by_source.get(name, 0) + transfer.nbytes
+                    pending[chunk] -= 1
+                    if pending[chunk] == 0:
+                        # Counted once the whole chunk is in: a chunk that failed
+                        # in part is read again, whole, next round.
+                        for source, nbytes in got.pop(chunk).items():
+                            stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
+                        done_bytes += layout.chunk_bytes(chunk)
+                        self._progress_at = time.monotonic()
+                        needed.discard(chunk)
+                        landed.append(chunk)
+                for entry in finished:
+                    flying.remove(entry)
+                    self.nixl.release(entry[2])
+                if finished:
+                    pause = _POLL_MIN_S
+                    if self.progress is not None:
+                        self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, _POLL_MAX_S)
+                if landed and self.landed is not None and (
+                    not flying or time.monotonic() - last_report >= _REPORT_PERIOD_S
+                ):
+                    self.landed(landed)
+                    landed = []
+                    last_report = time.monotonic()
+        finally:  # a raise mid-round (e.g. from the progress callback) leaves no handle behind
+            for entry in flying:
                 self.nixl.release(entry[2])
-            if finished:
-                pause = _POLL_MIN_S
-                if self.progress is not None:
-                    self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX_S)
-            if landed and self.landed is not None and (
-                not flying or time.monotonic() - last_report >= _REPORT_PERIOD_S
-            ):
-                self.landed(landed)
-                landed = []
-                last_report = time.monotonic()
         if landed and self.landed is not None:
             self.landed(landed)
 

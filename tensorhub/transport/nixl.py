@@ -1,9 +1,10 @@
 """A process's NIXL agent (UCX backend): register memory in place, learn remote
-agents from their metadata, and READ byte ranges from them with a deadline.
+agents from their metadata, and post READs of byte ranges from them, to be
+polled and released by the caller (the puller, which keeps a deadline on each).
 
 NIXL facts this relies on (measured, see the project notes):
 * a peer that dies mid-READ makes ``transfer``/``check_xfer_state`` raise;
-* a cut link does not raise for minutes, so every wait here has a deadline;
+* a cut link does not raise for minutes, so every wait on a READ needs a deadline;
 * with UCX over shared memory (CMA) ``transfer`` copies synchronously and
   releases the GIL; over TCP it returns "PROC" at once.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +23,6 @@ from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of, sto
 
 log = logging.getLogger(__name__)
 
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
 
 # Applied when the first agent is created, never at import (``import tensorhub``
 # must not change a process's UCX settings), and only where the user has not
@@ -201,32 +199,6 @@ class NixlAgent:
             self._agent.release_xfer_handle(pending.handle)
         except Exception as e:  # a failed transfer may refuse release
             log.debug("release_xfer_handle: %s", e)
-
-    def read(
-        self,
-        remote: str,
-        local: np.ndarray,
-        local_kind: MemoryKind,
-        remote_descs: np.ndarray,
-        remote_kind: MemoryKind,
-        *,
-        deadline: float,
-    ) -> None:
-        """READ and wait: ``post``, ``poll`` until done, always ``release``.
-
-        Raises TransferFailed on a NIXL error or when ``time.monotonic()`` passes
-        ``deadline``; the destination bytes are garbage then.
-        """
-        pending = self.post(remote, local, local_kind, remote_descs, remote_kind)
-        try:
-            pause = _POLL_MIN_S
-            while not self.poll(pending):
-                if time.monotonic() > deadline:
-                    raise TransferFailed(remote, "no completion before the reader's deadline", stalled=True)
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX_S)
-        finally:
-            self.release(pending)
 
     def close(self) -> None:
         with self._lock:

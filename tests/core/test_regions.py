@@ -188,7 +188,8 @@ def _remote(rid: str, manifest: Manifest, parts: list[tuple[str, Region, torch.T
 
 
 def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[str, Region]], *,
-          chunk_size: int = 4096, transport: MemcpyTransport | None = None, chunk_timeout_s: float = 5):
+          chunk_size: int = 4096, transport: MemcpyTransport | None = None, chunk_timeout_s: float = 5,
+          progress=None):  # noqa: ANN001
     index = manifest.index()
     dests = []
     for name, region in want:
@@ -202,7 +203,7 @@ def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[st
     job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("h0"),
                   resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, chunk_size),
                   dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=chunk_timeout_s,
-                  deadline=time.monotonic() + 30)
+                  deadline=time.monotonic() + 30, progress=progress)
     stats = job.run()
     return stats, dests, plane
 
@@ -330,3 +331,19 @@ def test_relay_reads_what_a_filling_peer_landed_and_waits_for_it_only_so_long():
     assert stats.bytes_by_source["trainer"] == 32 * 4096
     # The chunks the peer owns on the ring but never landed were waited for, then read anyway.
     assert time.monotonic() - start < 10
+
+
+def test_a_pull_that_raises_mid_round_releases_every_read_in_flight():
+    full = {"a": torch.ones(32, 32), "b": torch.zeros(32, 32)}  # one 4 KiB chunk each
+    manifest = Manifest.of(full)
+    transport = MemcpyTransport()
+    transport.slow = {"stuck"}  # holds b: its READ stays in flight
+    replicas = [_remote("fast", manifest, [("a", Region(), full["a"])]),
+                _remote("stuck", manifest, [("b", Region(), full["b"])])]
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _pull(manifest, replicas, [("b", Region()), ("a", Region())], transport=transport, progress=stop)
+    assert transport.released == len(transport.reads) + 1  # the READ still in flight too
