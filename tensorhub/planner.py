@@ -15,11 +15,28 @@ A holder ranks before another when it is
      the trainer's link stops being the bottleneck once copies exist;
   5. less loaded: fewer other readers on it, then fewer chunks of this plan
      already given to it (ties spread evenly).
+A holder already serving ``cap`` readers or more ranks after every nearer-or-equal
+holder under the cap (a soft cap: it still serves when nobody else can).
+
+Readers that fill the same version together split the work (``relay_share``):
+each owns an arc of a hash ring of chunks, reads its own arc from the origin and
+the rest from the peers that own it, as those chunks land. Per zone: a chunk no
+holder in the reader's zone has is owned only by the zone's first
+``seeds_per_zone`` readers, so it crosses the zone boundary about once.
+
+Before any of that the server narrows a version's holders to the few this reader
+should know of (``best_holders``): with a thousand holders a reader costs O(k).
+
+    all live holders ──▶ rank: tier, spot, origin, load, a per-reader hash ──▶ first k
+                                                                                │
+    + complete holders, best first, until the complete ones cover the version ◀─┘
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from tensorhub.topology import Labels, Reliability
@@ -59,11 +76,14 @@ def choose_sources(
     reader: Labels,
     *,
     exclude: frozenset[str] = frozenset(),
+    cap: int = 0,
 ) -> Assignment:
     """Rank the holders of every chunk; spread ties evenly.
 
     ``holders[chunk][replica_id]`` is True when that replica can give the whole
     chunk, False when it can give a part of it. Chunks are planned in order.
+    ``cap`` > 0: holders with that many active readers or more rank after the
+    others of their tier.
     """
     usable = {s.replica_id: s for s in sources if s.replica_id not in exclude}
     assigned = dict.fromkeys(usable, 0)
@@ -77,6 +97,7 @@ def choose_sources(
             whole,
             key=lambda rid: (
                 reader.tier(usable[rid].labels),
+                cap > 0 and usable[rid].active_reads >= cap,
                 not whole[rid],
                 usable[rid].reliability is Reliability.SPOT,
                 usable[rid].origin,
@@ -91,3 +112,94 @@ def choose_sources(
             assigned[rid] += 1
         out.order[chunk] = ranked
     return out
+
+
+def best_holders(
+    candidates: list[Source],
+    reader: Labels,
+    k: int,
+    *,
+    salt: str,
+    covers: Callable[[list[Source]], bool],
+) -> list[Source]:
+    """The holders a reader is told of: the ``k`` best for it, best first, then
+    as many more complete holders (best first) as it takes for the complete ones
+    among them to cover the version (``covers``), so a pull never misses a region
+    that some holder outside the k has.
+
+    Best: nearer, reliable before spot, readers before the origin (the trainer's
+    link is the scarce one), fewer active readers. Equal holders are ordered by a
+    hash of (``salt``, replica id): each reader (salt = its agent id) gets its own
+    spread of equally good holders, and one reader always gets the same one.
+    """
+    if k <= 0 or len(candidates) <= k:
+        return list(candidates)
+
+    def key(s: Source) -> tuple:
+        return (reader.tier(s.labels), s.reliability is Reliability.SPOT, s.origin, s.active_reads,
+                zlib.crc32(f"{salt}/{s.replica_id}".encode()))
+
+    ranked = sorted(candidates, key=key)
+    chosen = ranked[:k]
+    complete = [s for s in chosen if s.complete]
+    if covers(complete):
+        return chosen
+    for s in ranked[k:]:
+        if s.complete:
+            chosen.append(s)
+            complete.append(s)
+            if covers(complete):
+                break
+    return chosen
+
+
+def ring_offset(agent_id: str, num_chunks: int) -> int:
+    """Where a reader's arc of the chunk ring starts (every reader computes the same)."""
+    return zlib.crc32(agent_id.encode()) % max(1, num_chunks)
+
+
+def relay_share(
+    chunks: list[int],
+    me: str,
+    zone_peers: Mapping[str, frozenset[int]],
+    *,
+    num_chunks: int,
+    local: frozenset[int] | set[int],
+    seeds_per_zone: int = 1,
+) -> list[int]:
+    """Of ``chunks`` (in order), those this reader reads itself from wherever
+    they are; it waits for the rest to land at a peer of its zone.
+
+    ``zone_peers``: the other readers of this reader's zone that are filling the
+    version, each with the chunks it will hold. ``local``: chunks some complete
+    holder in this zone has (the trainer, when it is in the zone).
+
+      local chunk    ─▶ ring over the zone's filling readers: the arc's owner reads it
+      remote chunk   ─▶ ring over the zone's seeds only (the first ``seeds_per_zone``
+                        readers by hash): one crossing of the zone boundary per chunk
+      owner will never hold it (its read set lacks it) ─▶ the next reader round the
+                        ring that will (no seed will: the zone's ring decides)
+    """
+    members = sorted(set(zone_peers) | {me}, key=lambda a: (zlib.crc32(a.encode()), a))
+    seeds = members[: max(1, seeds_per_zone)]
+    member_ring = sorted((ring_offset(a, num_chunks), a) for a in members)
+    seed_ring = sorted((ring_offset(a, num_chunks), a) for a in seeds)
+
+    def will_hold(agent: str, c: int) -> bool:
+        return agent == me or c in zone_peers.get(agent, frozenset())
+
+    def owner(ring: list[tuple[int, str]], c: int) -> str | None:
+        """The arc's owner, or the next reader round the ring that will hold the chunk."""
+        start = bisect.bisect_right(ring, (c, "\uffff")) - 1  # -1: the ring wraps to the last
+        for step in range(len(ring)):
+            agent = ring[(start + step) % len(ring)][1]
+            if will_hold(agent, c):
+                return agent
+        return None
+
+    mine = []
+    for c in chunks:
+        who = owner(member_ring, c) if c in local else (owner(seed_ring, c) or owner(member_ring, c))
+        if who == me:
+            mine.append(c)
+    return mine

@@ -14,6 +14,9 @@ class HubConfig:
     labels: Labels = field(default_factory=Labels.local)
     reliability: Reliability = Reliability.RELIABLE
     chunk_size: int = DEFAULT_CHUNK_SIZE  # bytes per chunk of the versions this hub publishes
+    # Readers of a zone that read across the zone's boundary while others of the
+    # zone fill the same version; the rest read from them (every reader must agree).
+    seeds_per_zone: int = 1
     read_workers: int = 2  # READs in flight per pull: twice this (one thread posts and polls them)
     chunk_timeout_s: float = 10.0  # a chunk read making no progress this long = source lost
     pull_timeout_s: float = 600.0  # a whole pull, failovers included

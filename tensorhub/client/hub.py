@@ -212,7 +212,8 @@ class Hub:
             rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels, resolved=resolved,
             layout=ReadLayout(manifest, read_parts, chunk_size), dest_kind=registration.kind,
             in_flight=2 * max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
-            deadline=time.monotonic() + (timeout or self.config.pull_timeout_s), progress=progress,
+            seeds_per_zone=self.config.seeds_per_zone, progress=progress,
+            deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=(lambda chunks: self._holdings.landed(publication, chunks)) if publication else None,
         )
         try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,7 +29,7 @@ import numpy as np
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.errors import ServerUnavailable, SourceLost, TensorHubError, TransferStalled, VersionNotFound
-from tensorhub.planner import choose_sources
+from tensorhub.planner import choose_sources, relay_share, ring_offset
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -131,6 +130,7 @@ class PullJob:
     in_flight: int  # READs posted and not yet complete, at most
     chunk_timeout_s: float
     deadline: float
+    seeds_per_zone: int = 1  # readers of a zone that read across its boundary (planner.relay_share)
     progress: ProgressFn | None = None
     landed: LandedFn | None = None
     _upfront: Resolved | None = None  # a resolve whose lease the next round uses
@@ -140,6 +140,7 @@ class PullJob:
     _covering: dict[str, _Lease] = field(default_factory=dict)  # replica id -> the lease that covers it
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
     _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
+    _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
 
     def run(self) -> PullStats:
         res = self.resolved
@@ -180,7 +181,7 @@ class PullJob:
 
     def _offset(self, agent_id: str) -> int:
         """Where an agent's pulls start in the chunk order (the same for every reader)."""
-        return zlib.crc32(agent_id.encode()) % max(1, self.layout.num_chunks)
+        return ring_offset(agent_id, self.layout.num_chunks)
 
     def _rotated(self, chunk: int) -> int:
         """This pull's chunk order: readers that start together begin at different chunks."""
@@ -195,37 +196,52 @@ class PullJob:
 
         While other readers fill the same version (pipeline replication), a few at
         a time so the next round sees what landed meanwhile. The chunks only the
-        origin has are shared out like a hash ring: every filling reader starts at
-        its own offset (from its agent id, so everyone computes the same split)
-        and owns the chunks up to the next reader's offset. A reader reads what
-        peers already hold from them, its own chunks from the origin, and waits
-        for the others' chunks to land instead of racing them to the origin;
-        after ``_PATIENCE_S`` without a chunk it reads anything from anywhere.
+        origin has are shared out like a hash ring (``planner.relay_share``):
+        every filling reader of the zone owns an arc of chunks; a chunk no holder
+        in the zone has is owned by the zone's seeds only. A reader reads what
+        peers of its zone already hold from them, its own chunks from wherever
+        they are, and waits for the others' chunks to land instead of racing them
+        to the origin; after ``_PATIENCE_S`` without a chunk it reads anything
+        from anywhere.
         """
         order = sorted(needed, key=self._rotated)
         peers = [m for m in usable if not m.replica.source.complete]
         if not peers:
             return order, True  # the round stops posting after _REFRESH_IDLE_S (see _read_round)
         size = 2 * self.in_flight
-        from_peers = [c for c in order if any(m.covered[c] > 0 for m in peers)][:size]
+        zone = self.labels.zone
+        near = [m for m in peers if m.replica.source.labels.zone == zone]
+        at_peers = self._any_covers(near)
+        from_peers = [c for c in order if at_peers[c]][:size]
         taken = set(from_peers)
+        rest = [c for c in order if c not in taken]
         if time.monotonic() - self._progress_at > _PATIENCE_S:
-            mine = [c for c in order if c not in taken]
+            mine = rest
         else:
-            ring = sorted({(self._offset(m.replica.agent_id), m.replica.agent_id) for m in peers}
-                          | {(self._offset(self.agent_id), self.agent_id)})
-            starts = np.array([o for o, _ in ring])
-            owner = [ring[i][1] for i in (np.searchsorted(starts, order, side="right") - 1).tolist()]
-            # A peer that will never hold a chunk (its read set lacks it) does not own it.
-            will_hold = {m.replica.agent_id: self._chunks_of(m) for m in peers}
-            mine = [c for c, who in zip(order, owner)
-                    if c not in taken and (who == self.agent_id or c not in will_hold[who])]
+            in_zone = self._any_covers([m for m in usable if m.replica.source.complete
+                                        and m.replica.source.labels.zone == zone])
+            mine = relay_share(
+                rest, self.agent_id, {m.replica.agent_id: self._chunks_of(m) for m in near},
+                num_chunks=self.layout.num_chunks, seeds_per_zone=self.seeds_per_zone,
+                local={c for c in rest if in_zone[c]},
+            )
         return from_peers + mine[: size - len(from_peers)], True
 
-    def _chunks_of(self, holder: HolderMap) -> set[int]:
+    def _any_covers(self, holders: list[HolderMap]) -> np.ndarray:
+        """Per chunk: whether one of ``holders`` can give some of it now."""
+        mask = np.zeros(self.layout.num_chunks, bool)
+        for m in holders:
+            mask |= m.covered > 0
+        return mask
+
+    def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
         """The chunks of the read set a holder has or will have once it is complete."""
-        table = self._tables[holder.replica_id]
-        return set(np.unique(table["r_off"] // self.layout.chunk_size).tolist())
+        held = self._will_hold.get(holder.replica_id)
+        if held is None:
+            table = self._tables[holder.replica_id]
+            held = self._will_hold[holder.replica_id] = frozenset(
+                np.unique(table["r_off"] // self.layout.chunk_size).tolist())
+        return held
 
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()

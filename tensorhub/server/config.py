@@ -19,6 +19,7 @@ class ServerConfig:
     max_message_bytes: int = 16 << 20  # gRPC messages in either direction
     expiry_period_s: float = 0.5  # leases and agents also expire without traffic
     max_wait_s: float = 60.0  # longest WaitForVersion long poll; a longer timeout_s is cut to this
+    max_sources: int = 16  # holders a Resolve returns at most (the reader's k best, plus any needed for coverage)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -27,6 +28,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"ServerConfig.{name} must be a positive number of seconds, not {value!r}")
+        if self.max_sources < 1:
+            raise ValueError(f"ServerConfig.max_sources must be >= 1, not {self.max_sources}")
         if self.retain < 0:
             raise ValueError(f"ServerConfig.retain must be >= 0, not {self.retain}")
         if self.max_message_bytes < 1 << 20:

@@ -264,7 +264,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if request.group and len(request.group) > MAX_NAME:
                 raise Invalid("group name too long")
             resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
-            sources = self.state.sources(entry, agent_id)
+            sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint)
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)

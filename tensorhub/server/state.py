@@ -29,6 +29,7 @@ import numpy as np
 
 from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_set
 from tensorhub.manifest import Manifest, itemsize
+from tensorhub.planner import Source, best_holders
 from tensorhub.regions import Region, Runs, describe_elements, gaps, overlap
 from tensorhub.server.config import ServerConfig
 from tensorhub.topology import Labels, Reliability
@@ -457,8 +458,30 @@ class State:
                 del rounds[old]
         return version, entry
 
-    def sources(self, entry: Version, reader_agent_id: str) -> list[Replica]:
-        return [r for r in entry.replicas.values() if self._live(r) and r.agent_id != reader_agent_id]
+    def sources(self, entry: Version, reader_agent_id: str, k: int = 0) -> list[Replica]:
+        """The live holders a reader is told of: the ``k`` best for it (0: the
+        server's ``max_sources``) plus what it takes to cover the version
+        (``planner.best_holders``), best first."""
+        live = [r for r in entry.replicas.values() if self._live(r) and r.agent_id != reader_agent_id]
+        k = min(k or self.config.max_sources, self.config.max_sources)
+        if len(live) <= k:
+            return live
+        reader = self.agents.get(reader_agent_id)
+        by_id = {r.replica_id: r for r in live}
+        candidates = []
+        for r in live:
+            agent = self.agents[r.agent_id]
+            candidates.append(Source(r.replica_id, agent.name, agent.labels, agent.reliability, r.complete, r.origin,
+                                     len(r.leases)))
+
+        def covers(complete: list[Source]) -> bool:
+            holders = [by_id[s.replica_id] for s in complete]
+            return bool(holders) and next(_gaps(entry, _union(holders), range(len(entry.manifest.tensors))),
+                                          None) is None
+
+        chosen = best_holders(candidates, reader.labels if reader else Labels(), k, salt=reader_agent_id,
+                              covers=covers)
+        return [by_id[s.replica_id] for s in chosen]
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> Lease:
         self._agent(agent_id)

@@ -222,3 +222,38 @@ def test_wait_for_version():
         assert await s.wait_for_version("m", 0, 0) == 2
 
     asyncio.run(go())
+
+
+def test_resolve_returns_the_best_k_holders_and_whatever_covers_the_version():
+    """Four origin shards and 20 reader copies (whole, on other hosts and zones):
+    a reader is told of its k best, plus shards only if no whole copy is among them."""
+    s = State(ServerConfig(max_sources=3))
+    for i in range(4):
+        s.register_agent(f"a{i}", f"rank{i}", Labels("trainer", "r0", "z0"), Reliability.RELIABLE)
+    four_shards(s)
+    for i in range(20):
+        zone = "z0" if i < 10 else "z1"
+        s.register_agent(f"r{i}", f"reader{i}", Labels(f"h{i}", f"rack{zone}", zone), Reliability.RELIABLE)
+        s.publish(agent_id=f"r{i}", replica_id=f"r{i}.1", model="m", version=1, manifest=MANIFEST, held=check_held(MANIFEST, []),
+                  chunk_size=CHUNK, memory=None, complete=i % 2 == 0, bitmap=b"", origin=False)
+    s.register_agent("me", "me", Labels("hx", "rackz1", "z1"), Reliability.RELIABLE)
+    _, entry = s.resolve("m", 1)
+    chosen = s.sources(entry, "me")
+    names = [s.replicas[r.replica_id].agent_id for r in chosen]
+    assert len(chosen) == 3 and all(n.startswith("r") and int(n[1:]) >= 10 for n in names), names  # same rack first
+    assert any(r.complete for r in chosen)
+    # Only filling peers nearby: the k best, then a complete holder to cover the version.
+    s2 = State(ServerConfig(max_sources=2))
+    for i in range(4):
+        s2.register_agent(f"a{i}", f"rank{i}", Labels("trainer", "r0", "z0"), Reliability.RELIABLE)
+    four_shards(s2)
+    for i in range(5):
+        s2.register_agent(f"p{i}", f"peer{i}", Labels(f"h{i}", "r1", "z1"), Reliability.RELIABLE)
+        s2.publish(agent_id=f"p{i}", replica_id=f"p{i}.1", model="m", version=1, manifest=MANIFEST, held=check_held(MANIFEST, []),
+                   chunk_size=CHUNK, memory=None, complete=False, bitmap=b"", origin=False)
+    s2.register_agent("me", "me", Labels("hx", "r1", "z1"), Reliability.RELIABLE)
+    _, entry = s2.resolve("m", 1)
+    agents = [s2.replicas[r.replica_id].agent_id for r in s2.sources(entry, "me")]
+    assert agents[:2] and all(a.startswith("p") for a in agents[:2])
+    assert sorted(agents[2:]) == ["a0", "a1", "a2", "a3"]  # all four shards: none alone covers
+    assert len(s2.sources(entry, "me", k=100)) == 2 + 4  # a request cannot raise the server's cap

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_has
 from tensorhub.client.config import HubConfig
 from tensorhub.errors import InvalidRequest, ManifestMismatch
 from tensorhub.manifest import Manifest, TensorSpec
-from tensorhub.planner import Source, choose_sources
+from tensorhub.planner import Source, best_holders, choose_sources, relay_share
 from tensorhub.topology import Labels, Reliability
 
 
@@ -126,6 +127,111 @@ def test_planner_exhaustive_small_cases_always_rank_exactly_the_holders():
                 assert tiers == sorted(tiers)
             else:
                 assert chunk in plan.unavailable
+
+
+def test_planner_cap_sends_readers_past_a_busy_holder_but_never_strands_a_chunk():
+    # A peer already serving 4 readers, and the trainer (origin) idle, same rack.
+    busy, calm = _src("busy", host="h1", active_reads=4), _src("calm", host="h2", origin=True)
+    sources, reader = [busy, calm], Labels("h0", "r0", "z0")
+    assert choose_sources(_all(range(3), sources), sources, reader).order[0] == ["busy", "calm"]  # peers first
+    assert choose_sources(_all(range(3), sources), sources, reader, cap=4).order[0] == ["calm", "busy"]
+    assert choose_sources(_all(range(3), sources), sources, reader, cap=5).order[0] == ["busy", "calm"]
+    only = choose_sources(_all(range(3), [busy]), [busy], Labels("h0"), cap=1)
+    assert only.order[0] == ["busy"] and not only.unavailable  # soft: over the cap still serves
+
+
+def _topology(rng, n):
+    """n holders over 2 zones x 2 racks x 3 hosts, some spot, some filling, one origin."""
+    out = []
+    for i in range(n):
+        z, r, h = rng.randrange(2), rng.randrange(2), rng.randrange(3)
+        out.append(Source(f"s{i}", f"s{i}", Labels(f"z{z}r{r}h{h}", f"z{z}r{r}", f"z{z}"),
+                          Reliability.SPOT if rng.random() < 0.2 else Reliability.RELIABLE,
+                          complete=rng.random() < 0.7, origin=i == 0, active_reads=rng.randrange(4)))
+    return out
+
+
+def test_best_holders_over_generated_topologies_keep_the_best_k_and_coverage():
+    rng = random.Random(7)
+    for trial in range(300):
+        sources = _topology(rng, rng.randrange(1, 40))
+        reader = Labels(f"z{trial % 2}r0h0", f"z{trial % 2}r0", f"z{trial % 2}")
+        k = rng.randrange(1, 10)
+        # Coverage: the origin's shards s0..s2 together (or any whole holder) cover the version.
+        shards = {"s0", "s1", "s2"}
+        wholes = {s.replica_id for s in sources if s.complete and s.replica_id not in shards and rng.random() < 0.5}
+
+        def covers(complete, wholes=wholes, shards=shards):
+            ids = {s.replica_id for s in complete}
+            return bool(ids & wholes) or shards <= ids
+
+        chosen = best_holders(sources, reader, k, salt=f"reader{trial}", covers=covers)
+        ids = [s.replica_id for s in chosen]
+        assert len(set(ids)) == len(ids) and set(ids) <= {s.replica_id for s in sources}
+        if len(sources) <= k:
+            assert len(chosen) == len(sources)
+            continue
+        head = chosen[:k]
+        rest = [s for s in sources if s.replica_id not in set(ids)]
+        worst = max(reader.tier(s.labels) for s in head)
+        assert all(reader.tier(s.labels) >= worst for s in rest)  # nobody nearer was left out
+        extra = chosen[k:]
+        assert all(s.complete for s in extra)  # only added to cover
+        coverable = covers([s for s in sources if s.complete])
+        if coverable:
+            assert covers([s for s in chosen if s.complete])
+            assert not extra or not covers([s for s in chosen[:-1] if s.complete])  # no more than needed
+    # Spot and origin rank after reliable readers of the same tier.
+    near = [_src("spot", reliability=Reliability.SPOT), _src("origin", origin=True), _src("peer")]
+    assert [s.replica_id for s in best_holders(near, Labels("h0", "r0", "z0"), 1, salt="x",
+                                               covers=lambda c: True)] == ["peer"]
+
+
+def test_best_holders_spread_equal_holders_over_readers():
+    sources = [_src(f"s{i}") for i in range(100)]
+    picks = [best_holders(sources, Labels("h0"), 4, salt=f"reader{r}", covers=lambda c: True) for r in range(200)]
+    counts = {}
+    for chosen in picks:
+        for s in chosen:
+            counts[s.replica_id] = counts.get(s.replica_id, 0) + 1
+    assert len(counts) > 90 and max(counts.values()) < 30  # 800 picks over ~100 holders, no hot spot
+    again = best_holders(sources, Labels("h0"), 4, salt="reader0", covers=lambda c: True)
+    assert again == picks[0]  # one reader always gets the same ones
+
+
+def test_relay_share_gives_each_chunk_one_owner_per_zone_and_crosses_zones_through_seeds():
+    rng = random.Random(3)
+    for trial in range(200):
+        num_chunks = rng.randrange(1, 80)
+        zone_size = rng.randrange(1, 6)
+        readers = [f"agent-{trial}-{i}" for i in range(zone_size)]
+        full = trial % 2 == 0  # half the trials: every reader will hold every chunk
+        holds = {a: frozenset(c for c in range(num_chunks) if full or rng.random() < 0.9) for a in readers}
+        local = {c for c in range(num_chunks) if rng.random() < 0.5}
+        seeds = rng.randrange(1, 4)
+        owned = {}
+        for me in readers:
+            peers = {a: holds[a] for a in readers if a != me}
+            mine = relay_share(sorted(holds[me]), me, peers, num_chunks=num_chunks, local=local, seeds_per_zone=seeds)
+            assert set(mine) <= holds[me]
+            for c in mine:
+                assert c not in owned, f"chunk {c} owned twice"
+                owned[c] = me
+        assert set(owned) == set().union(*holds.values())  # every chunk someone needs has exactly one owner
+        if full:  # then only the seeds read across the zone's boundary
+            assert len({owned[c] for c in owned if c not in local}) <= seeds
+
+
+def test_relay_share_alone_reads_everything_and_one_seed_reads_all_remote_chunks():
+    assert relay_share([0, 1, 2], "me", {}, num_chunks=3, local=set()) == [0, 1, 2]
+    peers = {f"p{i}": frozenset(range(64)) for i in range(3)}
+    everyone = ["me", *peers]
+    remote = {a: relay_share(list(range(64)), a, {p: frozenset(range(64)) for p in everyone if p != a},
+                             num_chunks=64, local=set(), seeds_per_zone=1) for a in everyone}
+    assert sorted(len(v) for v in remote.values()) == [0, 0, 0, 64]  # one seed crosses for the zone
+    local = {a: relay_share(list(range(64)), a, {p: frozenset(range(64)) for p in everyone if p != a},
+                            num_chunks=64, local=set(range(64))) for a in everyone}
+    assert sum(len(v) for v in local.values()) == 64 and all(local.values())  # arcs: everyone reads some
 
 
 def test_config_from_dict_names_bad_fields():
