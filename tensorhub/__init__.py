@@ -28,14 +28,14 @@ _EXPORTS = {
     "Labels": "tensorhub.topology",
     "Reliability": "tensorhub.topology",
     **{name: "tensorhub.errors" for name in (
-        "AlreadyPublished", "InvalidRequest", "ManifestMismatch", "ServerUnavailable", "SourceLost",
-        "TensorHubError", "TransferStalled", "UnpublishTimeout", "VersionNotFound",
+        "AlreadyPublished", "InvalidRequest", "ManifestMismatch", "PermissionDenied", "ServerUnavailable",
+        "SourceLost", "TensorHubError", "TransferStalled", "UnpublishTimeout", "VersionNotFound",
     )},
 }
 
 __all__ = [
     "AlreadyPublished", "Hub", "HubConfig", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
-    "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "SourceLost",
+    "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "SourceLost",
     "TensorHubError", "TensorSpec", "TransferStalled", "UnpublishTimeout", "VersionNotFound", "__version__",
 ]
 
@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         AlreadyPublished,
         InvalidRequest,
         ManifestMismatch,
+        PermissionDenied,
         ServerUnavailable,
         SourceLost,
         TensorHubError,

@@ -10,10 +10,14 @@ import sys
 
 def _server(args: argparse.Namespace) -> int:
     from tensorhub.server import ServerConfig, serve
+    from tensorhub.server.auth import TlsFiles, read_secret
 
     try:
+        token = read_secret(args.token_file, "token file") if args.token_file else ""
         config = ServerConfig(host=args.host, port=args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl,
-                              retain=args.retain)
+                              retain=args.retain, token=token, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "")
+        if config.tls_cert:
+            TlsFiles(config.tls_cert, config.tls_key).credentials()  # unreadable files: say so before starting
     except ValueError as e:
         print(f"tensorhub server: {e}", file=sys.stderr)
         return 2
@@ -87,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--retain", type=int, default=1,
                         help="the latest K versions of each model stay pullable after their holders unpublish; "
                              "0 turns retention off (default 1)")
+    server.add_argument("--token-file", help="file holding the shared token every client must send (HubConfig.token "
+                        "or TENSORHUB_TOKEN); without it, any client that reaches the port is served")
+    server.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (with --tls-key)")
+    server.add_argument("--tls-key", help="PEM private key of --tls-cert")
     server.set_defaults(func=_server)
 
     demo = sub.add_parser("demo", help="embedded server, trainer ranks publishing shards, rollouts pulling new versions")

@@ -67,3 +67,9 @@ class TransferStalled(SourceLost):
 class UnpublishTimeout(TensorHubError):
     """Readers still held leases on a replica when unpublish's timeout ran out.
     The replica is withdrawn; the memory must not be reused yet."""
+
+
+class PermissionDenied(TensorHubError, PermissionError):
+    """The reference server refused the call: this client lacks the server's
+    token (UNAUTHENTICATED), or touched what belongs to another agent
+    (PERMISSION_DENIED). Nothing was changed."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 from tensorhub.chunks import DEFAULT_CHUNK_SIZE
 from tensorhub.topology import Labels, Reliability
+
+TOKEN_ENV = "TENSORHUB_TOKEN"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -23,6 +26,16 @@ class HubConfig:
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable
+    # The server's shared token (`tensorhub server --token-file`); empty: $TENSORHUB_TOKEN, if set.
+    token: str = field(default="", repr=False)
+    # PEM file of the CA (or self-signed certificate) the server's TLS certificate
+    # is checked against; set: the channel uses TLS. Empty: plaintext.
+    tls_root_cert: str = ""
+    tls_server_name: str = ""  # the name the certificate must carry, when not the address's host
+
+    def resolved_token(self) -> str:
+        """The token to send: this config's, else $TENSORHUB_TOKEN, else none."""
+        return self.token or os.environ.get(TOKEN_ENV, "").strip()
 
     @classmethod
     def from_dict(cls, values: dict) -> HubConfig:

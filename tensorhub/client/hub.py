@@ -95,7 +95,7 @@ class Hub:
         self.config = config
         self.name = config.name or f"{socket.gethostname()}:{os.getpid()}"
         self.agent_id = f"{re.sub(r'[^A-Za-z0-9._:@/+-]', '_', self.name)[:80]}-{uuid.uuid4().hex[:12]}"
-        self._rpc = ReferenceClient(self.address, timeout_s=config.rpc_timeout_s)
+        self._rpc = ReferenceClient.for_hub(self.address, config)
         self._closed = False
         self._nixl = NixlAgent(self.agent_id)
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,

@@ -10,14 +10,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from tensorhub.client.config import HubConfig
 from tensorhub.errors import (
     AlreadyPublished,
     InvalidRequest,
+    PermissionDenied,
     ServerUnavailable,
     TensorHubError,
     VersionNotFound,
@@ -92,18 +95,30 @@ class VersionInfo:
 class ReferenceClient:
     """Thread-safe: one channel, shared by every thread of the process."""
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 10.0, token: str = "", tls_root_cert: str = "",
+                 tls_server_name: str = "") -> None:
+        """``token``: the server's shared token, sent with every call. ``tls_root_cert``:
+        PEM of the CA the server's certificate is checked against; set, the channel uses TLS."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.service_config", _SERVICE_CONFIG),
-                ("grpc.enable_retries", 1),
-                ("grpc.max_receive_message_length", 16 << 20),
-                ("grpc.max_send_message_length", 16 << 20),
-            ],
-        )
+        # Every call carries the token (server/auth.py checks it); an empty tuple sends nothing.
+        self._metadata = wire.auth_metadata(token)
+        options = [
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 16 << 20),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls_root_cert:
+            try:
+                roots = Path(tls_root_cert).read_bytes()
+            except OSError as e:
+                raise ValueError(f"cannot read the TLS root certificate {tls_root_cert!r}: {e}") from None
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.ReferenceServiceStub(self._channel)
         # One thread for calls nobody waits on (lease releases): cheaper than
         # grpc's future(), which starts a thread per call.
@@ -114,6 +129,12 @@ class ReferenceClient:
         self._cache_lock = threading.Lock()
         self._releases: list[str] = []  # leases to release, not yet sent
 
+    @classmethod
+    def for_hub(cls, address: str, config: HubConfig) -> ReferenceClient:
+        """The client a Hub with ``config`` uses: its timeout, token and TLS settings."""
+        return cls(address, timeout_s=config.rpc_timeout_s, token=config.resolved_token(),
+                   tls_root_cert=config.tls_root_cert, tls_server_name=config.tls_server_name)
+
     def close(self) -> None:
         self._background.shutdown(wait=True)
         self._channel.close()
@@ -121,7 +142,7 @@ class ReferenceClient:
     def _call(self, method: Callable[..., T], request: Any, *, timeout: float | None = None,
               not_found: Callable[[str], Exception] | None = None) -> T:
         try:
-            return method(request, timeout=timeout or self.timeout_s, wait_for_ready=False)
+            return method(request, timeout=timeout or self.timeout_s, wait_for_ready=False, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._translate(e, not_found) from None
 
@@ -131,6 +152,12 @@ class ReferenceClient:
             return ServerUnavailable(self.address, f"{code.name}: {detail}")
         if code == grpc.StatusCode.NOT_FOUND and not_found is not None:
             return not_found(detail)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return PermissionDenied(
+                f"reference server at {self.address} refused this client ({detail}); give it the server's token: "
+                "HubConfig(token=...) or the TENSORHUB_TOKEN environment variable")
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return PermissionDenied(f"reference server at {self.address} refused the call: {detail}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequest(detail)
         if code == grpc.StatusCode.ALREADY_EXISTS:
@@ -256,7 +283,7 @@ class ReferenceClient:
         for lease_id in self._take_releases():
             try:
                 self._stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=agent_id, lease_id=lease_id),
-                                            timeout=self.timeout_s)
+                                            timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as e:
                 log.debug("release lease %s: %s", lease_id, e.code())
 

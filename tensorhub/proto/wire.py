@@ -80,3 +80,13 @@ def memory_to_wire(kind: MemoryKind, regions: list[MemoryRegion], metadata: byte
         regions=[pb.MemoryRegion(addr=r.addr, size=r.size, device_id=r.device_id) for r in regions],
         nixl_metadata=metadata,
     )
+
+
+# The shared token travels as call metadata (server/auth.py checks it).
+AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+AUTH_SCHEME = "Bearer "
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``token``; none for an empty token."""
+    return ((AUTH_METADATA_KEY, AUTH_SCHEME + token),) if token else ()

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from tensorhub.server.auth import TlsFiles, TokenInterceptor
 from tensorhub.server.config import ServerConfig
 from tensorhub.server.service import ReferenceService, add_to_server
 from tensorhub.server.state import State
@@ -20,7 +21,10 @@ log = logging.getLogger(__name__)
 
 async def _start(state: State) -> tuple[grpc.aio.Server, int]:
     config = state.config
+    # The token is checked before any handler runs (auth.py); none: anyone may call.
+    interceptors = [TokenInterceptor(config.token)] if config.token else []
     server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -28,7 +32,13 @@ async def _start(state: State) -> tuple[grpc.aio.Server, int]:
         ]
     )
     add_to_server(ReferenceService(state), server)
-    bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    where = f"{config.host}:{config.port}"
+    if config.tls_cert:
+        bound = server.add_secure_port(where, TlsFiles(config.tls_cert, config.tls_key).credentials())
+    else:
+        if config.token and config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the token travels in clear text without TLS: pass --tls-cert/--tls-key off this host")
+        bound = server.add_insecure_port(where)
     if bound == 0:
         raise OSError(f"could not bind the reference server to {config.host}:{config.port}")
     await server.start()
@@ -48,7 +58,10 @@ async def serve(config: ServerConfig | None = None, *, ready: asyncio.Event | No
     host = state.config.host
     server, bound = await _start(state)
     log.info("reference server %s listening on %s:%d", state.instance_id[:8], host, bound)
-    print(f"tensorhub reference server listening on {host}:{bound} (instance {state.instance_id[:8]})", flush=True)
+    guard = ", token required" if state.config.token else ""
+    scheme = "TLS" if state.config.tls_cert else "plaintext"
+    print(f"tensorhub reference server listening on {host}:{bound} ({scheme}{guard}; instance "
+          f"{state.instance_id[:8]})", flush=True)
     if ready is not None:
         ready.set()
     expiry = asyncio.create_task(_expire_forever(state))

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from tensorhub.server.auth import check_token
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
+    # Access control (README "Security"): every RPC must carry this shared token;
+    # empty: none needed. TLS when both PEM paths are set (certificate chain, key).
+    token: str = field(default="", repr=False)
+    tls_cert: str = ""
+    tls_key: str = ""
     agent_ttl_s: float = 10.0  # an agent without a heartbeat this long is gone, with its replicas
     lease_ttl_s: float = 10.0  # a read lease without renewal this long is released
     retain: int = 1  # the latest K visible versions of each model stay pullable; 0: no retention
@@ -24,6 +31,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerConfig.port {self.port} outside [0, 65535]")
+        if self.token:
+            check_token(self.token, "ServerConfig.token")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("ServerConfig.tls_cert and tls_key go together: give both PEM files, or neither")
         for name in ("agent_ttl_s", "lease_ttl_s", "expiry_period_s", "max_wait_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
