@@ -20,7 +20,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.server.state import Held, Replica, State, StateError, check_held, held_bytes
-from tensorhub.topology import Reliability
+from tensorhub.topology import Labels, Reliability
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ def _require_version(version: int) -> int:
 def _manifest(msg: pb.Manifest) -> Manifest:
     if len(msg.tensors) > MAX_TENSORS:
         raise Invalid(f"manifest has {len(msg.tensors)} tensors, more than {MAX_TENSORS}")
+    for t in msg.tensors:  # before any arithmetic on them
+        if len(t.name) > MAX_NAME or len(t.shape) > MAX_DIMS:
+            raise Invalid(f"manifest tensor {t.name[:80]!r}: names take at most {MAX_NAME} characters and shapes "
+                          f"at most {MAX_DIMS} dimensions")
     manifest = wire.manifest_from_wire(msg)
     try:
         manifest.validate()
@@ -68,6 +72,13 @@ def _manifest(msg: pb.Manifest) -> Manifest:
     if msg.fingerprint and msg.fingerprint != manifest.fingerprint:
         raise Invalid("manifest fingerprint does not match its tensor list")
     return manifest
+
+
+def _labels(msg: pb.Labels) -> Labels:
+    labels = wire.labels_from_wire(msg)
+    if max(len(labels.host), len(labels.rack), len(labels.zone)) > MAX_NAME:
+        raise Invalid(f"labels take at most {MAX_NAME} characters each")
+    return labels
 
 
 def _reliability(value: int) -> Reliability:
@@ -140,7 +151,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             agent_id = _require_id(request.agent_id, "agent_id")
             if len(request.name) > MAX_NAME:
                 raise Invalid("agent name too long")
-            self.state.register_agent(agent_id, request.name or agent_id, wire.labels_from_wire(request.labels),
+            self.state.register_agent(agent_id, request.name or agent_id, _labels(request.labels),
                                       _reliability(request.reliability))
             return pb.RegisterAgentResponse(
                 instance_id=self.state.instance_id,
@@ -208,6 +219,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
     async def ReportChunks(self, request: pb.ReportChunksRequest, context: Any) -> pb.ReportChunksResponse:
         async def go() -> pb.ReportChunksResponse:
+            replica = self.state.replicas.get(request.replica_id)
+            if replica is not None and len(request.chunks) > replica.num_chunks:
+                raise Invalid(f"{len(request.chunks)} chunks reported; replica {request.replica_id} has "
+                              f"{replica.num_chunks}")
             self.state.report_chunks(
                 _require_id(request.agent_id, "agent_id"),
                 _require_id(request.replica_id, "replica_id"),
@@ -254,8 +269,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
     async def Resolve(self, request: pb.ResolveRequest, context: Any) -> pb.ResolveResponse:
         async def go() -> pb.ResolveResponse:
             agent_id = _require_id(request.agent_id, "agent_id")
-            for lease_id in request.release_leases:
-                self.state.release_lease(_require_id(lease_id, "lease_id"))
+            self._release_own(agent_id, request.release_leases)
             model = _require_model(request.model)
             which = request.WhichOneof("which")
             if which is None:
@@ -275,6 +289,16 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             return response
 
         return await self._run(context, go)
+
+    def _release_own(self, agent_id: str, lease_ids: Any) -> None:
+        """Release read leases of ``agent_id``; another agent's lease is PERMISSION_DENIED
+        (checked for all of them before any is released). Unknown ones are already gone."""
+        for lease_id in lease_ids:
+            lease = self.state.leases.get(_require_id(lease_id, "lease_id"))
+            if lease is not None and lease.agent_id != agent_id:
+                raise StateError("PERMISSION_DENIED", f"read lease {lease_id!r} belongs to another agent")
+        for lease_id in lease_ids:
+            self.state.release_lease(lease_id)
 
     def _replica_info(self, replica: Replica) -> pb.ReplicaInfo:
         agent = self.state.agents[replica.agent_id]
@@ -310,17 +334,25 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
     async def ReleaseReadLease(self, request: pb.ReleaseReadLeaseRequest, context: Any) -> pb.ReleaseReadLeaseResponse:
         async def go() -> pb.ReleaseReadLeaseResponse:
-            _require_id(request.agent_id, "agent_id")
-            self.state.release_lease(_require_id(request.lease_id, "lease_id"))
+            self._release_own(_require_id(request.agent_id, "agent_id"), [request.lease_id])
             return pb.ReleaseReadLeaseResponse()
 
         return await self._run(context, go)
 
     async def ReportLost(self, request: pb.ReportLostRequest, context: Any) -> pb.ReportLostResponse:
         async def go() -> pb.ReportLostResponse:
-            _require_id(request.agent_id, "agent_id")
+            agent_id = _require_id(request.agent_id, "agent_id")
             replica_id = _require_id(request.replica_id, "replica_id")
-            log.warning("replica %s reported lost by %s: %s", replica_id, request.agent_id, request.reason[:200])
+            replica = self.state.replicas.get(replica_id)
+            if replica is None:
+                return pb.ReportLostResponse()  # already gone: nothing to do
+            # Only a reader of the replica (a read lease on it) may report it lost:
+            # no agent can drop what others hold by naming it.
+            if not any((lease := self.state.leases.get(lid)) is not None and lease.agent_id == agent_id
+                       for lid in replica.leases):
+                raise StateError("PERMISSION_DENIED", f"agent {agent_id!r} holds no read lease on replica "
+                                                      f"{replica_id!r}; only its readers may report it lost")
+            log.warning("replica %s reported lost by %s: %s", replica_id, agent_id, request.reason[:200])
             self.state.report_lost(replica_id)
             return pb.ReportLostResponse()
 
