@@ -50,6 +50,12 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_rl(args: argparse.Namespace) -> int:
+    from tensorhub.bench.rl import cli
+
+    return cli.main(args)
+
+
 def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
@@ -129,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--link", default="1gbit", help="every host's link rate, as tc writes it (default 1gbit)")
     cluster.add_argument("--json", help="write the results here as JSON")
     cluster.set_defaults(func=_bench_cluster)
+
+    rl = bench_sub.add_parser("rl", help="an RL loop (trainer steps, rollouts with stragglers) on emulated hosts: "
+                              "scenarios standalone, elastic, crossdc, TensorHub vs broadcast / point-to-point")
+    from tensorhub.bench.rl.cli import add_arguments
+
+    add_arguments(rl)
+    rl.set_defaults(func=_bench_rl)
 
     vllm = bench_sub.add_parser("vllm", help="vLLM weight update through TensorHub vs vLLM's reload from safetensors")
     vllm.add_argument("--hidden", type=int, default=1024, help="hidden size of the random Qwen2 model")

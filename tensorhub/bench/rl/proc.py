@@ -1,0 +1,91 @@
+"""What every process of an RL run shares: entering its host, the weights
+buffer, and the events it reports to the driver.
+
+Events are dicts, each process sending its own on its own pipe (a process
+killed mid-send spoils only its pipe), times from ``time.monotonic()`` (one clock for
+every process of the machine, whatever their network namespace):
+
+    {"who": "trainer" | "r0" ..., "kind": ..., "start": s, "end": s, "version": v, ...}
+
+kinds: ``ready`` (holds version 0 / joined), ``compute`` (a trainer step),
+``generate`` (a rollout batch), ``stall`` (time not computing or generating:
+``what`` says why), ``hold`` (from ``end`` on, ``who`` holds ``version``),
+``publish`` (the trainer made ``version`` available), ``begin`` (a stall for
+``what`` starts: for the live view), ``done``, ``error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from typing import Any
+
+MODEL = "bench/rl"
+START_TIMEOUT_S = 180.0  # a process's imports and NIXL agent, on a busy 2-core machine
+WAIT_TIMEOUT_S = 300.0  # any wait on another process of the run
+
+
+def enter(place: Any) -> None:
+    """Join the emulated host (before any thread starts), set its environment."""
+    if place.netns:
+        from tensorhub import netns
+
+        netns.enter(place.netns)
+    os.environ.update(place.env)
+    import torch
+
+    torch.set_num_threads(1)  # 2 cores, several processes: one thread each
+
+
+def marker(version: int) -> int:
+    return version % 251 + 1  # never 0, the value of a fresh buffer
+
+
+def weights(size: int):
+    """The process's weights: one buffer, allocated and touched once."""
+    import torch
+
+    return torch.zeros(size, dtype=torch.uint8)
+
+
+def write_version(buf: Any, version: int) -> None:
+    """The optimizer step, in place: every byte becomes ``version``'s marker."""
+    buf.fill_(marker(version))
+
+
+def holds(buf: Any, version: int) -> bool:
+    """A sample of every MiB and the last byte carry ``version``'s marker."""
+    sample = buf[:: 1 << 20]
+    return bool((sample == marker(version)).all()) and int(buf[-1]) == marker(version)
+
+
+class Reporter:
+    def __init__(self, events: Any, who: str) -> None:
+        self.events, self.who = events, who  # events: the write end of a Pipe
+
+    def __call__(self, kind: str, start: float | None = None, end: float | None = None, **fields: Any) -> None:
+        now = time.monotonic()
+        self.events.send({"who": self.who, "kind": kind, "start": now if start is None else start,
+                         "end": now if end is None else end, **fields})
+
+    def check(self, buf: Any, version: int) -> None:
+        if not holds(buf, version):
+            raise RuntimeError(f"{self.who}: the bytes it holds are not version {version}'s")
+
+
+@contextlib.contextmanager
+def reporting(events: Any, who: str):
+    """The process's Reporter; a failure inside reaches the driver as an ``error`` event."""
+    try:
+        yield Reporter(events, who)
+    except BaseException as e:  # the driver prints it and stops the run
+        events.send({"who": who, "kind": "error", "start": time.monotonic(), "end": time.monotonic(),
+                    "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        raise
+
+
+def generate(gen_s: float, stop: Any) -> bool:
+    """Generate one batch (the GPU work, slept); False when the run ends meanwhile."""
+    return not stop.wait(gen_s)

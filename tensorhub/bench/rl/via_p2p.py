@@ -1,0 +1,155 @@
+"""Method ``p2p``: plain point-to-point over NIXL, no reference server. Every
+rollout, whether it updates or joins, READs the whole version out of the
+trainer's registered buffer (the trainer's agent metadata is handed out once).
+
+Without a server someone must keep the trainer from overwriting bytes being
+read: here shared counters (``gate``): the trainer closes the gate, waits until
+no READ is in flight, writes the new version and reopens it; a rollout waits
+for an open gate, marks itself reading, READs, unmarks. That is what direct
+trainer-to-rollout paths do (the trainer waits for every reader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from tensorhub.bench.rl import proc
+
+CLOSED = -1
+
+
+class Gate:
+    """The trainer's version and who is reading it, in shared memory."""
+
+    def __init__(self, ctx: Any, slots: int) -> None:
+        self.cond = ctx.Condition()
+        self.version = ctx.Value("i", 0, lock=False)
+        self.reading = ctx.Array("i", slots, lock=False)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        # A rollout killed while holding the lock would otherwise hang everyone.
+        if not self.cond.acquire(timeout=proc.WAIT_TIMEOUT_S):
+            raise TimeoutError(f"the p2p gate stayed locked for {proc.WAIT_TIMEOUT_S} s")
+        try:
+            yield
+        finally:
+            self.cond.release()
+
+    def close_and_drain(self, timeout: float) -> None:
+        with self._locked():
+            self.version.value = CLOSED
+            if not self.cond.wait_for(lambda: not any(self.reading), timeout):
+                raise TimeoutError(f"readers {[i for i, r in enumerate(self.reading) if r]} still read after {timeout} s")
+
+    def open(self, version: int) -> None:
+        with self._locked():
+            self.version.value = version
+            self.cond.notify_all()
+
+    def enter(self, slot: int, timeout: float) -> int:
+        with self._locked():
+            if not self.cond.wait_for(lambda: self.version.value != CLOSED, timeout):
+                raise TimeoutError(f"the trainer's buffer stayed closed for {timeout} s")
+            self.reading[slot] = 1
+            return self.version.value
+
+    def leave(self, slot: int) -> None:
+        with self._locked():
+            self.reading[slot] = 0
+            self.cond.notify_all()
+
+    def latest(self) -> int:
+        return self.version.value
+
+
+def trainer(events: Any, who: str, place: Any, cfg: Any, gate: Gate, go: Any, stop: Any) -> None:
+    proc.enter(place)
+    from tensorhub.transport.nixl import new_agent
+
+    with proc.reporting(events, who) as report:
+        buf = proc.weights(cfg.size)
+        proc.write_version(buf, 0)
+        agent = new_agent(f"p2p-{who}")
+        agent.register_memory(buf)
+        report("ready", version=0, metadata=agent.get_agent_metadata(), addr=buf.data_ptr())
+        if not go.wait(proc.WAIT_TIMEOUT_S):
+            raise TimeoutError("the run did not start")
+        for version in range(1, cfg.steps + 1):
+            t0 = time.monotonic()
+            time.sleep(cfg.step_s)
+            t1 = time.monotonic()
+            report("compute", t0, t1, version=version)
+            gate.close_and_drain(proc.WAIT_TIMEOUT_S)
+            proc.write_version(buf, version)
+            gate.open(version)
+            t2 = time.monotonic()
+            report("stall", t1, t2, version=version, what="drain readers")
+            report("publish", t2, t2, version=version)
+        report("done")
+        stop.wait(proc.WAIT_TIMEOUT_S)  # READs may still come until every rollout is done
+
+
+def _read_all(agent: Any, buf: Any, remote: str, addr: int, chunk: int) -> None:
+    """One READ of the whole buffer, cut in ``chunk``-byte descriptors; polled with a deadline."""
+    spans = [(off, min(chunk, buf.numel() - off)) for off in range(0, buf.numel(), chunk)]
+    local = agent.get_xfer_descs([(buf.data_ptr() + o, n, 0) for o, n in spans], "DRAM")
+    far = agent.get_xfer_descs([(addr + o, n, 0) for o, n in spans], "DRAM")
+    handle = agent.initialize_xfer("READ", local, far, remote)
+    try:
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + proc.WAIT_TIMEOUT_S
+        while state != "DONE":
+            if state == "ERR" or time.monotonic() > deadline:
+                raise RuntimeError(f"NIXL READ from the trainer failed: {state}")
+            time.sleep(0.001)
+            state = agent.check_xfer_state(handle)
+    finally:
+        agent.release_xfer_handle(handle)
+
+
+def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], slot: int, gate: Gate,
+            metadata: bytes, addr: int, join_at: float | None, go: Any, stop: Any) -> None:
+    proc.enter(place)
+    from tensorhub.transport.nixl import new_agent
+
+    with proc.reporting(events, who) as report:
+        buf = proc.weights(cfg.size)
+        agent = new_agent(f"p2p-{who}-{time.monotonic_ns()}")
+        agent.register_memory(buf)
+        remote = agent.add_remote_agent(metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+
+        def update(what: str) -> int:
+            t0 = time.monotonic()
+            report("begin", what=what)
+            version = gate.enter(slot, proc.WAIT_TIMEOUT_S)
+            try:
+                _read_all(agent, buf, remote, addr, cfg.chunk_size)
+            finally:
+                gate.leave(slot)
+            t1 = time.monotonic()
+            report.check(buf, version)
+            report("stall", t0, t1, version=version, what=what, bytes=cfg.size, sources={"trainer": cfg.size})
+            report("hold", t1, t1, version=version)
+            return version
+
+        if join_at is None:
+            held = update("initial")
+            report("ready", version=held)
+            if not go.wait(proc.WAIT_TIMEOUT_S):
+                raise TimeoutError("the run did not start")
+        else:
+            report("ready")
+            time.sleep(max(0.0, join_at - time.monotonic()))
+            held = update("join")
+        for gen in gen_s:
+            t0 = time.monotonic()
+            if not proc.generate(gen, stop):
+                break
+            report("generate", t0, time.monotonic(), version=held)
+            if gate.latest() > held:
+                held = update("update")
+        report("done")
