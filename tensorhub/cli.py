@@ -45,7 +45,12 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     from tensorhub.bench import cluster
     from tensorhub.bench.payload import parse_size
 
-    cfg = cluster.ClusterBenchConfig(readers=args.readers, size=parse_size(args.size), link=args.link)
+    if args.hosts is not None and args.hosts != args.readers + 2:
+        print(f"tensorhub bench cluster: --hosts {args.hosts} must be --readers + 2 (the server and the trainer "
+              f"have a host each): {args.readers + 2}", file=sys.stderr)
+        return 2
+    cfg = cluster.ClusterBenchConfig(readers=args.readers, size=parse_size(args.size), link=args.link,
+                                     zones=args.zones, zone_link=args.zone_link)
     cluster.run(cfg, json_path=args.json)
     return 0
 
@@ -133,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--readers", type=int, default=4, help="reader hosts (default 4)")
     cluster.add_argument("--size", default="256MiB", help="bytes per version (default 256MiB)")
     cluster.add_argument("--link", default="1gbit", help="every host's link rate, as tc writes it (default 1gbit)")
+    cluster.add_argument("--hosts", type=int, help="emulated hosts in all: --readers + 2 (a check; the default)")
+    cluster.add_argument("--zones", type=int, default=1, help="zones (default 1); readers go round-robin, the "
+                         "trainer and server in the first; adds cross_zone_bytes")
+    cluster.add_argument("--zone-link", default="200mbit", help="the link joining each zone to the first "
+                         "(default 200mbit)")
     cluster.add_argument("--json", help="write the results here as JSON")
     cluster.set_defaults(func=_bench_cluster)
 

@@ -5,6 +5,15 @@ Needs root and iproute2. Traffic stays inside the namespaces created here.
     with Hosts(["server", "trainer", "rollout"], rate="1gbit") as hosts:
         hosts.addr("server")        # 10.213.N.10
         hosts.cut("trainer")        # pull the trainer's cable
+
+Zones: ``zones={"trainer": "a", "rollout": "b", ...}`` puts each zone's hosts on
+a bridge of their own; zone ``i > 0``'s bridge joins zone 0's through one veth
+pair capped at ``zone_link`` (both directions), and ``zone_link_bytes()`` counts
+what crossed.
+
+    trainer ─┐               ┌─ r1
+    server  ─┤ br0 ═══════ br1 ├─ r3      (═══ zone link, e.g. 200mbit)
+    r0, r2  ─┘               └─
 """
 
 from __future__ import annotations
@@ -42,38 +51,64 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _tbf(netns_name: str, dev: str, rate: str) -> None:
+    subprocess.run(["tc", "-n", netns_name, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                    "burst", "256kb", "latency", "20ms"], check=True, capture_output=True)
+
+
 class Hosts:
-    def __init__(self, names: list[str], *, rate: str | None = None) -> None:
+    def __init__(self, names: list[str], *, rate: str | None = None, zones: dict[str, str] | None = None,
+                 zone_link: str | None = None) -> None:
         self.tag = f"th{os.getpid() % 100000}"
         self.subnet = f"10.213.{os.getpid() % 250}"
         self.switch = f"{self.tag}sw"
         self.names = list(names)
         self._ns = {name: f"{self.tag}{name}" for name in names}
+        zones = zones or {}
+        self.zones = list(dict.fromkeys(zones.get(name, "") for name in names))  # zone 0: the first host's
+        self._zone_of = {name: self.zones.index(zones.get(name, "")) for name in names}
         try:
-            self._build(rate)
+            self._build(rate, zone_link)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, rate: str | None) -> None:
+    def _build(self, rate: str | None, zone_link: str | None) -> None:
         sw = self.switch
         _ip("netns", "add", sw)
         _ip("-n", sw, "link", "set", "lo", "up")
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
-        _ip("-n", sw, "link", "set", "br0", "up")
+        for z in range(len(self.zones)):
+            _ip("-n", sw, "link", "add", f"br{z}", "type", "bridge")
+            _ip("-n", sw, "link", "set", f"br{z}", "up")
+            if z:  # zone z's bridge joins zone 0's through one (capped) pair
+                _ip("-n", sw, "link", "add", f"zl{z}a", "type", "veth", "peer", "name", f"zl{z}b")
+                for end, bridge in ((f"zl{z}a", "br0"), (f"zl{z}b", f"br{z}")):
+                    _ip("-n", sw, "link", "set", end, "master", bridge)
+                    _ip("-n", sw, "link", "set", end, "up")
+                    if zone_link:
+                        _tbf(sw, end, zone_link)
         for i, name in enumerate(self.names):
             ns, port = self._ns[name], f"p{i}"
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")  # NIXL agent creation fails without it
             _ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", sw, "link", "set", port, "master", "br0")
+            _ip("-n", sw, "link", "set", port, "master", f"br{self._zone_of[name]}")
             _ip("-n", sw, "link", "set", port, "up")
             _ip("-n", ns, "addr", "add", f"{self.addr(name)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             if rate:
                 for where, dev in ((ns, "eth0"), (sw, port)):
-                    subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                                    "burst", "256kb", "latency", "20ms"], check=True, capture_output=True)
+                    _tbf(where, dev, rate)
+
+    def zone_link_bytes(self) -> int:
+        """Bytes that crossed a zone link so far, both directions."""
+        total = 0
+        for z in range(1, len(self.zones)):
+            for end in (f"zl{z}a", f"zl{z}b"):
+                out = subprocess.run(["ip", "netns", "exec", self.switch, "cat", f"/sys/class/net/{end}/statistics/tx_bytes"],
+                                     capture_output=True, text=True, check=True)
+                total += int(out.stdout)
+        return total
 
     def netns(self, name: str) -> str:
         return self._ns[name]

@@ -19,7 +19,7 @@ A holder already serving ``cap`` readers or more ranks after every nearer-or-equ
 holder under the cap (a soft cap: it still serves when nobody else can).
 
 Readers that fill the same version together split the work (``relay_share``):
-each owns an arc of a hash ring of chunks, reads its own arc from the origin and
+each owns an equal arc of the ring of chunks, reads its own arc from the origin and
 the rest from the peers that own it, as those chunks land. Per zone: a chunk no
 holder in the reader's zone has is owned only by the zone's first
 ``seeds_per_zone`` readers, so it crosses the zone boundary about once.
@@ -34,7 +34,6 @@ should know of (``best_holders``): with a thousand holders a reader costs O(k).
 
 from __future__ import annotations
 
-import bisect
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -165,6 +164,7 @@ def relay_share(
     *,
     num_chunks: int,
     local: frozenset[int] | set[int],
+    upstream: frozenset[int] | set[int] = frozenset(),
     seeds_per_zone: int = 1,
 ) -> list[int]:
     """Of ``chunks`` (in order), those this reader reads itself from wherever
@@ -172,9 +172,13 @@ def relay_share(
 
     ``zone_peers``: the other readers of this reader's zone that are filling the
     version, each with the chunks it will hold. ``local``: chunks some complete
-    holder in this zone has (the trainer, when it is in the zone).
+    holder in this zone has (the trainer, when it is in the zone). ``upstream``:
+    chunks no holder here has that a reader in the origin's zone will hold but
+    does not yet; nobody here reads them from the origin, the seed takes them
+    from that reader once they land (so the origin sends each byte about once).
 
       local chunk    ─▶ ring over the zone's filling readers: the arc's owner reads it
+      upstream chunk ─▶ nobody yet: it is on its way to a reader in the origin's zone
       remote chunk   ─▶ ring over the zone's seeds only (the first ``seeds_per_zone``
                         readers by hash): one crossing of the zone boundary per chunk
       owner will never hold it (its read set lacks it) ─▶ the next reader round the
@@ -182,24 +186,29 @@ def relay_share(
     """
     members = sorted(set(zone_peers) | {me}, key=lambda a: (zlib.crc32(a.encode()), a))
     seeds = members[: max(1, seeds_per_zone)]
-    member_ring = sorted((ring_offset(a, num_chunks), a) for a in members)
-    seed_ring = sorted((ring_offset(a, num_chunks), a) for a in seeds)
+    n = max(1, num_chunks)
 
     def will_hold(agent: str, c: int) -> bool:
         return agent == me or c in zone_peers.get(agent, frozenset())
 
-    def owner(ring: list[tuple[int, str]], c: int) -> str | None:
-        """The arc's owner, or the next reader round the ring that will hold the chunk."""
-        start = bisect.bisect_right(ring, (c, "\uffff")) - 1  # -1: the ring wraps to the last
-        for step in range(len(ring)):
-            agent = ring[(start + step) % len(ring)][1]
+    def owner(group: list[str], c: int) -> str | None:
+        """The arc's owner (equal arcs, in hash order), or the next reader round
+        the ring that will hold the chunk."""
+        start = (c % n) * len(group) // n
+        for step in range(len(group)):
+            agent = group[(start + step) % len(group)]
             if will_hold(agent, c):
                 return agent
         return None
 
     mine = []
     for c in chunks:
-        who = owner(member_ring, c) if c in local else (owner(seed_ring, c) or owner(member_ring, c))
+        if c in local:
+            who = owner(members, c)
+        elif c in upstream:
+            continue
+        else:
+            who = owner(seeds, c) or owner(members, c)
         if who == me:
             mine.append(c)
     return mine

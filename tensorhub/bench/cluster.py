@@ -10,6 +10,10 @@ version moved four ways in the same run:
 
     server   trainer ──1 Gbit── switch ──1 Gbit── r0, r1, ... (each its own host)
 
+``--zones 2 --zone-link 200mbit``: the server, the trainer and every other reader
+(r0, r2, ...) in zone z0; r1, r3, ... in zone z1, behind one slow link. Each row
+then also has ``cross_zone_bytes``: what crossed that link (goal: about one copy).
+
 Per method: ``seconds`` from the first reader's start until every reader holds
 the version, ``trainer_egress_bytes`` (the trainer host's interface counter),
 ``trainer_stall_seconds`` (TensorHub: the trainer publishes and unpublishes at
@@ -42,6 +46,8 @@ class ClusterBenchConfig:
     readers: int = 4
     size: int = 256 << 20
     link: str = "1gbit"
+    zones: int = 1
+    zone_link: str = "200mbit"
 
 
 def _tx_bytes(hosts: netns.Hosts, name: str) -> int:
@@ -95,16 +101,25 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
     if reason is not None:
         raise SystemExit(f"tensorhub bench cluster: skipped: {reason}")
     readers = [f"r{i}" for i in range(cfg.readers)]
+    if cfg.zones < 1:
+        raise SystemExit("tensorhub bench cluster: --zones must be >= 1")
+    zone = {name: "z0" for name in ("server", "trainer")} | {r: f"z{i % cfg.zones}" for i, r in enumerate(readers)}
+    zoned = cfg.zones > 1
     specs = [("w", "bfloat16", (cfg.size // 8192, 4096))]
     size = (cfg.size // 8192) * 8192
     rows: list[Row] = []
-    with netns.Hosts(["server", "trainer", *readers], rate=cfg.link) as hosts, \
+    with netns.Hosts(["server", "trainer", *readers], rate=cfg.link, zones=zone if zoned else None,
+                     zone_link=cfg.zone_link if zoned else None) as hosts, \
             ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=1) as server, \
             Progress(disable=quiet, transient=True) as progress:
         task = progress.add_task("starting hubs on the emulated hosts", total=4)
 
         def hub(name: str) -> HubProcess:
-            return HubProcess(server.address, name=name, netns=hosts.netns(name), env=ENV, labels={"host": name})
+            labels = {"host": name, "zone": zone[name]} if zoned else {"host": name}
+            return HubProcess(server.address, name=name, netns=hosts.netns(name), env=ENV, labels=labels)
+
+        def crossed(since: int) -> dict[str, int]:
+            return {"cross_zone_bytes": hosts.zone_link_bytes() - since} if zoned else {}
 
         trainer = hub("trainer")
         pulls = [hub(name) for name in readers]
@@ -116,7 +131,7 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                 version += 1
                 progress.update(task, description=f"{method}: {len(group)} reader(s)")
                 trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=CHUNK)
-                sent = _tx_bytes(hosts, "trainer")
+                sent, zone_sent = _tx_bytes(hosts, "trainer"), hosts.zone_link_bytes()
                 for reader in group:
                     reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version)
                 stall = trainer.call("unpublish", model=MODEL, version=version, timeout=300)
@@ -130,7 +145,7 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                 seconds = max(g["end"] for g in got) - min(g["start"] for g in got)
                 rows.append(Row.of(method, len(group), size, [seconds], trainer_egress_bytes=egress,
                                    trainer_stall_seconds=stall["end"] - stall["start"],
-                                   trainer_copies=round(egress / size, 2)))
+                                   trainer_copies=round(egress / size, 2), **crossed(zone_sent)))
                 progress.advance(task)
 
             tensorhub("single", pulls[:1], serve=False)
@@ -140,21 +155,24 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
             for proc in [*pulls, trainer]:
                 proc.close(timeout=15)
         progress.update(task, description=f"gloo-broadcast: {cfg.readers} reader(s)")
-        sent = _tx_bytes(hosts, "trainer")
+        sent, zone_sent = _tx_bytes(hosts, "trainer"), hosts.zone_link_bytes()
         seconds, stall, ok = _gloo(hosts, ["trainer", *readers], size)
         egress = _tx_bytes(hosts, "trainer") - sent
         if not ok:
             raise RuntimeError("gloo broadcast delivered wrong bytes")
         rows.append(Row.of("gloo-broadcast", cfg.readers, size, [seconds], trainer_egress_bytes=egress,
-                           trainer_stall_seconds=stall, trainer_copies=round(egress / size, 2)))
+                           trainer_stall_seconds=stall, trainer_copies=round(egress / size, 2), **crossed(zone_sent)))
     if not quiet:
-        print_table(f"{size:,} bytes to {cfg.readers} reader(s) on emulated hosts, links {cfg.link}", rows,
+        where = f", {cfg.zones} zones joined by {cfg.zone_link}" if zoned else ""
+        print_table(f"{size:,} bytes to {cfg.readers} reader(s) on emulated hosts, links {cfg.link}{where}", rows,
                     {m: "single" for m in ("tensorhub", "tensorhub-no-relay", "gloo-broadcast")})
         single, gloo = rows[0], rows[-1]
         for row in rows:
             print(f"{row.method:>20}: {row.seconds:.2f} s = {row.seconds / single.seconds:.2f}x single, trainer sent "
                   f"{row.extra['trainer_copies']:.2f} copies, trainer stalled {row.extra['trainer_stall_seconds']:.2f} s"
-                  f" = {row.extra['trainer_stall_seconds'] / gloo.extra['trainer_stall_seconds']:.2f}x gloo's")
+                  f" = {row.extra['trainer_stall_seconds'] / gloo.extra['trainer_stall_seconds']:.2f}x gloo's"
+                  + (f", {row.extra['cross_zone_bytes'] / size:.2f} copies crossed zones" if zoned else ""))
     if json_path:
-        write_json(json_path, rows, benchmark="cluster", link=cfg.link, readers=cfg.readers)
+        write_json(json_path, rows, benchmark="cluster", link=cfg.link, readers=cfg.readers, zones=cfg.zones,
+                   **({"zone_link": cfg.zone_link} if zoned else {}))
     return rows

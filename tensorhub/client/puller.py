@@ -187,7 +187,7 @@ class PullJob:
         """This pull's chunk order: readers that start together begin at different chunks."""
         return (chunk - self._offset(self.agent_id)) % max(1, self.layout.num_chunks)
 
-    def _batch(self, needed: set[int], usable: list[HolderMap]) -> tuple[list[int], bool]:
+    def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False) -> tuple[list[int], bool]:
         """The chunks of the next round, and whether to ask the server again after it.
 
         Alone (no other reader filling), all of them; a round stops posting after
@@ -207,6 +207,11 @@ class PullJob:
         order = sorted(needed, key=self._rotated)
         peers = [m for m in usable if not m.replica.source.complete]
         if not peers:
+            if first and self.landed is not None:
+                # A serving reader's first round: one chunk, then ask again, by
+                # when readers that started with it have registered (else each
+                # would take a few chunks from the origin before seeing the others).
+                return order[:1], True
             return order, True  # the round stops posting after _REFRESH_IDLE_S (see _read_round)
         size = 2 * self.in_flight
         zone = self.labels.zone
@@ -218,12 +223,13 @@ class PullJob:
         if time.monotonic() - self._progress_at > _PATIENCE_S:
             mine = rest
         else:
-            in_zone = self._any_covers([m for m in usable if m.replica.source.complete
-                                        and m.replica.source.labels.zone == zone])
+            complete = [m for m in usable if m.replica.source.complete]
+            in_zone = self._any_covers([m for m in complete if m.replica.source.labels.zone == zone])
+            upstream = self._upstream(complete, [m for m in peers if m.replica.source.labels.zone != zone])
             mine = relay_share(
                 rest, self.agent_id, {m.replica.agent_id: self._chunks_of(m) for m in near},
                 num_chunks=self.layout.num_chunks, seeds_per_zone=self.seeds_per_zone,
-                local={c for c in rest if in_zone[c]},
+                local={c for c in rest if in_zone[c]}, upstream={c for c in rest if upstream[c]},
             )
         return from_peers + mine[: size - len(from_peers)], True
 
@@ -232,6 +238,22 @@ class PullJob:
         mask = np.zeros(self.layout.num_chunks, bool)
         for m in holders:
             mask |= m.covered > 0
+        return mask
+
+    def _upstream(self, complete: list[HolderMap], far: list[HolderMap]) -> np.ndarray:
+        """Per chunk: a filling reader of another zone will hold it, does not yet, and
+        sits in the zone of a complete holder of it (it reads it there, near the origin)."""
+        near_origin: dict[str, np.ndarray] = {}
+        for m in complete:
+            z = m.replica.source.labels.zone
+            near_origin[z] = near_origin.get(z, np.zeros(self.layout.num_chunks, bool)) | (m.covered > 0)
+        mask = np.zeros(self.layout.num_chunks, bool)
+        for m in far:
+            here = near_origin.get(m.replica.source.labels.zone)
+            if here is not None:
+                will = np.zeros(self.layout.num_chunks, bool)
+                will[list(self._chunks_of(m))] = True
+                mask |= here & will & (m.covered == 0)
         return mask
 
     def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
@@ -252,7 +274,7 @@ class PullJob:
                                       f"{len(needed)} chunk(s) still missing at the pull's deadline")
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
-            chunks, again = self._batch(needed, usable)
+            chunks, again = self._batch(needed, usable, first=stats.rounds == 1)
             if not chunks:  # every chunk left is due from a peer: let them land
                 time.sleep(_WAIT_FOR_PEERS_S)
                 maps = self._refresh_quietly(res, excluded, maps, needed)

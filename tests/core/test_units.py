@@ -224,6 +224,9 @@ def test_relay_share_gives_each_chunk_one_owner_per_zone_and_crosses_zones_throu
 
 def test_relay_share_alone_reads_everything_and_one_seed_reads_all_remote_chunks():
     assert relay_share([0, 1, 2], "me", {}, num_chunks=3, local=set()) == [0, 1, 2]
+    # Chunk 1 is on its way to a reader in the origin's zone: not read from the origin here.
+    assert relay_share([0, 1, 2], "me", {}, num_chunks=3, local=set(), upstream={1}) == [0, 2]
+    assert relay_share([0, 1, 2], "me", {}, num_chunks=3, local={1}, upstream={1}) == [0, 1, 2]  # local wins
     peers = {f"p{i}": frozenset(range(64)) for i in range(3)}
     everyone = ["me", *peers]
     remote = {a: relay_share(list(range(64)), a, {p: frozenset(range(64)) for p in everyone if p != a},

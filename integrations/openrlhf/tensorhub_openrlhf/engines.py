@@ -1,0 +1,119 @@
+"""Rollout engines that load weights from TensorHub.
+
+``create_vllm_engines`` is OpenRLHF's own function, run unchanged, with its
+engine class swapped for ``TensorHubRolloutRayActor`` for the duration of the
+call (OpenRLHF builds the engine's arguments, the worker extension among them,
+inside that function, so swapping the class is the one seam). Each engine,
+when it starts:
+
+* passes TensorHub's worker extension to vLLM (``TensorHubWorkerWrap``, which
+  keeps OpenRLHF's ``WorkerWrap`` methods);
+* connects its workers to the hub, settings from ``TENSORHUB_*``;
+* loads the newest version if there is one: an engine added or restarted
+  between steps catches up by itself, with no group to rebuild.
+
+The trainer then calls ``tensorhub_update(version)`` on every engine once per
+step; a dead or slow engine is logged and left behind (``update_engines``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import ray
+from openrlhf.trainer.ray import vllm_engine
+
+from tensorhub_openrlhf.settings import TensorHubSettings
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "tensorhub_openrlhf.worker.TensorHubWorkerWrap"
+_STOCK_CREATE = vllm_engine.create_vllm_engines
+
+
+class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__):
+    """OpenRLHF's engine actor, whose workers pull versions from TensorHub."""
+
+    async def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        await super().__init__(*args, **kwargs)
+        settings = TensorHubSettings.from_env()
+        from tensorhub.server.ray_actor import resolve_address
+
+        info = settings.engine_init_info(f"openrlhf-engine-{uuid.uuid4().hex[:8]}")
+        info["hub"] = resolve_address(settings.address)
+        await self.llm.collective_rpc("tensorhub_init", args=(info,))
+        (self.tensorhub_loaded,) = set(await self.llm.collective_rpc("tensorhub_update_if_any"))
+        if self.tensorhub_loaded is not None:
+            log.info("tensorhub: engine started at version %d", self.tensorhub_loaded)
+
+    async def init_process_group(self, *args: Any, **kwargs: Any) -> None:
+        """No weight-sync group: the trainer never asks for one (its subclass
+        skips it), and an engine has nothing to join."""
+
+    async def tensorhub_update(self, version: int) -> int:
+        """Load ``version`` on every worker (a group pull: all get the same one)
+        and drop prefix-cache entries computed with the old weights."""
+        loaded = set(await self.llm.collective_rpc("tensorhub_update", args=(version,)))
+        if len(loaded) != 1:
+            raise RuntimeError(f"tensorhub: the workers of one engine loaded different versions {sorted(loaded)}")
+        await self.llm.reset_prefix_cache()
+        (self.tensorhub_loaded,) = loaded
+        return self.tensorhub_loaded
+
+    async def tensorhub_version(self) -> int | None:
+        """The version every worker of this engine serves (None before the first)."""
+        versions = set(await self.llm.collective_rpc("tensorhub_version"))
+        return versions.pop() if len(versions) == 1 else None
+
+    async def tensorhub_stats(self) -> list[dict[str, float]]:
+        return await self.llm.collective_rpc("tensorhub_stats")
+
+
+TensorHubRolloutRayActor = ray.remote(_TensorHubRolloutRayActor)
+
+
+@contextlib.contextmanager
+def _engine_class(cls: Any) -> Iterator[None]:
+    stock = vllm_engine.RolloutRayActor
+    vllm_engine.RolloutRayActor = cls
+    try:
+        yield
+    finally:
+        vllm_engine.RolloutRayActor = stock
+
+
+def create_vllm_engines(*args: Any, **kwargs: Any) -> list[Any]:
+    """OpenRLHF's ``create_vllm_engines`` (same arguments), every engine a
+    ``TensorHubRolloutRayActor``."""
+    with _engine_class(TensorHubRolloutRayActor):
+        return _STOCK_CREATE(*args, **kwargs)
+
+
+def update_engines(engines: Sequence[Any], version: int, timeout_s: float) -> dict[str, Any]:
+    """Ask every engine to load ``version`` and wait up to ``timeout_s`` for
+    all of them. Engines pull in parallel (and from each other as chunks land).
+    A dead engine, or one still pulling at the deadline, is logged and left
+    behind: it catches up at the next step or when it restarts."""
+    start = time.perf_counter()
+    refs = {engine.tensorhub_update.remote(version): i for i, engine in enumerate(engines)}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    loaded, failed = [], {}
+    for ref in ready:
+        try:
+            ray.get(ref)
+            loaded.append(refs[ref])
+        except (ray.exceptions.RayError, RuntimeError) as e:  # dead actor, or the pull raised in it
+            failed[refs[ref]] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for ref in pending:
+        failed[refs[ref]] = f"still loading after {timeout_s:.0f}s"
+        ray.cancel(ref)
+    for i, why in sorted(failed.items()):
+        log.warning("tensorhub: engine %d did not load version %d (%s); training goes on without waiting for it",
+                    i, version, why)
+    return {"loaded": sorted(loaded), "failed": failed, "seconds": time.perf_counter() - start}

@@ -1,0 +1,119 @@
+"""One trainer rank's side of a weight sync: publish this rank's partition of
+every parameter in place as version ``v``, and withdraw it before training
+overwrites that memory.
+
+    broadcast_to_vllm (every rank)        fit / offload / reload (every rank)
+      version = agreed across ranks          withdraw(): unpublish, which waits
+      publish {name: Shard(view)}            for readers still reading
+      (rank 0 then asks the engines)
+
+There is no copy and no gather: a version is visible once the ranks'
+regions cover every element, which is when the last rank has published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tensorhub import Hub, Manifest, Publication, Shard
+from tensorhub.server.ray_actor import resolve_address
+from tensorhub_openrlhf.partitions import is_zero3, replica_region, zero3_region
+from tensorhub_openrlhf.settings import TensorHubSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class PublishStats:
+    version: int
+    nbytes: int  # bytes this rank published (its partitions, in place)
+    regions: int
+    withdraw_s: float  # waiting for readers of the previous version (0 when already withdrawn)
+    publish_s: float
+
+
+class WeightPublisher:
+    """Publishes one trainer rank's parameters; one per rank, for the whole run."""
+
+    def __init__(self, settings: TensorHubSettings, *, rank: int, world: int) -> None:
+        self.settings = settings
+        self.rank, self.world = rank, world
+        address = resolve_address(settings.address)
+        self.hub = Hub.connect(address, config=settings.hub_config(
+            f"openrlhf-trainer{rank}@{socket.gethostname()}:{os.getpid()}"))
+        self._published: Publication | None = None
+        self.last_version: int | None = None
+
+    def regions(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> tuple[dict[str, Shard], Manifest]:
+        """This rank's region of each parameter, and the manifest of the whole model."""
+        regions: dict[str, Shard] = {}
+        layout: dict[str, torch.Tensor] = {}
+        for name, param in named_params:
+            if is_zero3(param):
+                group = param.ds_process_group
+                region = zero3_region(param, dist.get_rank(group=group), dist.get_world_size(group=group))
+                shape = tuple(param.ds_shape)
+            else:
+                region = replica_region(param, self.rank, self.world)
+                shape = tuple(param.shape)
+            layout[name] = torch.empty(shape, dtype=param.dtype, device="meta")
+            if region is not None:
+                regions[name] = region
+        return regions, Manifest.of(layout)
+
+    def next_version(self, step: int) -> int:
+        """The version of this sync, the same on every rank: the trainer's step,
+        or one past the newest version the hub already has when that is higher
+        (a resumed run, another trainer under the same model key)."""
+        if self.rank == 0:
+            newest = max(self.hub.versions(self.settings.model), default=-1)
+            if self.last_version is not None:
+                newest = max(newest, self.last_version)
+            mine = [max(int(step), newest + 1)]
+        else:
+            mine = [None]
+        if self.world > 1:
+            dist.broadcast_object_list(mine, src=0)
+        return int(mine[0])
+
+    def publish(self, version: int, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> PublishStats:
+        start = time.perf_counter()
+        self.withdraw()
+        withdrawn = time.perf_counter()
+        regions, manifest = self.regions(named_params)
+        if regions:  # a rank can hold nothing (tiny model, many ranks)
+            self._published = self.hub.publish(self.settings.model, version, regions, manifest=manifest)
+        self.last_version = version
+        stats = PublishStats(version=version, nbytes=sum(s.tensor.numel() * s.tensor.element_size()
+                                                         for s in regions.values()),
+                             regions=len(regions), withdraw_s=withdrawn - start,
+                             publish_s=time.perf_counter() - withdrawn)
+        log.info("tensorhub: rank %d published %d regions (%.1f MiB, in place) of %r version %d in %.3fs",
+                 self.rank, stats.regions, stats.nbytes / 2**20, self.settings.model, version, stats.publish_s)
+        return stats
+
+    def withdraw(self) -> float:
+        """Stop serving the last version's partitions; returns once no reader
+        reads them any more, so training may overwrite them. Seconds waited."""
+        if self._published is None:
+            return 0.0
+        start = time.perf_counter()
+        publication, self._published = self._published, None
+        publication.unpublish(self.settings.unpublish_timeout_s)
+        return time.perf_counter() - start
+
+    def wait_visible(self, version: int) -> int:
+        """Block until every rank's regions of ``version`` are in (the version is visible)."""
+        return self.hub.wait_for_version(self.settings.model, version, timeout=self.settings.update_timeout_s)
+
+    def close(self) -> None:
+        self._published = None
+        self.hub.close(timeout=self.settings.unpublish_timeout_s)

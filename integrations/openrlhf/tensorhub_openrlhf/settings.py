@@ -1,0 +1,129 @@
+"""TensorHub's settings for OpenRLHF, read from ``TENSORHUB_*`` environment
+variables.
+
+OpenRLHF's argparse rejects flags it does not know, so nothing of ours can
+ride on its command line. The environment reaches every process: the launcher
+passes these variables to all Ray workers (``runtime_env``), so the trainer
+ranks and the engines read the same settings. A bad value is a ``ValueError``
+naming the variable, raised by the launcher before Ray or a model starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorhub import HubConfig
+
+PREFIX = "TENSORHUB_"
+# variable -> field; the order is the one the docs list them in
+VARIABLES = {
+    "TENSORHUB_ADDRESS": "address",
+    "TENSORHUB_MODEL": "model",
+    "TENSORHUB_SERVE": "serve",
+    "TENSORHUB_UPDATE_TIMEOUT_S": "update_timeout_s",
+    "TENSORHUB_UNPUBLISH_TIMEOUT_S": "unpublish_timeout_s",
+    "TENSORHUB_HUB_CONFIG": "hub",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorHubSettings:
+    address: str  # reference server host:port, or "auto": a Ray actor on the head node
+    model: str = "policy"  # model key the trainer publishes under and the engines pull
+    # Engines keep serving the version they received to other engines until
+    # their next update (pipeline replication; one host copy per worker).
+    serve: bool = True
+    # Trainer rank 0: longest wait for the engines to load a step. An engine
+    # that is slower or dead by then is logged and left behind, not waited for.
+    update_timeout_s: float = 600.0
+    # Trainer: longest wait for readers of the last step before training
+    # overwrites the partitions it published in place.
+    unpublish_timeout_s: float = 120.0
+    hub: dict[str, Any] = field(default_factory=dict)  # tensorhub.HubConfig fields, as JSON
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TensorHubSettings:
+        env = os.environ if environ is None else environ
+        unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in VARIABLES)  # typos
+        if unknown:
+            raise ValueError(f"unknown TensorHub variable(s) {unknown}; known: {list(VARIABLES)}")
+        address = env.get("TENSORHUB_ADDRESS", "").strip()
+        if not address:
+            raise ValueError("TENSORHUB_ADDRESS is not set: give the reference server's host:port, or 'auto' "
+                             "to start it as a Ray actor on the cluster's head node")
+        values: dict[str, Any] = {"address": address}
+        if "TENSORHUB_MODEL" in env:
+            values["model"] = _text("TENSORHUB_MODEL", env["TENSORHUB_MODEL"])
+        if "TENSORHUB_SERVE" in env:
+            values["serve"] = _flag("TENSORHUB_SERVE", env["TENSORHUB_SERVE"])
+        for var in ("TENSORHUB_UPDATE_TIMEOUT_S", "TENSORHUB_UNPUBLISH_TIMEOUT_S"):
+            if var in env:
+                values[VARIABLES[var]] = _seconds(var, env[var])
+        if "TENSORHUB_HUB_CONFIG" in env:
+            values["hub"] = _hub_config("TENSORHUB_HUB_CONFIG", env["TENSORHUB_HUB_CONFIG"])
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that give these settings to another process."""
+        return {
+            "TENSORHUB_ADDRESS": self.address,
+            "TENSORHUB_MODEL": self.model,
+            "TENSORHUB_SERVE": "1" if self.serve else "0",
+            "TENSORHUB_UPDATE_TIMEOUT_S": repr(self.update_timeout_s),
+            "TENSORHUB_UNPUBLISH_TIMEOUT_S": repr(self.unpublish_timeout_s),
+            "TENSORHUB_HUB_CONFIG": json.dumps(self.hub, sort_keys=True),
+        }
+
+    def hub_config(self, name: str) -> HubConfig:
+        """The Hub client's settings; ``name`` shows in the server's plans and messages."""
+        return HubConfig.from_dict({"name": name, **self.hub})
+
+    def engine_init_info(self, engine_id: str) -> dict[str, Any]:
+        """``init_info`` of the vLLM worker extension (tensorhub_vllm.config.TensorHubInitInfo)."""
+        return {"hub": self.address, "model": self.model, "serve": self.serve, "engine_id": engine_id,
+                "unpublish_timeout_s": self.unpublish_timeout_s, "hub_config": dict(self.hub)}
+
+
+def _text(var: str, value: str) -> str:
+    if not value.strip():
+        raise ValueError(f"{var} is empty")
+    return value.strip()
+
+
+def _flag(var: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{var} must be one of {_TRUE + _FALSE}, not {value!r}")
+
+
+def _seconds(var: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{var} must be a number of seconds > 0, not {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{var} must be a number of seconds > 0, not {value!r}")
+    return seconds
+
+
+def _hub_config(var: str, value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{var} must be a JSON object of tensorhub.HubConfig fields: {e}") from None
+    if not isinstance(parsed, dict):
+        # ValueError like every other bad setting: the launcher reports those without a traceback
+        raise ValueError(f"{var} must be a JSON object of tensorhub.HubConfig fields, not {value!r}")  # noqa: TRY004
+    try:
+        HubConfig.from_dict(dict(parsed))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{var}: {e}") from None
+    return parsed

@@ -1,0 +1,88 @@
+"""One trainer rank of OpenRLHF's policy model on CPU, as a Ray actor: real
+DeepSpeed ZeRO-3 (gloo) over OpenRLHF's own ``Actor`` and ZeRO config, driving
+``TensorHubActorPPOTrainer.broadcast_to_vllm`` (the subclass's real code).
+
+Two seams differ from a GPU run, both because they need CUDA:
+* ``ActorPPOTrainer.__init__`` builds its replay buffer on the current CUDA
+  device, so the trainer is made without ``__init__`` and given what
+  ``broadcast_to_vllm`` reads (strategy.args.ds, actor, vllm_engines).
+* DeepSpeed's CPU accelerator compiles a shared-memory all-reduce with the C++
+  toolchain on first use (about a minute); gloo runs the same collectives, so
+  that build is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class ZeroRank:
+    def __init__(self, rank: int, world: int, port: int, model_dir: str, engines: list[Any]) -> None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        import deepspeed
+        import deepspeed.comm.torch as ds_comm
+        from openrlhf.models import Actor
+        from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
+        from tensorhub_openrlhf.actors import TensorHubActorPPOTrainer
+
+        ds_comm.build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(rank)
+        config = get_train_ds_config(offload=False, adam_offload=False, stage=3, param_dtype="bf16", zpg=1)
+        config.update(train_micro_batch_size_per_gpu=1, train_batch_size=world)
+        for key, value in list(config["zero_optimization"].items()):
+            if value == "auto":  # OpenRLHF's strategy fills these from the model; DeepSpeed's defaults here
+                del config["zero_optimization"][key]
+        self.actor = Actor(model_dir, attn_implementation="eager", param_dtype="bf16", ds_config=config)
+        optimizer = torch.optim.AdamW(self.actor.model.parameters(), lr=0.05)
+        self.actor.model, self.optimizer, _, _ = deepspeed.initialize(model=self.actor.model, optimizer=optimizer,
+                                                                      config=config)
+        self.trainer = object.__new__(TensorHubActorPPOTrainer)
+        self.trainer.strategy = SimpleNamespace(args=SimpleNamespace(ds=SimpleNamespace(tensor_parallel_size=1)))
+        self.trainer.actor = self.actor
+        self.trainer.vllm_engines = engines
+        self.rank = rank
+
+    def set_engines(self, engines: list[Any]) -> None:
+        self.trainer.vllm_engines = engines
+
+    def sync(self) -> dict[str, Any]:
+        self.trainer.broadcast_to_vllm()
+        return dict(self.trainer.tensorhub_stats)
+
+    def train_step(self) -> int:
+        """One real optimizer step, after withdrawing the published step (what
+        TensorHubPolicyModelActor.fit does before OpenRLHF's fit)."""
+        self.trainer.tensorhub_withdraw()
+        engine = self.actor.model
+        ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(100 + self.rank))
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return engine.global_steps
+
+    def withdraw(self) -> float:
+        return self.trainer.tensorhub_withdraw()
+
+    def partitions(self) -> dict[str, tuple[int, int, int]]:
+        """Each parameter's ZeRO-3 partition on this rank: (full numel, ds_tensor numel, data_ptr)."""
+        return {n: (int(p.ds_numel), p.ds_tensor.numel(), p.ds_tensor.data_ptr())
+                for n, p in self.actor.model.module.named_parameters()}
+
+    def full_digests(self) -> dict[str, str]:
+        """sha256 of every full parameter, gathered by DeepSpeed (all ranks call this together)."""
+        import deepspeed
+
+        params = list(self.actor.model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: digest(p.data) for n, p in params}

@@ -1,0 +1,117 @@
+"""OpenRLHF's weight-sync path through TensorHub, across real processes on a
+real Ray cluster (CPU): two DeepSpeed ZeRO-3 trainer ranks
+(``openrlhf_zero_rank.py``, which says where it differs from a GPU run) and
+real vLLM engines made by OpenRLHF's own ``create_vllm_engines`` through the
+adapter's wrapper. The reference server is the ``address=auto`` Ray actor.
+
+Checked: each rank publishes exactly its ZeRO-3 partition, in place; engines
+load every step byte for byte; versions increase; an engine killed between
+steps does not stall the trainer, and one started after it loads the latest
+version by itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+from conftest import child_pythonpath
+from openrlhf_zero_rank import ZeroRank, digest
+
+MODEL = "tiny/policy"
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    env = {
+        "TENSORHUB_ADDRESS": "auto", "TENSORHUB_MODEL": MODEL, "TENSORHUB_UPDATE_TIMEOUT_S": "120",
+        "TENSORHUB_UNPUBLISH_TIMEOUT_S": "30", "TENSORHUB_HUB_CONFIG": json.dumps({"chunk_size": 256 << 10}),
+        "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1",
+    }
+    # GPUs are logical here: OpenRLHF places each engine in a {"GPU": 1} bundle.
+    ray.init(num_cpus=8, num_gpus=4, object_store_memory=256 << 20, include_dashboard=False,
+             runtime_env={"env_vars": env}, log_to_driver=False)
+    from tensorhub.server.ray_actor import resolve_address, shutdown_server
+
+    yield resolve_address("auto")
+    shutdown_server()
+    ray.shutdown()
+
+
+def engines_of(count: int, model_dir) -> list:
+    from tensorhub_openrlhf.engines import create_vllm_engines
+
+    # OpenRLHF's positional arguments: engines, TP, model, seed, full determinism,
+    # prefix caching, enforce eager, max length, shared pg, gpu memory, sleep.
+    return create_vllm_engines(count, 1, str(model_dir), 7, False, False, True, 256, None, 0.9, False)
+
+
+def sync(ranks) -> list[dict]:
+    stats = ray.get([r.sync.remote() for r in ranks], timeout=300)
+    assert len({s["version"] for s in stats}) == 1, stats  # every rank publishes the same version
+    return stats
+
+
+def assert_engines_hold(address: str, ranks, engines, version: int) -> None:
+    """The engines hold ``version`` byte for byte as the trainer has it: the
+    trainer withdraws, then a fresh reader pulls it, so every byte it gets
+    comes from the engines' replicas."""
+    for engine in engines:
+        assert ray.get(engine.tensorhub_version.remote(), timeout=60) == version
+    expected = ray.get([r.full_digests.remote() for r in ranks], timeout=120)[0]
+    ray.get([r.withdraw.remote() for r in ranks], timeout=120)
+    from tensorhub import Hub
+
+    with Hub.connect(address, name="test-reader") as hub:
+        result = hub.pull(MODEL, version, timeout=120)
+        assert {n: digest(t) for n, t in result.tensors.items()} == expected
+        assert result.bytes_by_source and all(src.startswith("vllm:") for src in result.bytes_by_source), \
+            result.bytes_by_source
+
+
+def test_zero3_partitions_reach_engines_each_step(cluster, tiny_model):
+    from tensorhub.testing import free_port
+
+    address = cluster
+    engines = engines_of(2, tiny_model)
+    port = free_port()
+    rank_actor = ray.remote(num_cpus=1)(ZeroRank)
+    ranks = [rank_actor.remote(r, WORLD, port, str(tiny_model), engines) for r in range(WORLD)]
+    partitions = ray.get([r.partitions.remote() for r in ranks], timeout=300)
+    total_bytes = 2 * sum(numel for numel, _, _ in partitions[0].values())  # bf16
+
+    # Step 0 (before training): each rank publishes its ZeRO-3 partition only.
+    stats = sync(ranks)
+    version0 = stats[0]["version"]
+    for rank, (s, parts) in enumerate(zip(stats, partitions)):
+        mine = sum(max(0, min(numel, (rank + 1) * per) - rank * per) for numel, per, _ in parts.values())
+        assert s["published_bytes"] == 2 * mine  # its partitions without ZeRO's padding, nothing else
+    assert sum(s["published_bytes"] for s in stats) == total_bytes
+    assert stats[0]["engines_loaded"] == [0, 1] and not stats[0]["engines_failed"]
+    assert_engines_hold(address, ranks, engines, version0)
+
+    # A training step changes the weights in place (same memory: published in place, not copied).
+    steps = ray.get([r.train_step.remote() for r in ranks], timeout=300)
+    assert ray.get([r.partitions.remote() for r in ranks]) == partitions
+    # Engine 1 dies between steps: the sync goes on without it and without waiting.
+    ray.kill(engines[1])
+    stats = sync(ranks)
+    version1 = stats[0]["version"]
+    assert version1 > version0 and version1 >= steps[0]
+    assert stats[0]["engines_loaded"] == [0] and list(stats[0]["engines_failed"]) == [1]
+
+    # An engine started now loads the latest version by itself: no group to rebuild.
+    (late,) = engines_of(1, tiny_model)
+    assert ray.get(late.tensorhub_version.remote(), timeout=60) == version1
+    assert_engines_hold(address, ranks, [engines[0], late], version1)
+
+    engines = [engines[0], engines[1], late]  # the dead one stays in OpenRLHF's list
+    ray.get([r.set_engines.remote(engines) for r in ranks])
+    ray.get([r.train_step.remote() for r in ranks], timeout=300)
+    stats = sync(ranks)
+    version2 = stats[0]["version"]
+    assert version2 > version1
+    assert stats[0]["engines_loaded"] == [0, 2] and list(stats[0]["engines_failed"]) == [1]
+    assert_engines_hold(address, ranks, [engines[0], late], version2)
