@@ -25,12 +25,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ.setdefault("RAY_enable_worker_prestart", "0")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="tests")
-    yield
+def cluster(ray_cluster):
+    yield ray_cluster
     shutdown_server(namespace=NAMESPACE)
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -53,9 +53,12 @@ def test_every_rollout_receives_each_step_byte_identical(engines):
             assert_identical(receive(rollout, step), make_weights(step))
             assert rollout.received_version == step
         assert metrics["tensorhub/version"] == step
-        assert metrics["tensorhub/unpublish_blocked_s"] >= 0
+        assert metrics["tensorhub/rank0/unpublish_blocked_s"] >= 0
+        assert metrics["tensorhub/rank0/stall_s"] >= metrics["tensorhub/rank0/copy_s"]
         # the buffer is allocated at the first step and reused after
-        assert metrics["tensorhub/buffer_allocations"] == (5 if step == 1 else 0)
+        assert metrics["tensorhub/rank0/buffer_allocations"] == (5 if step == 1 else 0)
+        # one trainer rank: it holds the whole model
+        assert metrics["tensorhub/max_rank_share"] == 1.0 and metrics["tensorhub/trainer_ranks"] == 1
     assert trainer.hub.versions("tiny/policy")[-1] == 3
 
 
@@ -108,27 +111,55 @@ def test_without_steps_versions_count_up(engines):
     assert rollout.received_version == 2
 
 
-def test_non_master_rank_consumes_the_stream_and_reports_nothing(engines):
-    rank1 = engines(is_master=False)
+def test_each_trainer_rank_publishes_its_part_and_the_union_is_the_version(engines, server):
+    """Two trainer ranks get the same full stream (as verl's FSDP engine gives
+    it); each keeps and publishes only its half. The version is visible once
+    both are in, and a rollout reads it byte-identical from both."""
+    ranks = [engines(is_master=True), engines()]
+    for r, engine in enumerate(ranks):
+        engine.rank_and_world = (r, 2)
+    rollout = engines()
+    weights = make_weights(7)
+    model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     seen = []
 
     def stream():  # a sharded trainer all-gathers per tensor: every rank must iterate
-        for item in make_weights(0).items():
+        for item in weights.items():
             seen.append(item[0])
             yield item
 
-    assert asyncio.run(rank1.send_weights(stream(), global_steps=0)) == {}
-    assert seen == list(make_weights(0))
-    assert rank1.hub is None  # and it let go of the reference server
+    metrics = [asyncio.run(ranks[0].send_weights(stream(), global_steps=7))]
+    assert seen == list(weights)
+    assert rollout.hub.versions("tiny/policy") == []  # half the model is no version yet
+    metrics.append(send(ranks[1], 7, weights))
+    assert rollout.hub.wait_for_version("tiny/policy", 7, timeout=10) == 7
+    assert_identical(receive(rollout, 7), weights)
+    for r, (engine, m) in enumerate(zip(ranks, metrics)):
+        registered = engine.publication
+        # what the rank registered: about half the model, and no slot anywhere near the model's size
+        assert abs(registered.nbytes - model_bytes / 2) <= 16, (r, registered.nbytes, model_bytes)
+        assert max(p.nbytes for p in registered.parts) < model_bytes / 3
+        assert m[f"tensorhub/rank{r}/published_mb"] * 2**20 == registered.nbytes
+    assert "tensorhub/version" not in metrics[1]  # the step's own figures come from rank 0 only
+    assert metrics[0]["tensorhub/max_rank_share"] <= 0.5 + 0.05
+    assert metrics[0]["checkpoint_engine/payload_mbytes"] * 2**20 == model_bytes
 
 
-def test_missing_address_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"address is not set.*engine_kwargs\.tensorhub\.address"):
-        TensorHubCheckpointEngine(bucket_size=0, model="m")
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match=r"model is not set.*engine_kwargs\.tensorhub\.model"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="")
     with pytest.raises(ValueError, match="no field"):
         TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", adress="x")
     with pytest.raises(ValueError, match=r"HubConfig has no field\(s\) \['chunk'\]"):
         TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", hub={"chunk": 1})
+    with pytest.raises(ValueError, match=r"ServerConfig has no field\(s\) \['prot'\].*tensorhub\.server"):
+        TensorHubCheckpointEngine(bucket_size=0, model="m", server={"prot": 1})
+
+
+def test_auto_address_outside_ray_says_what_to_do():
+    """``auto`` (the default) needs the process to be on a Ray cluster, as verl's workers are."""
+    with pytest.raises(ServerUnavailable, match=r"not connected to Ray: call ray\.init\(\) first, or give host:port"):
+        TensorHubCheckpointEngine(bucket_size=0, model="m")
 
 
 def test_unreachable_address_fails_at_start_not_at_first_step():
@@ -146,8 +177,8 @@ def test_layout_change_reallocates(engines):
     receive(rollout, 1)
     grown = {**make_weights(2), "lm_head.weight": torch.ones(8, 8)}
     metrics = send(trainer, 2, grown)
-    assert metrics["tensorhub/buffer_allocations"] == 1
+    assert metrics["tensorhub/rank0/buffer_allocations"] == 1
     assert_identical(receive(rollout, 2), grown)
     # the pull that found the old layout leased the trainer's replica and read
     # nothing: that lease must not hold the trainer's next unpublish
-    assert send(trainer, 3)["tensorhub/unpublish_blocked_s"] < 2
+    assert send(trainer, 3)["tensorhub/rank0/unpublish_blocked_s"] < 2

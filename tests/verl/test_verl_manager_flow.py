@@ -1,8 +1,10 @@
 """verl's ``CheckpointEngineManager.update_weights()`` on CPU with the
 ``tensorhub`` backend: Ray actors for a 2-rank FSDP2 trainer and rollout
-replicas, a real reference server, real NIXL. See verl_ray_flow.py for the
-steps and the checks (byte-identical every step; a replica that leaves and
-comes back, and one that starts late, get the newest version)."""
+replicas, the reference server started by ``address: auto`` as a Ray actor,
+real NIXL. See verl_ray_flow.py for the steps and the checks (byte-identical
+every step; each trainer rank registers half the model; the trainer group
+killed and restarted keeps the server and its versions; a replica that leaves
+and comes back, and one that starts late, get the newest version)."""
 
 from __future__ import annotations
 
@@ -63,5 +65,16 @@ def test_manager_flow_on_cpu(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["ok"] and sorted(report["steps"]) == ["1", "2", "3", "4", "5"]
     steps = report["steps"]
-    assert steps["1"]["allocations"] == report["tensors"]  # the buffer is allocated once ...
-    assert all(steps[s]["allocations"] == 0 for s in "2345")  # ... and reused
+    print(json.dumps(report, indent=1))  # the figures of the README's verl row (pytest -s)
+    # every rank keeps a part of every tensor: its slots are allocated at a trainer's first step ...
+    assert steps["1"]["allocations"] == steps["4"]["allocations"] == [report["tensors"]] * 2
+    assert all(steps[s]["allocations"] == [0, 0] for s in "235")  # ... and reused
+    for s, step in steps.items():
+        assert all(abs(share - 0.5) < 0.05 for share in step["shares"]), (s, step["shares"])
+        assert sum(step["published_bytes"]) == step["model_bytes"]  # one copy of the model, split
+    # the rollouts' pulls of the step before, in the trainer's metrics
+    assert steps["1"]["pulls"] == {}
+    for s, workers in (("2", 2), ("3", 2), ("4", 2), ("5", 1)):
+        pulls = steps[s]["pulls"]
+        assert (pulls["workers"], pulls["version"]) == (workers, int(s) - 1), (s, pulls)
+        assert pulls["mb_mean"] * 2**20 == pytest.approx(steps[s]["model_bytes"]) and pulls["seconds_max"] > 0

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import verl
 from hydra import compose, initialize_config_dir
-from omegaconf.errors import MissingMandatoryValue
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import CheckpointEngineConfig
+
+from tensorhub.server.ray_actor import ensure_server, shutdown_server
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "verl"
 VERL_CONFIGS = Path(verl.__file__).parent
@@ -59,9 +60,19 @@ def test_engine_group_switches_the_experimental_trainers(trainer):
     assert engine.engine_kwargs["tensorhub"]["address"] == "10.0.0.5:50051"
 
 
-def test_missing_address_names_the_key():
-    with pytest.raises(MissingMandatoryValue, match=r"engine_kwargs\.tensorhub\.address"):
-        compose_engine(RECIPES, "tensorhub_separate_async", [])
+def test_recipe_left_at_auto_finds_the_server_actor(ray_cluster):
+    """The recipes' default: no address anywhere; the engine starts (or finds)
+    the reference server as a Ray actor. Port 0: not 50051 on a shared machine."""
+    _, engine = compose_engine(RECIPES, "tensorhub_separate_async", [f"{KEY}.engine_kwargs.tensorhub.server.port=0"])
+    kwargs = engine.engine_kwargs[engine.backend]
+    assert kwargs["address"] == "auto" and kwargs["server"] == {"port": 0, "retain": 1}
+    built = [CheckpointEngineRegistry.new(engine.backend, bucket_size=1 << 20, **kwargs) for _ in range(2)]
+    try:
+        assert built[0].hub.address == built[1].hub.address == ensure_server(timeout_s=30)
+    finally:
+        for b in built:
+            b.shutdown()
+        assert shutdown_server()
 
 
 def test_launch_command_and_entry_point():
@@ -75,8 +86,7 @@ def test_launch_command_and_entry_point():
     assert out.stdout.strip().splitlines()[-1] == "tensorhub_verl.engine", out.stderr[-3000:]
     launch = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES),
-         "--config-name", "tensorhub_separate_async", f"{KEY}.engine_kwargs.tensorhub.address=trainer-host:50051",
-         "--cfg", "job", "--package", KEY],
+         "--config-name", "tensorhub_separate_async", "--cfg", "job", "--package", KEY],
         check=False, env=env, capture_output=True, text=True, timeout=120)
     assert launch.returncode == 0, launch.stderr[-3000:]
-    assert "backend: tensorhub" in launch.stdout and "address: trainer-host:50051" in launch.stdout
+    assert "backend: tensorhub" in launch.stdout and "address: auto" in launch.stdout

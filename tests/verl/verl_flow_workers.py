@@ -36,6 +36,14 @@ class TrainerWorker(TrainingWorkerTest):
                 param.add_(0.25 * step)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def registered(self) -> dict[str, int]:
+        """What this rank's engine registered with NIXL for its last step: bytes in
+        all, its largest single tensor, and the whole model's bytes."""
+        publication = self.checkpoint_engine.publication
+        return {"nbytes": publication.nbytes, "largest": max(p.nbytes for p in publication.parts),
+                "model": publication.manifest.total_bytes, "version": publication.version}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state(self) -> dict[str, torch.Tensor]:
         """The full tensors the trainer streams (a collective: every rank calls it)."""
         per_tensor_param, _ = self.engine.get_per_tensor_param()

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tensorhub import HubConfig
+from tensorhub.server.config import ServerConfig
 
 CONFIG_KEY = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.tensorhub"
 
 
 @dataclass(kw_only=True, slots=True)
 class TensorHubEngineConfig:
-    address: str = ""  # reference server host:port (`tensorhub server --host H --port P`)
+    # Reference server: "auto" finds (or starts) the cluster's server as a named
+    # Ray actor; or the host:port of a `tensorhub server --host H --port P`.
+    address: str = "auto"
     model: str = ""  # model key the trainer publishes under, e.g. "qwen2.5-7b/policy"
     # Trainer: where the publication buffer lives. "cpu" keeps the trainer's
     # accelerator memory free (pinned host memory when CUDA is present).
@@ -29,6 +32,9 @@ class TensorHubEngineConfig:
     wait_timeout_s: float = 600.0  # rollout: longest wait for the asked step to be published
     unpublish_timeout_s: float = 120.0  # trainer: longest wait for readers of the previous step to drain
     hub: dict[str, Any] = field(default_factory=dict)  # HubConfig fields: connect_timeout_s, chunk_size, labels, ...
+    # ServerConfig fields for the server that `address: auto` starts (port, retain,
+    # ...); used by the worker that starts it, ignored once it runs.
+    server: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, values: dict[str, Any]) -> TensorHubEngineConfig:
@@ -37,15 +43,23 @@ class TensorHubEngineConfig:
         if unknown:
             raise ValueError(f"TensorHubEngineConfig has no field(s) {unknown} (under {CONFIG_KEY}); "
                              f"known: {sorted(known)}")
-        config = cls(**{k: (dict(v) if k == "hub" else v) for k, v in values.items()})
+        config = cls(**{k: (dict(v) if k in ("hub", "server") else v) for k, v in values.items()})
         for key in ("address", "model"):
             if not isinstance(getattr(config, key), str) or not getattr(config, key):
                 raise ValueError(f"TensorHubEngineConfig.{key} is not set: set {CONFIG_KEY}.{key}")
         if config.buffer_device not in ("cpu", "cuda"):
             raise ValueError(
                 f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
+        config.server_config()  # a bad server dict fails here, not when the server starts
         return config
 
     def hub_config(self, name: str) -> HubConfig:
         """The Hub client's settings; ``name`` shows in the server's plans and messages."""
         return HubConfig.from_dict({"name": name, **self.hub})
+
+    def server_config(self) -> ServerConfig:
+        """Settings of the server ``address: auto`` starts: all interfaces, port 50051 unless set."""
+        try:
+            return ServerConfig(host="0.0.0.0").replace(**self.server)
+        except ValueError as e:
+            raise ValueError(f"{e} (under {CONFIG_KEY}.server)") from None

@@ -1,15 +1,24 @@
-"""verl checkpoint engine ``tensorhub``: the trainer publishes each step as a
-version of a model; every rollout pulls the version it needs straight out of
-the memory of whoever holds it (the trainer, or rollouts that already have it).
+"""verl checkpoint engine ``tensorhub``: every trainer rank publishes its part
+of each step as a shard of one version of a model; every rollout pulls the
+version it needs straight out of the memory of whoever holds it (the trainer
+ranks, or rollouts that already have it).
 
 Who does what, per weight update that verl's ``CheckpointEngineManager`` runs:
 
-    trainer rank 0 (is_master)        trainer ranks > 0        each rollout worker
-    send_weights(stream, step):       send_weights(stream):    receive_weights(step):
-      unpublish step-1 (drains          consume the stream       wait until a version >= step
-        its readers)                    (its collectives         is pullable, pull the newest
-      copy stream -> buffer             need every rank)         one, yield (name, tensor),
-      publish buffer as `step`                                   keep serving it (serve=True)
+    trainer rank r of n                        each rollout worker
+    send_weights(stream, step):                receive_weights(step):
+      unpublish step-1 (drains its readers)      wait until a version >= step is
+      keep rank r's 1/n of each tensor of        visible (all n shards in), pull
+        the stream (split.py) in its buffer      the newest one from all n ranks,
+      publish those regions as its shard         yield (name, tensor), keep serving
+        of version `step`                        it (serve=True)
+
+No rank holds or sends more than about 1/n of the model: the trainer's egress
+is spread over the n ranks' links. verl 0.9.1 gives a checkpoint engine each
+rank's stream of full tensors (its FSDP engine also has
+``get_per_tensor_param_shard``, the local shards without the gather, but hands
+the training engine only to its built-in ``delta_sharded`` backend; see the
+README), so each rank copies its rows out of the gathered tensors.
 
 There is no process group: ``build_topology`` returns nothing to dispatch and
 ``init_process_group`` has nothing to build, so rollouts can join or leave
@@ -31,7 +40,9 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from tensorhub import Hub, ManifestMismatch, Publication, PullResult, ServerUnavailable, VersionNotFound
-from tensorhub_verl.buffer import PublicationBuffer, aiter_pairs
+from tensorhub.server.ray_actor import resolve_address
+from tensorhub_verl import pull_stats
+from tensorhub_verl.buffer import RankBuffer
 from tensorhub_verl.config import CONFIG_KEY, TensorHubEngineConfig
 
 log = logging.getLogger(__name__)
@@ -46,8 +57,10 @@ class TensorHubCheckpointEngine(CheckpointEngine):
     rollout worker (``is_master`` left False), with
     ``engine_kwargs["tensorhub"]`` as keyword arguments (see TensorHubEngineConfig).
 
-    Connects to the reference server at construction, so a wrong address fails
-    the worker's start (ServerUnavailable after ``hub.connect_timeout_s``).
+    Connects to the reference server at construction (``address: auto``: the
+    cluster's server actor, started by whichever worker asks first), so a
+    wrong address fails the worker's start (ServerUnavailable after
+    ``hub.connect_timeout_s``).
     ``bucket_size`` is accepted for verl's constructor contract and unused:
     TensorHub moves fixed-size chunks of its own (``hub.chunk_size``).
     """
@@ -56,18 +69,21 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.config = TensorHubEngineConfig.from_kwargs(engine_kwargs)
         self.is_master = is_master
         self.bucket_size = bucket_size
-        role = "trainer" if is_master else "worker"
-        hub_config = self.config.hub_config(f"verl-{role}@{socket.gethostname()}:{os.getpid()}")
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        hub_config = self.config.hub_config(f"verl-{'trainer' if is_master else 'worker'}@{self.worker}")
+        address = resolve_address(self.config.address, config=self.config.server_config())
         try:
-            self.hub: Hub | None = Hub.connect(self.config.address, config=hub_config)
+            self.hub: Hub | None = Hub.connect(address, config=hub_config)
         except ValueError as e:  # the address is not host:port
             raise ValueError(f"{e}; set {CONFIG_KEY}.address") from e
         except ServerUnavailable as e:
-            raise ServerUnavailable(self.config.address, f"address from {CONFIG_KEY}.address") from e
-        # trainer (rank 0)
-        self._buffer = PublicationBuffer(self.config.buffer_device)
+            raise ServerUnavailable(address, f"address from {CONFIG_KEY}.address={self.config.address}") from e
+        # trainer (every rank)
+        self._buffer = RankBuffer(self.config.buffer_device)
         self._published: Publication | None = None
         self._next_version = 0
+        # (rank, world) of the trainer's process group; None: ask torch.distributed at the first send
+        self.rank_and_world: tuple[int, int] | None = None
         # rollout
         self._received: int | None = None
         self._dest: dict[str, torch.Tensor] | None = None
@@ -95,15 +111,18 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
                            global_steps: int | None = None) -> dict[str, float]:
-        """Publish the stream as version ``global_steps`` (rank 0 only; without a
-        step, the one after the last published). Other ranks consume the stream
-        and return no metrics, so verl's merge keeps rank 0's."""
-        if not self.is_master:
-            async for _ in aiter_pairs(weights):
-                pass
-            self._close_hub()  # a non-master trainer rank never needs the hub again
-            return {}
+        """Publish this rank's part of the stream as its shard of version
+        ``global_steps`` (without a step, the one after the last published).
+
+        Every trainer rank calls it with the same stream (verl's contract), so
+        the ranks' shards cover the model and the version becomes visible when
+        the last one is in. Returns this rank's figures under
+        ``tensorhub/rank{r}/...``; rank 0 adds the step's (version, payload,
+        the rollouts' previous pulls), so verl's merge of the ranks' dicts keeps all."""
+        rank, world = self.rank_and_world or _rank_and_world()
         version = self._next_version if global_steps is None else int(global_steps)
+        # Before this step is published: only the pulls of the steps before it.
+        pulls = await asyncio.to_thread(pull_stats.take, self.config.model) if rank == 0 else []
         start = time.perf_counter()
         if self._published is not None:
             # The contract: after unpublish returns, no reader touches the buffer.
@@ -111,21 +130,39 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             self._published = None
         blocked = time.perf_counter() - start
         allocations = self._buffer.allocations
-        await self._buffer.fill(weights)
+        await self._buffer.fill(weights, rank, world)
         copied = time.perf_counter() - start - blocked
-        self._published = await asyncio.to_thread(self.hub.publish, self.config.model, version, self._buffer.tensors)
+        if self._buffer.shards:
+            self._published = await asyncio.to_thread(self.hub.publish, self.config.model, version,
+                                                      self._buffer.shards, manifest=self._buffer.manifest)
         self._next_version = version + 1
+        mine = f"tensorhub/rank{rank}"
         metrics = {
-            "tensorhub/version": float(version),
-            "tensorhub/unpublish_blocked_s": blocked,
-            "tensorhub/copy_s": copied,
-            "tensorhub/publish_s": time.perf_counter() - start - blocked - copied,
-            "tensorhub/published_mb": self._buffer.nbytes / 2**20,
-            "tensorhub/buffer_allocations": float(self._buffer.allocations - allocations),
+            f"{mine}/published_mb": self._buffer.nbytes / 2**20,
+            f"{mine}/stall_s": blocked + copied,  # what training waits for: drain + copy
+            f"{mine}/unpublish_blocked_s": blocked,
+            f"{mine}/copy_s": copied,
+            f"{mine}/publish_s": time.perf_counter() - start - blocked - copied,
+            f"{mine}/buffer_allocations": float(self._buffer.allocations - allocations),
         }
-        log.info("published %r version %d (%.1f MiB); blocked %.3fs draining the previous version",
-                 self.config.model, version, metrics["tensorhub/published_mb"], blocked)
+        if rank == 0:
+            model_bytes = self._buffer.manifest.total_bytes
+            metrics.update({
+                "tensorhub/version": float(version),
+                # verl's name (delta engine) for the bytes one update carries
+                "checkpoint_engine/payload_mbytes": model_bytes / 2**20,
+                "tensorhub/trainer_ranks": float(world),
+                "tensorhub/max_rank_share": max(self._buffer.rank_bytes) / max(1, model_bytes),
+                **pull_stats.summarize(pulls),
+            })
+        log.info("rank %d/%d published its %.1f MiB of %r version %d; stalled %.3fs (%.3fs draining step-1)",
+                 rank, world, metrics[f"{mine}/published_mb"], self.config.model, version, blocked + copied, blocked)
         return metrics
+
+    @property
+    def publication(self) -> Publication | None:
+        """What this trainer rank publishes now (its shard of the last step)."""
+        return self._published
 
     # ------------------------------------------------------------ rollout
 
@@ -141,6 +178,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         result = await asyncio.to_thread(self._pull_newest, target)
         log.info("received %r version %d (%.1f MiB in %.3fs, %.2f GB/s)", self.config.model, result.version,
                  result.nbytes / 2**20, result.seconds, result.gbps)
+        line = pull_stats.PullLine(self.worker, result.version, result.nbytes, result.seconds)
+        await asyncio.to_thread(pull_stats.record, self.config.model, line)
         for name, tensor in result.tensors.items():
             yield name, tensor
 
@@ -195,3 +234,11 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         if self.hub is not None:
             self.hub.close(timeout=self.config.unpublish_timeout_s)
             self.hub = None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This trainer rank's place in its process group (verl's trainer workers
+    initialise torch.distributed before any update); one rank without it."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
