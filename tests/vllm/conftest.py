@@ -85,6 +85,13 @@ def greedy(llm) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
+def greedy_many(llm, prompts: list[str]) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 @pytest.fixture(scope="session")
 def engine(tiny_model, hub_server):
     """One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds)

@@ -42,10 +42,30 @@ class TensorHubWorkerExtension:
     def tensorhub_version(self) -> int | None:
         return None if self._tensorhub is None else self._tensorhub.version
 
-    def tensorhub_stats(self) -> dict[str, float]:
-        """Timings of the last update: seconds pulling (and checking), seconds applying, bytes."""
-        u = self._tensorhub
-        return {} if u is None else {"pull_s": u.pull_s, "apply_s": u.apply_s, "nbytes": u.nbytes}
+    def _tensorhub_updater(self, which: str) -> WorkerUpdater | None:
+        if which == "extension":
+            return self._tensorhub
+        if which == "backend":  # the weight-transfer backend's, when the engine runs ours
+            return getattr(getattr(self, "weight_transfer_engine", None), "_updater", None)
+        raise ValueError(f"tensorhub: which must be 'extension' or 'backend', not {which!r}")
+
+    def tensorhub_stats(self, which: str = "extension") -> dict[str, Any]:
+        """The last update of this worker (through the extension or the
+        ``tensorhub`` backend): seconds pulling (and checking), seconds
+        applying, bytes pulled and from whom (agent name -> bytes); this worker's
+        read set against the checkpoint; its own agent name."""
+        u = self._tensorhub_updater(which)
+        return {} if u is None else {
+            "pull_s": u.pull_s, "apply_s": u.apply_s, "nbytes": u.nbytes, "bytes_by_source": dict(u.bytes_by_source),
+            "read_set_nbytes": u.read_set.nbytes(), "checkpoint_nbytes": u.read_set.checkpoint_nbytes(),
+            "agent": u.receiver.hub.name}
+
+    def tensorhub_read_set(self, which: str = "extension") -> dict[str, Any]:
+        """This worker's read set: the boxes it reads per tensor (absent: whole)
+        and why a tensor is read whole although its loader may need less."""
+        u = self._tensorhub_updater(which)
+        return {} if u is None else {"boxes": {n: [[list(r) for r in b] for b in bs] for n, bs in u.read_set.boxes.items()},
+                                     "fallbacks": dict(u.read_set.fallbacks)}
 
     def tensorhub_close(self) -> None:
         if self._tensorhub is not None:

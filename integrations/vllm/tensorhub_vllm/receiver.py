@@ -1,16 +1,19 @@
-"""Receiving whole versions into host memory, apart from the model.
+"""Receiving a worker's read set of each version into staging memory on the
+worker's own device (GPU memory under CUDA, host memory on CPU), apart from the
+model.
 
-Every byte of a version lands in a staging buffer and is checked against the
-model's layout before the first parameter changes: a failed pull (dead source,
-manifest mismatch, timeout) leaves the engine serving the weights it had.
+Every byte of the read set lands and is checked against the model's layout
+before the first parameter changes: a failed pull (dead source, manifest
+mismatch, timeout) leaves the engine serving the weights it had.
 
     update(v) ──▶ withdraw previous replica ──▶ pull v into staging ──▶ apply
                   (peers' reads drained)        (serve=True: peers may   (vLLM's layer-
                                                  read it as it fills)     wise reload)
 
-With ``serve`` on, the staging buffer stays published as a replica of the
-version the engine runs until the next update, so other engines can pull it
-even after the trainer withdrew its own copy.
+With ``serve`` on, the staging buffer stays published as a replica of exactly
+those regions of the version the engine runs until the next update, so worker k
+of another engine with the same layout can pull its slices from worker k of
+this one, even after the trainer withdrew its own copy.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tensorhub import Hub, HubConfig, Manifest, Publication, PullResult
+from tensorhub import Hub, HubConfig, Publication, PullResult
 from tensorhub_vllm.config import TensorHubInitInfo
+from tensorhub_vllm.readset import ReadSet
 
 # safetensors header dtype names -> torch
 _ST_DTYPES = {
@@ -62,40 +66,54 @@ def model_dir(model: str, download_dir: str | None = None) -> str:
 
 
 class VersionReceiver:
-    """Pulls whole versions of one model for one worker of an engine.
+    """Pulls one worker's read set of each version of one model (the whole
+    checkpoint when no ``read_set`` is given).
 
     All workers of an engine share ``group`` and call ``receive`` once per
     update, in the same order, so the counter they pass as ``group_round``
     agrees and the hub hands each of them the same version.
     """
 
-    def __init__(self, info: TensorHubInitInfo, layout: dict[str, torch.Tensor], *, group: str, name: str) -> None:
+    def __init__(self, info: TensorHubInitInfo, layout: dict[str, torch.Tensor], *, group: str, name: str,
+                 read_set: ReadSet | None = None, device: torch.device | str = "cpu") -> None:
         self.info = info
         self.group = group
-        self._layout = layout
-        self._staging: dict[str, torch.Tensor] | None = None
+        self.read_set = read_set or ReadSet(layout=layout, boxes={}, fallbacks={})
+        self.device = torch.device(device)
+        self._staging: dict | None = None
         self._publication: Publication | None = None
+        self.staged: dict | None = None  # what the last receive pulled into
         self._round = 0
         self.version: int | None = None  # the version applied last
         self.hub = Hub.connect(info.hub, config=HubConfig.from_dict({"name": name, **info.hub_config}))
 
     def receive(self, version: int | str) -> PullResult:
-        """Pull ``version`` (or ``"latest"``) completely and check it. Raises
-        the hub's typed errors (VersionNotFound, ManifestMismatch, SourceLost,
-        TransferStalled, ...); the model is untouched either way."""
+        """Pull the read set of ``version`` (or ``"latest"``) completely; the
+        regions, shapes and dtypes are checked against the version's manifest
+        before any byte moves. Raises the hub's typed errors (VersionNotFound,
+        ManifestMismatch, SourceLost, TransferStalled, ...); the model is
+        untouched either way. ``result.tensors`` is the staging (a list of
+        Shards' tensors where a name is read in parts); ``self.staged`` the
+        ``into`` mapping it was pulled into."""
         self._round += 1
         self._withdraw()
         if not self.info.serve:
-            # Fresh memory the hub frees after the pull; checked before it is applied.
-            result = self.hub.pull(self.info.model, version, group=self.group, group_round=self._round)
-            Manifest.of(result.tensors).check_destination(self._layout, model=self.info.model, version=result.version)
-            return result
+            # Fresh memory each time, dropped by the caller after the apply.
+            self.staged = self.read_set.allocate(self.device)
+            return self.hub.pull(self.info.model, version, into=self.staged, group=self.group,
+                                 group_round=self._round)
         if self._staging is None:
-            self._staging = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in self._layout.items()}
+            self._staging = self.read_set.allocate(self.device)
+        self.staged = self._staging
         result = self.hub.pull(self.info.model, version, into=self._staging, serve=True,
                                group=self.group, group_round=self._round)
         self._publication = result.publication
         return result
+
+    def done(self) -> None:
+        """The update was applied (or abandoned): without serving, free the staging now."""
+        if not self.info.serve:
+            self.staged = None
 
     def _withdraw(self) -> None:
         """Stop serving the previous version, so its memory can be re-filled."""
@@ -107,4 +125,4 @@ class VersionReceiver:
 
     def close(self) -> None:
         self.hub.close()
-        self._publication = self._staging = None
+        self._publication = self._staging = self.staged = None

@@ -1,5 +1,6 @@
-"""What one vLLM worker does on an update: receive the whole version, then apply
-it. Shared by the weight-transfer backend and the worker extension."""
+"""What one vLLM worker does: at init, learn its read set (a dry run of the
+model's loaders); on an update, pull exactly that onto its own device, then
+apply it. Shared by the weight-transfer backend and the worker extension."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from vllm.config import VllmConfig
 
 from tensorhub_vllm.apply import apply_checkpoint
 from tensorhub_vllm.config import TensorHubInitInfo
+from tensorhub_vllm.readset import dry_run
 from tensorhub_vllm.receiver import VersionReceiver, checkpoint_layout, model_dir
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,11 @@ def engine_group(vllm_config: VllmConfig, info: TensorHubInitInfo, role: str) ->
     return f"{base}/dp{vllm_config.parallel_config.data_parallel_index}/{role}"
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights live: staging goes there too (no detour through host memory)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
 class WorkerUpdater:
     """One worker's side of TensorHub: a receiver plus the model it loads into."""
 
@@ -34,10 +41,18 @@ class WorkerUpdater:
         self.model = model
         layout = checkpoint_layout(model_dir(vllm_config.model_config.model, vllm_config.load_config.download_dir),
                                    vllm_config.model_config.dtype)
+        self.device = model_device(model)
+        start = time.perf_counter()
+        self.read_set = dry_run(model, layout, self.device)
+        log.info("tensorhub: read set of this worker: %d of %d bytes of the checkpoint (%d tensors in parts, "
+                 "%d whole by fallback; dry run %.2fs)", self.read_set.nbytes(), self.read_set.checkpoint_nbytes(),
+                 len(self.read_set.boxes), len(self.read_set.fallbacks), time.perf_counter() - start)
         group = engine_group(vllm_config, info, role)
-        self.receiver = VersionReceiver(info, layout, group=group, name=f"vllm:{group}:{os.getpid()}")
+        self.receiver = VersionReceiver(info, layout, group=group, name=f"vllm:{group}:{os.getpid()}",
+                                        read_set=self.read_set, device=self.device)
         self.pull_s = self.apply_s = 0.0  # of the last update
         self.nbytes = 0
+        self.bytes_by_source: dict[str, int] = {}
 
     @property
     def version(self) -> int | None:
@@ -49,10 +64,14 @@ class WorkerUpdater:
         start = time.perf_counter()
         result = self.receiver.receive(version)
         self.pull_s = time.perf_counter() - start
-        apply_checkpoint(self.vllm_config, self.model, result.tensors)
+        try:
+            apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(self.receiver.staged, self.device))
+        finally:
+            self.receiver.done()
         self.apply_s = time.perf_counter() - start - self.pull_s
         self.receiver.version = result.version
         self.nbytes = result.nbytes
+        self.bytes_by_source = result.bytes_by_source
         log.info("tensorhub: loaded %r version %d (%d bytes; pull %.3fs, apply %.3fs)", self.receiver.info.model,
                  result.version, result.nbytes, self.pull_s, self.apply_s)
         return result.version

@@ -1,0 +1,222 @@
+"""Read sets: which box of which checkpoint tensor one vLLM worker loads.
+
+Found by a dry run of the model's own weight loaders (vLLM's ``sharded_rdt``
+technique): each checkpoint tensor is handed to ``model.load_weights`` as a
+``ViewTensor``, a tensor without storage whose pure-view ops (``narrow``,
+``chunk``, ``view``, ...) are tracked on a meta tensor of the full shape. When
+a loader copies one into a parameter, the view it copies is a box of the
+checkpoint tensor (``views.BoxView``): that box is what this worker reads.
+
+    init:    load_weights(ViewTensors) ──copy_──▶ RecordSink: boxes per name
+    update:  pull exactly those boxes ──▶ load_weights(ViewTensors) inside vLLM's
+             layer-wise reload ──copy_──▶ ReplaySink: the same view of the pulled box
+
+Anything else a loader does to a checkpoint tensor (``.to()``, arithmetic, a
+copying ``reshape``, a view that is not a box) fails closed: a warning names the
+tensor and the op, and that tensor is pulled whole and handed to its loader as
+a real tensor. Never a guess, so never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Self
+
+import torch
+
+from tensorhub import Shard
+from tensorhub.regions import Bounds
+from tensorhub_vllm.views import BoxView, contains, merge_boxes
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedLoaderOp(NotImplementedError):
+    """A loader did something to a checkpoint tensor that is not a pure view."""
+
+    def __init__(self, name: str, op: str) -> None:
+        super().__init__(f"the weight loader of {name!r} calls {op}, which is not a pure view of the checkpoint "
+                         "tensor: that tensor is pulled whole")
+        self.name, self.op = name, op
+
+
+class ViewTensor(torch.Tensor):
+    """A checkpoint tensor ``_name`` seen through a chain of pure views, without
+    storage. ``_view`` is the same view of a meta tensor of the full shape
+    (``_root``), so PyTorch itself computes the geometry; ``copy_`` from it goes
+    to ``_sink``."""
+
+    _name: str
+    _root: torch.Tensor
+    _view: torch.Tensor
+    _sink: RecordSink | ReplaySink
+
+    @staticmethod
+    def __new__(cls, name: str, root: torch.Tensor, view: torch.Tensor, sink: RecordSink | ReplaySink,
+                device: torch.device) -> Self:
+        t = torch.Tensor._make_wrapper_subclass(cls, view.shape, dtype=view.dtype, device=device,
+                                                requires_grad=False)
+        t._name, t._root, t._view, t._sink = name, root, view, sink
+        return t
+
+    @classmethod
+    def full(cls, name: str, like: torch.Tensor, sink: RecordSink | ReplaySink, device: torch.device) -> ViewTensor:
+        root = torch.empty(like.shape, dtype=like.dtype, device="meta")
+        return cls(name, root, root, sink, device)
+
+    def box_view(self) -> BoxView | None:
+        if self._view.dtype != self._root.dtype:  # view(dtype): offsets in another itemsize
+            return None
+        return BoxView.of(self._root.shape, self._view.storage_offset(), self._view.shape, self._view.stride())
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            src = args[1] if len(args) > 1 else kwargs.get("src")
+            if isinstance(src, cls):
+                return src._sink.copy(args[0], src)
+        from tensorhub_vllm.vllm_internals import VIEW_OPS
+
+        op = VIEW_OPS.get(func)
+        if op is not None and isinstance(args[0], cls):
+            self = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(self._view, *args[1:], **kwargs)
+            if isinstance(out, torch.Tensor):
+                return self._child(out, op)
+            return tuple(self._child(o, op) for o in out)  # chunk, unbind
+        # Metadata reads (shape, dim, numel, ...) are answered by the wrapper;
+        # anything that needs data reaches __torch_dispatch__ and raises there.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _child(self, view: torch.Tensor, op: str) -> ViewTensor:
+        if view is not self._root and view._base is not self._root:
+            raise UnsupportedLoaderOp(self._name, f"{op}() that copies")  # e.g. contiguous() of a transpose
+        return ViewTensor(self._name, self._root, view, self._sink, self.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for arg in (*args, *(kwargs or {}).values()):
+            if isinstance(arg, cls):
+                raise UnsupportedLoaderOp(arg._name, str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class RecordSink:
+    """``copy_`` during the dry run: note the box each copy reads, move nothing."""
+
+    views: dict[str, list[BoxView]] = field(default_factory=dict)
+    not_boxes: dict[str, str] = field(default_factory=dict)
+
+    def copy(self, dest: torch.Tensor, src: ViewTensor) -> torch.Tensor:
+        view = src.box_view()
+        if view is None:
+            self.not_boxes[src._name] = (f"reads a view {list(src.shape)} (stride {list(src._view.stride())}, "
+                                         f"dtype {src.dtype}) that is not a box of it")
+        else:
+            self.views.setdefault(src._name, []).append(view)
+        return dest
+
+
+@dataclass
+class ReplaySink:
+    """``copy_`` during an update: copy the same view out of the pulled box."""
+
+    pulled: Mapping[str, list[tuple[Bounds, torch.Tensor]]]
+
+    def copy(self, dest: torch.Tensor, src: ViewTensor) -> torch.Tensor:
+        view = src.box_view()
+        part = None if view is None else next(
+            ((box, t) for box, t in self.pulled.get(src._name, ()) if contains(box, view.box)), None)
+        if part is None:  # the loaders read differently from the dry run: refuse rather than guess
+            raise RuntimeError(f"tensorhub: the loader of {src._name!r} reads a view the dry run at init did not "
+                               f"record ({list(src.shape)}); re-run init_weight_transfer_engine")
+        box, local = part
+        size, stride, offset = view.local(box)
+        with torch._C.DisableTorchFunctionSubclass():
+            return dest.copy_(local.as_strided(size, stride, local.storage_offset() + offset))
+
+
+@dataclass(kw_only=True, slots=True)
+class ReadSet:
+    """What one worker loads of each checkpoint tensor: ``boxes[name]`` (disjoint)
+    where it reads part of it, the whole tensor otherwise. ``fallbacks``: why a
+    tensor is read whole although the worker may need less of it."""
+
+    layout: dict[str, torch.Tensor]  # meta tensors: the checkpoint's names, shapes, dtypes
+    boxes: dict[str, list[Bounds]]
+    fallbacks: dict[str, str]
+
+    def nbytes(self) -> int:
+        return sum(self._numel(n) * t.element_size() for n, t in self.layout.items())
+
+    def checkpoint_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layout.values())
+
+    def _numel(self, name: str) -> int:
+        boxes = self.boxes.get(name)
+        if boxes is None:
+            return self.layout[name].numel()
+        return sum(math.prod(b - a for a, b in box) for box in boxes)
+
+    def allocate(self, device: torch.device | str) -> dict[str, torch.Tensor | list[Shard]]:
+        """Fresh staging memory for exactly this read set, as ``hub.pull(into=...)`` takes it."""
+        out: dict[str, torch.Tensor | list[Shard]] = {}
+        for name, t in self.layout.items():
+            boxes = self.boxes.get(name)
+            if boxes is None:
+                out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            else:
+                out[name] = [Shard(torch.empty([b - a for a, b in box], dtype=t.dtype, device=device), t.shape,
+                                   box=box) for box in boxes]
+        return out
+
+    def weights(self, staged: Mapping[str, torch.Tensor | list[Shard]], device: torch.device):
+        """``(name, tensor)`` for ``model.load_weights``: the real tensor where it
+        was pulled whole, a ViewTensor over the pulled boxes otherwise."""
+        sink = ReplaySink({n: [(s.region.box, s.tensor) for s in v] for n, v in staged.items() if isinstance(v, list)})
+        for name, t in self.layout.items():
+            value = staged[name]
+            yield name, (ViewTensor.full(name, t, sink, device) if isinstance(value, list) else value)
+
+
+def dry_run(model: torch.nn.Module, layout: dict[str, torch.Tensor], device: torch.device) -> ReadSet:
+    """The read set of this worker's ``model`` for a checkpoint of ``layout``
+    (meta tensors), from a dry run of its loaders; the model is unchanged.
+    A tensor whose loader is not a pure view is read whole (logged, named)."""
+    from tensorhub_vllm.vllm_internals import loaders_on_meta
+
+    fallbacks: dict[str, str] = {}
+    while True:  # one more run per tensor with an unsupported loader: a handful at most
+        sink = RecordSink()
+        try:
+            with loaders_on_meta(model), torch.device(device), torch.no_grad():
+                model.load_weights((n, ViewTensor.full(n, t, sink, device)) for n, t in layout.items()
+                                   if n not in fallbacks)
+        except UnsupportedLoaderOp as e:
+            if e.name in fallbacks:
+                raise
+            fallbacks[e.name] = f"its loader calls {e.op}, not a pure view"
+            continue
+        break
+    fallbacks.update(sink.not_boxes)
+    for name in layout:
+        if name not in fallbacks and name not in sink.views:
+            fallbacks[name] = "no loader of this worker read it"
+    for name, why in fallbacks.items():
+        log.warning("tensorhub: %s is pulled whole: %s", name, why)
+    boxes: dict[str, list[Bounds]] = {}
+    for name, views in sink.views.items():
+        if name in fallbacks:
+            continue
+        merged = merge_boxes([v.box for v in views])
+        whole = tuple((0, d) for d in layout[name].shape)
+        if whole not in merged:
+            boxes[name] = merged
+    return ReadSet(layout=layout, boxes=boxes, fallbacks=fallbacks)

@@ -1,0 +1,143 @@
+"""Read sets without an engine: the box arithmetic against real tensors, and the
+dry run and replay of a toy model's loaders inside vLLM's layer-wise reload."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tensorhub_vllm.readset import dry_run
+from tensorhub_vllm.views import BoxView, merge_boxes
+
+from tensorhub import Shard
+
+
+def _random_view(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """A chain of the view ops loaders use, with random arguments."""
+    for _ in range(rng.randint(1, 3)):
+        op = rng.choice(["narrow", "chunk", "t", "getitem", "unsqueeze", "view"])
+        dim = rng.randrange(t.dim()) if t.dim() else 0
+        if op == "narrow" and t.dim() and t.shape[dim] > 1:
+            start = rng.randrange(t.shape[dim])
+            t = t.narrow(dim, start, rng.randint(1, t.shape[dim] - start))
+        elif op == "chunk" and t.dim() and t.shape[dim] >= 2:
+            parts = t.chunk(2, dim)
+            t = parts[rng.randrange(len(parts))]
+        elif op == "t" and t.dim() == 2:
+            t = t.t()
+        elif op == "getitem" and t.dim() and t.shape[0] > 1:
+            a = rng.randrange(t.shape[0])
+            t = t[a:rng.randint(a + 1, t.shape[0]):rng.choice([1, 1, 2])]
+        elif op == "unsqueeze":
+            t = t.unsqueeze(rng.randrange(t.dim() + 1))
+        elif op == "view" and t.is_contiguous() and t.numel():
+            t = t.view(-1)
+    return t
+
+
+def test_box_view_reads_exactly_what_the_view_reads():
+    boxes = 0
+    for seed in range(500):
+        rng = random.Random(seed)
+        shape = tuple(rng.randint(1, 7) for _ in range(rng.randint(1, 3)))
+        full = torch.arange(torch.Size(shape).numel()).reshape(shape)
+        view = _random_view(full, rng)
+        box = BoxView.of(shape, view.storage_offset(), view.shape, view.stride())
+        if box is None:
+            continue  # not a box: the caller reads the whole tensor
+        boxes += 1
+        local = full[tuple(slice(a, b) for a, b in box.box)].clone()
+        size, stride, offset = box.local(box.box)
+        assert torch.equal(local.as_strided(size, stride, offset), view), seed
+        # inside a larger box too (several views of one tensor merged into one pull)
+        outer = tuple((max(0, a - 1), b) for a, b in box.box)
+        size, stride, offset = box.local(outer)
+        got = full[tuple(slice(a, b) for a, b in outer)].clone().as_strided(size, stride, offset)
+        assert torch.equal(got, view), seed
+    assert boxes > 400  # almost every chain of these ops is a box
+
+
+def test_views_that_wrap_are_not_boxes():
+    full = torch.arange(24).reshape(4, 6)
+    wrapped = full.view(-1).narrow(0, 4, 4)  # end of row 0, start of row 1
+    assert BoxView.of((4, 6), wrapped.storage_offset(), wrapped.shape, wrapped.stride()) is None
+    rows = full.view(-1).narrow(0, 6, 12)  # whole rows 1-2: a box
+    assert BoxView.of((4, 6), rows.storage_offset(), rows.shape, rows.stride()).box == ((1, 3), (0, 6))
+
+
+def test_merge_boxes_keeps_disjoint_and_joins_overlapping():
+    assert merge_boxes([((0, 2), (0, 4)), ((4, 6), (0, 4))]) == [((0, 2), (0, 4)), ((4, 6), (0, 4))]
+    assert merge_boxes([((0, 3), (0, 4)), ((2, 6), (1, 2))]) == [((0, 6), (0, 4))]
+
+
+class Toy(torch.nn.Module):
+    """Worker ``rank`` of 2 of a model whose loaders take row and column halves
+    (their first argument must be named ``param``, as vLLM's are: the reload
+    replays them with the materialized parameter under that name),
+    plus loaders that are not pure views (``.to()``, a copying ``contiguous()``)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rows = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.cols = torch.nn.Parameter(torch.zeros(8, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.cast = torch.nn.Parameter(torch.zeros(8, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.tcopy = torch.nn.Parameter(torch.zeros(3, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16), requires_grad=False)
+        self.rows.weight_loader = lambda param, w: param.data.copy_(w.narrow(0, 4 * rank, 4))
+        self.cols.weight_loader = lambda param, w: param.data.copy_(w.chunk(2, dim=1)[rank])
+        self.cast.weight_loader = lambda param, w: param.data.copy_(w.to(torch.float32))
+        self.tcopy.weight_loader = lambda param, w: param.data.copy_(w.narrow(1, 3 * rank, 3).t().contiguous())
+
+    def load_weights(self, weights):
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        for name, w in weights:
+            p = getattr(self, name)
+            getattr(p, "weight_loader", default_weight_loader)(p, w)
+
+
+CHECKPOINT = {n: torch.randn(s, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+              for i, (n, s) in enumerate({"rows": (8, 6), "cols": (8, 6), "cast": (8, 6), "tcopy": (8, 6),
+                                          "norm": (6,)}.items())}
+
+
+def _expected(rank: int) -> dict[str, torch.Tensor]:
+    c = CHECKPOINT
+    return {"rows": c["rows"][4 * rank:4 * rank + 4], "cols": c["cols"][:, 3 * rank:3 * rank + 3],
+            "cast": c["cast"], "tcopy": c["tcopy"][:, 3 * rank:3 * rank + 3].t(), "norm": c["norm"]}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dry_run_finds_slices_and_falls_back_by_name(rank, caplog):
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    model = Toy(rank)
+    record_metadata_for_reloading(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in CHECKPOINT.items()}
+    read_set = dry_run(model, layout, torch.device("cpu"))
+
+    assert read_set.boxes == {"rows": [((4 * rank, 4 * rank + 4), (0, 6))],
+                              "cols": [((0, 8), (3 * rank, 3 * rank + 3))]}
+    assert set(read_set.fallbacks) == {"cast", "tcopy"}
+    assert "_to_copy" in read_set.fallbacks["cast"]  # names the op
+    assert "contiguous" in read_set.fallbacks["tcopy"]
+    assert "cast is pulled whole" in caplog.text and "tcopy is pulled whole" in caplog.text
+    for n, p in model.named_parameters():  # the dry run moved nothing
+        assert torch.equal(p, before[n]) and not hasattr(p, "_rdt_stamp_inner")
+
+    # the pulled staging (here filled by hand) replayed through vLLM's layer-wise reload
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    staged = read_set.allocate("cpu")
+    for name, value in staged.items():
+        for s in value if isinstance(value, list) else [Shard(value, value.shape)]:
+            s.tensor.copy_(CHECKPOINT[name][tuple(slice(a, b) for a, b in s.region.bounds(s.full_shape))])
+    assert read_set.nbytes() == sum(
+        s.tensor.nbytes for v in staged.values() for s in (v if isinstance(v, list) else [Shard(v, v.shape)]))
+    initialize_layerwise_reload(model)
+    model.load_weights(read_set.weights(staged, torch.device("cpu")))
+    finalize_layerwise_reload(model, None)
+    for name, want in _expected(rank).items():
+        assert torch.equal(getattr(model, name), want), name
