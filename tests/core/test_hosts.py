@@ -97,6 +97,60 @@ def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pul
     assert all(sum(r["sources"].values()) == 64 << 20 for r in results)
 
 
+def test_two_zones_joined_by_a_slow_link_carry_about_one_copy_across_it():
+    """The trainer and r0 in zone a; r1, r2, r3 in zone b behind 200 Mbit/s."""
+    names = ["server", "trainer", "r0", "r1", "r2", "r3"]
+    zones = {"server": "a", "trainer": "a", "r0": "a", "r1": "b", "r2": "b", "r3": "b"}
+    specs, size = [("w", "float32", ((32 << 20) // 4,))], 32 << 20
+    with netns.Hosts(names, rate="1gbit", zones=zones, zone_link="200mbit") as hosts, \
+            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
+        def hub(name):
+            return HubProcess(server.address, name=name, netns=hosts.netns(name),
+                              env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"},
+                              labels={"host": name, "zone": zones[name]})
+
+        trainer = hub("trainer")
+        readers = [hub(name) for name in names[2:]]
+        try:
+            trainer.call("publish", model="m", version=1, specs=specs, seed=1, chunk_size=CHUNK)
+            before = hosts.zone_link_bytes()
+            for reader in readers:
+                reader.send("pull", model="m", specs=specs, expect_seed=1, serve=True)
+            results = [reader.result(timeout=120) for reader in readers]
+            crossed = hosts.zone_link_bytes() - before
+        finally:
+            for proc in [*readers, trainer]:
+                proc.close(timeout=15)
+    assert all(r["mismatched"] == [] and sum(r["sources"].values()) == size for r in results)
+    detail = f"{crossed / size:.2f} copies crossed the zone link; " + "; ".join(
+        f"{r['seconds']:.2f} s from {r['sources']}" for r in results)
+    print(detail)
+    assert crossed <= 1.3 * size, detail  # three readers in zone b: without seeding, three copies
+
+
+def test_a_reader_joining_halfway_reads_most_of_its_bytes_from_peers(tmp_path):
+    names = ["server", "trainer", "r0", "r1", "late"]
+    with netns.Hosts(names, rate="1gbit") as hosts, \
+            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
+        trainer = _hub(hosts, "trainer", server)
+        readers = [_hub(hosts, name, server) for name in names[2:]]
+        try:
+            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+            marks = str(tmp_path / "progress")
+            readers[0].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.03,
+                            progress_file=marks)
+            readers[1].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.03)
+            wait_for_progress(marks, at_least=32 << 20)  # halfway
+            readers[2].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+            results = [reader.result(timeout=120) for reader in readers]
+        finally:
+            for proc in [*readers, trainer]:
+                proc.close(timeout=15)
+    assert all(r["mismatched"] == [] and sum(r["sources"].values()) == 64 << 20 for r in results)
+    late = results[2]["sources"]
+    assert late.get("trainer", 0) < 0.5 * (64 << 20), f"the late reader read {late}"
+
+
 def test_bench_cluster_writes_a_row_per_method(tmp_path):
     import json
     import subprocess
