@@ -61,10 +61,23 @@ def _bench_rl(args: argparse.Namespace) -> int:
     return cli.main(args)
 
 
+def _bench_server(args: argparse.Namespace) -> int:
+    from tensorhub.bench import server
+
+    try:
+        cfg = server.ServerBenchConfig(agents=args.agents, holders=args.holders, tensors=args.tensors,
+                                       seconds=args.seconds, resolve_interval_s=args.resolve_interval,
+                                       sweep=tuple(args.sweep or ()), generators=args.generators)
+    except ValueError as e:
+        print(f"tensorhub bench server: {e}", file=sys.stderr)
+        return 2
+    server.run(cfg, json_path=args.json)
+    return 0
+
+
 def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
-    cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps)
     return bench.run(cfg, json_path=args.json)
 
 
@@ -152,6 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(rl)
     rl.set_defaults(func=_bench_rl)
+
+    srv = bench_sub.add_parser("server", help="one reference server process under simulated agents that "
+                               "heartbeat and resolve: latency p50/p99, memory per agent, where p99 passes 20 ms")
+    srv.add_argument("--agents", type=int, default=1000, help="largest agent count of the sweep (default 1000)")
+    srv.add_argument("--sweep", type=_readers, help="agent counts to run, e.g. 250,500,1000,2000 "
+                     "(default: halvings of --agents down to about 100)")
+    srv.add_argument("--holders", type=int, default=100, help="agents holding the version (default 100)")
+    srv.add_argument("--tensors", type=int, default=200, help="tensors of the version (default 200)")
+    srv.add_argument("--seconds", type=float, default=6.0, help="seconds of load per agent count (default 6)")
+    srv.add_argument("--resolve-interval", type=float, default=1.0,
+                     help="seconds between one agent's resolves (default 1; heartbeats every 1 s)")
+    srv.add_argument("--generators", type=int, default=2, help="load generator processes (default 2)")
+    srv.add_argument("--json", help="write the results here as JSON")
+    srv.set_defaults(func=_bench_server)
 
     vllm = bench_sub.add_parser("vllm", help="vLLM weight update through TensorHub vs vLLM's reload from safetensors")
     vllm.add_argument("--hidden", type=int, default=1024, help="hidden size of the random Qwen2 model")
