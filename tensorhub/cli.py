@@ -78,6 +78,7 @@ def _bench_server(args: argparse.Namespace) -> int:
 def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
+    cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps)
     return bench.run(cfg, json_path=args.json)
 
 
