@@ -1,0 +1,80 @@
+"""Per-chunk checksums of a replica's bytes: computed once by the publisher,
+checked by a reader against the bytes it landed, so that a corrupted or stale
+source is detected instead of yielding wrong bytes.
+
+The unit is the replica's own chunk (its held regions back to back, cut every
+``chunk_size`` bytes: the same unit as its chunk bitmap), so a holder computes
+them from its memory alone and a reader that read a holder's whole chunk can
+check it without asking anyone.
+
+Algorithm: CRC-32 (IEEE, ``zlib.crc32``): in the standard library, releases the
+GIL on large buffers (the check can overlap the next READs), 3.4 GB/s on one
+core of the reference machine (x86-64; BLAKE2b 0.74, SHA-256 1.5, Adler-32 3.0
+GB/s in the same run). It detects accidental corruption and stale bytes, not an
+adversary who can choose the bytes (that needs a keyed hash, at about a fifth
+of the speed here).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+ALGORITHM = "crc32"
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in memory order, without a copy (CPU, contiguous)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"checksums need contiguous CPU tensors, not a {tensor.device.type} tensor"
+                         f"{'' if tensor.is_contiguous() else ' that is not contiguous'}")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def _pieces(buffers: Sequence[memoryview], chunk_size: int) -> Iterator[tuple[int, memoryview]]:
+    """(chunk index, a piece of it): the buffers back to back, cut at chunk boundaries."""
+    offset = 0
+    for buf in buffers:
+        pos = 0
+        while pos < len(buf):
+            chunk, within = divmod(offset, chunk_size)
+            take = min(len(buf) - pos, chunk_size - within)
+            yield chunk, buf[pos:pos + take]
+            pos += take
+            offset += take
+
+
+def chunk_checksums(tensors: Sequence[torch.Tensor], chunk_size: int) -> np.ndarray:
+    """CRC-32 of every chunk of ``tensors``' bytes laid back to back (a replica's
+    held regions in memory order), as uint32; the last chunk may be short."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+    buffers = [_bytes(t) for t in tensors]
+    total = sum(len(b) for b in buffers)
+    out = np.zeros(-(-total // chunk_size), dtype=np.uint32)
+    for chunk, piece in _pieces(buffers, chunk_size):
+        out[chunk] = zlib.crc32(piece, int(out[chunk]))  # a chunk spanning tensors continues the CRC
+    return out
+
+
+def mismatched_chunks(tensors: Sequence[torch.Tensor], chunk_size: int, expected: np.ndarray,
+                      chunks: Sequence[int] | None = None) -> list[int]:
+    """The chunks (of ``chunks``, default all) whose bytes do not match ``expected``."""
+    got = chunk_checksums(tensors, chunk_size)
+    if len(got) != len(expected):
+        raise ValueError(f"{len(expected)} checksums for {len(got)} chunks")
+    wanted = range(len(got)) if chunks is None else chunks
+    return [c for c in wanted if got[c] != expected[c]]
+
+
+def checksum(pieces: Sequence[memoryview | bytes]) -> int:
+    """CRC-32 of ``pieces`` back to back: what a reader computes over the
+    destination ranges that one holder chunk landed in, to compare with that
+    chunk's entry of the holder's ``chunk_checksums``."""
+    value = 0
+    for piece in pieces:
+        value = zlib.crc32(piece, value)
+    return value
