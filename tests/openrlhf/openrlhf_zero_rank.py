@@ -14,6 +14,7 @@ Two seams differ from a GPU run, both because they need CUDA:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -30,12 +31,12 @@ class ZeroRank:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         import deepspeed
-        import deepspeed.comm.torch as ds_comm
         from openrlhf.models import Actor
         from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
         from tensorhub_openrlhf.actors import TensorHubActorPPOTrainer
 
-        ds_comm.build_shm_op = lambda: None
+        # by module: `import deepspeed.comm.torch as x` binds deepspeed.comm's attribute `torch` (PyTorch)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")
         torch.manual_seed(rank)
         config = get_train_ds_config(offload=False, adam_offload=False, stage=3, param_dtype="bf16", zpg=1)

@@ -75,3 +75,19 @@ def test_missing_or_bad_settings_fail_before_anything_starts():
 def test_unknown_stock_flag_is_rejected_by_openrlhf_itself():
     done = run_probe([*STOCK, "--tensorhub.address", "x:1"], TENSORHUB_ADDRESS="10.0.0.5:50051")
     assert done.returncode == 2 and "unrecognized arguments: --tensorhub.address" in done.stderr
+
+
+def test_recipe_renders_a_command_the_launcher_takes():
+    from tensorhub_openrlhf.recipe import compose, render
+
+    recipes = HERE.parents[1] / "recipes" / "openrlhf"
+    env, argv = render(compose(str(recipes), "ppo_ray", [
+        "tensorhub.address=10.0.0.5:50051", "openrlhf.actor.model_name_or_path=/models/policy",
+        "openrlhf.data.prompt_dataset=/data/prompts", "openrlhf.reward.model_name_or_path=/models/rm",
+        "+openrlhf.train.async_enable=true"]))
+    done = run_probe(argv, **env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["args"]["actor.model_name_or_path"] == "/models/policy"
+    assert seen["args"]["ds.zero_stage"] == 3 and seen["args"]["train.async_enable"] is True
+    assert seen["runtime_env"]["env_vars"]["TENSORHUB_ADDRESS"] == "10.0.0.5:50051"

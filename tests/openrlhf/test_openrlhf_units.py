@@ -1,0 +1,82 @@
+"""Settings, partition arithmetic and recipe rendering, on their own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorhub_openrlhf.partitions import partition_range, replica_region
+from tensorhub_openrlhf.recipe import compose, render
+from tensorhub_openrlhf.settings import TensorHubSettings
+
+RECIPES = Path(__file__).parents[2] / "recipes" / "openrlhf"
+
+
+def test_partition_ranges_cover_each_element_once_as_zero3_cuts():
+    # ZeRO-3 pads to a multiple of the group and gives each rank ceil(n / W).
+    assert [partition_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [partition_range(2, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    for n in (1, 7, 64, 1001):
+        for world in (1, 2, 3, 8):
+            ranges = [partition_range(n, r, world) for r in range(world)]
+            assert sum(b - a for a, b in ranges) == n and ranges[0][0] == 0 and ranges[-1][1] == n
+    with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
+        partition_range(10, 2, 2)
+
+
+def test_replica_region_is_a_view_not_a_copy():
+    weight = torch.nn.Parameter(torch.arange(30, dtype=torch.float32).reshape(5, 6))
+    shards = [replica_region(weight, r, 4) for r in range(4)]
+    assert [s.region.flat for s in shards] == [(0, 8), (8, 16), (16, 24), (24, 30)]
+    for s in shards:
+        assert s.tensor.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        weight[4, 5] = -1.0  # training writes in place: the published region sees it
+    assert shards[3].tensor[-1].item() == -1.0
+    assert replica_region(torch.nn.Parameter(torch.zeros(2)), 3, 4) is None  # nothing left for rank 3
+
+
+def test_settings_from_the_environment():
+    s = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "10.0.0.5:50051", "TENSORHUB_SERVE": "off",
+                                    "TENSORHUB_HUB_CONFIG": '{"chunk_size": 1024}', "PATH": "/bin"})
+    assert (s.address, s.model, s.serve, s.hub) == ("10.0.0.5:50051", "policy", False, {"chunk_size": 1024})
+    assert TensorHubSettings.from_env(s.to_env()) == s
+    assert s.hub_config("x").chunk_size == 1024
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({}, "TENSORHUB_ADDRESS is not set"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_MODLE": "x"}, r"unknown TensorHub variable\(s\) \['TENSORHUB_MODLE'\]"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_UPDATE_TIMEOUT_S": "-1"}, "TENSORHUB_UPDATE_TIMEOUT_S must be"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_HUB_CONFIG": "[1]"}, "TENSORHUB_HUB_CONFIG must be a JSON object"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_HUB_CONFIG": '{"chunks": 1}'}, r"HubConfig has no field\(s\)"),
+])
+def test_bad_settings_name_the_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        TensorHubSettings.from_env(env)
+
+
+def test_recipe_renders_variables_and_stock_flags():
+    config = compose(str(RECIPES), "ppo_ray", ["openrlhf.actor.model_name_or_path=/models/p",
+                                              "openrlhf.data.prompt_dataset=/data/d", "openrlhf.reward.model_name_or_path=/rm",
+                                              "tensorhub.address=h:1", "openrlhf.ckpt.output_dir=null",
+                                              "+openrlhf.actor.adam.betas=[0.9,0.95]"])
+    env, argv = render(config)
+    assert env["TENSORHUB_ADDRESS"] == "h:1" and env["TENSORHUB_SERVE"] == "1"
+    assert json.loads(env["TENSORHUB_HUB_CONFIG"]) == {}
+    joined = " ".join(argv)
+    assert "--actor.model_name_or_path /models/p" in joined and "--ds.zero_stage 3" in joined
+    assert "--actor.adam.betas 0.9 0.95" in joined
+    assert "--data.apply_chat_template --" in joined  # a switch, no value
+    assert "--ckpt.output_dir" not in joined  # null: left out
+
+
+def test_recipe_mistakes_are_caught_before_launch():
+    with pytest.raises(Exception, match="model_name_or_path"):  # Hydra: a required value (???) is missing
+        compose(str(RECIPES), "ppo_ray", [])
+    with pytest.raises(ValueError, match=r"recipe node 'tensorhub' has no key\(s\) \['adress'\]"):
+        render({"tensorhub": {"adress": "x"}})
+    with pytest.raises(ValueError, match="TENSORHUB_SERVE must be one of"):
+        render({"tensorhub": {"address": "auto", "serve": "maybe"}})
