@@ -18,10 +18,11 @@ process finds the same actor by name through Ray::
 * On the head node, so it goes when the cluster goes, not when an autoscaled
   worker node leaves; ``num_cpus=0``, so it takes no scheduling slot.
 * It listens on ``config.port`` (50051 by default) on all interfaces and
-  advertises the node's IP. Should its process die, Ray restarts it on the
-  same port, so clients find it at the address they have and re-register
-  what they hold (the server's state is soft); on a busy port it falls back to
-  a free one, which a restart may not get again.
+  advertises the node's IP. Should its process die, Ray restarts it and it
+  binds the same port again (waiting up to 30 s for the dead process to let
+  go of it), so clients find it at the address they have and re-register
+  what they hold (the server's state is soft). If that port is busy when it
+  first starts it takes a free one instead, which a restart may not get.
 
 Ray is imported inside the functions: the rest of TensorHub never needs it.
 """
@@ -29,6 +30,7 @@ Ray is imported inside the functions: the rest of TensorHub never needs it.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -44,6 +46,7 @@ DEFAULT_NAMESPACE = "tensorhub"
 _HEAD_NODE_RESOURCE = "node:__internal_head__"
 _ANY_INTERFACE = ("0.0.0.0", "::", "[::]")
 _RESTART_POLL_S = 0.2  # Ray answers "restarting" at once; a restart takes about a second
+_REBIND_PATIENCE_S = 30.0  # a restarted server waits this long for its old port
 
 
 class ReferenceServerActor:
@@ -52,19 +55,12 @@ class ReferenceServerActor:
     report where it is."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from tensorhub.server.app import EmbeddedServer
+        import ray
 
-        try:
-            self._server = EmbeddedServer(config)
-        except (OSError, RuntimeError) as e:  # grpc says RuntimeError("Failed to bind ...")
-            if config.port == 0:
-                raise
-            log.warning("port %d is taken (%s); the reference server takes a free port instead", config.port, e)
-            self._server = EmbeddedServer(config, port=0)
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._server = _bind(config, patience_s=_REBIND_PATIENCE_S if restarted else 0.0)
         self._host = config.host
         if self._host in _ANY_INTERFACE:
-            import ray
-
             self._host = ray.util.get_node_ip_address()
 
     def address(self) -> str:
@@ -77,6 +73,35 @@ class ReferenceServerActor:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+def _bind(config: ServerConfig, patience_s: float) -> Any:
+    """An EmbeddedServer on ``config.port``, tried for ``patience_s`` (a restarted
+    actor: the dead process may hold the port a moment longer); then, or at
+    once on a first start, on a free port, so a busy 50051 does not stop it."""
+    from tensorhub.server.app import EmbeddedServer
+
+    deadline = time.monotonic() + patience_s
+    while config.port != 0 and not _port_free(config.host, config.port) and time.monotonic() < deadline:
+        time.sleep(_RESTART_POLL_S)  # probe with a plain socket: a failed EmbeddedServer leaves its thread
+    try:
+        return EmbeddedServer(config)
+    except (OSError, RuntimeError) as e:  # grpc says RuntimeError("Failed to bind ...")
+        if config.port == 0:
+            raise
+        log.warning("port %d is taken (%s); the reference server takes a free port instead", config.port, e)
+        return EmbeddedServer(config, port=0)
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
 
 
 def ensure_server(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *,

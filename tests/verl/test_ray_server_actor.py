@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import ray
@@ -109,8 +110,17 @@ def test_a_restarted_server_keeps_its_address_and_clients_re_register(cluster):
         actor = ray.get_actor(name, namespace=NAMESPACE)
         first = ray.get(actor.describe.remote(), timeout=30)["instance_id"]
         ray.kill(actor, no_restart=False)  # its process dies; Ray restarts it
-        assert ensure_server(name, NAMESPACE, timeout_s=60) == address
-        assert ray.get(actor.describe.remote(), timeout=30)["instance_id"] != first
+        deadline = time.monotonic() + 60
+        while True:  # until the new incarnation answers (the old one may for a moment)
+            try:
+                now = ray.get(actor.describe.remote(), timeout=60)
+                if now["instance_id"] != first:
+                    break
+            except ray.exceptions.ActorUnavailableError:
+                pass
+            assert time.monotonic() < deadline, "the server actor was not restarted"
+            time.sleep(0.2)
+        assert now["address"] == address and ensure_server(name, NAMESPACE) == address
         # soft state: the driver's Hub notices the new instance and re-registers version 7
         assert hub.wait_for_version("m", 7, timeout=20) == 7
     finally:
