@@ -56,7 +56,7 @@ def test_every_method_gets_the_same_draws_and_preemptions_land_within_the_run():
     assert len(a.preemptions) == cfg.waves
     for p in a.preemptions:
         assert len(p.slots) == cfg.wave and all(s < cfg.spot for s in p.slots)
-        assert 0 < p.at_s < p.join_at_s
+        assert 0 < p.at_s < cfg.steps * cfg.step_s
     assert draw(compose([])).preemptions == ()
 
 

@@ -9,7 +9,7 @@ Scenarios (``recipes/bench/scenario/*.yaml``) and their metric:
 * ``standalone``: ``broadcast`` (gloo, one fixed group, every rank joins each
   step's broadcast) vs ``tensorhub`` (the trainer publishes and steps on; a
   rollout pulls the newest version when its batch is done). ``total_stall_s``.
-* ``elastic``: spot rollouts are killed in waves and replaced; ``p2p`` (every
+* ``elastic``: spot rollouts are preempted in waves and replaced; ``p2p`` (every
   rollout READs the whole version from the trainer over NIXL, no server) vs
   ``tensorhub``. ``update_s`` of the joining rollouts.
 * ``crossdc``: two zones joined by one slow link, the trainer in one, the
@@ -31,7 +31,7 @@ Output, in ``out`` (default ``bench-results/rl``): ``rl-<scenario>.json``,
         "steps_s",                        # seconds from the start until the trainer's last step ended
         "batches", "mean_staleness",      # rollout batches in that time; versions behind the newest, mean
         "bytes_received", "bytes_from_trainer", "bytes_from_rollouts",  # null where unknown (gloo)
-        "retries",                        # pulls retried: the version was let go mid-pull
+        "retries", "failed_pulls",        # pulls retried (the version was let go mid-pull...) and why
         "trainer_egress_bytes", "zone_link_bytes",   # the links' counters (null: hosts=local / one zone)
         "timeline": {"trainer" | "r0" | "r0#1" ...: [[seconds, version], ...]},
         "params": {...}}]}                # every setting that shapes the run

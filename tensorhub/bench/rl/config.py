@@ -29,6 +29,8 @@ class RLBenchConfig:
     gen_sigma: float = 0.8
     seed: int = 1
     chunk_size: int = 4 << 20
+    chunk_timeout_s: float = 10.0  # a READ making no progress this long counts as a lost source
+    lease_ttl_s: float = 10.0  # the server's read leases (also bound each READ's deadline)
     hosts: str = "netns"
     retain: int = 1
     spot: int = 0

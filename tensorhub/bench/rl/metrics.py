@@ -83,6 +83,7 @@ def summarize(scenario: str, method: str, events: list[dict], params: dict, carr
         "update_s_running": round(_median(updates), 3),
         "joins": len(joins),
         "retries": sum(e.get("retries", 0) for e in stalls),
+        "failed_pulls": [f for e in stalls for f in e.get("failures", [])],
         "stall_per_step_s": [round(x, 3) for x in total],
         "rollout_stall_per_step_s": [round(x, 3) for x in rollout],
         "join_update_s": [round(x, 3) for x in joins],

@@ -86,6 +86,15 @@ def reporting(events: Any, who: str):
         raise
 
 
-def generate(gen_s: float, stop: Any) -> bool:
-    """Generate one batch (the GPU work, slept); False when the run ends meanwhile."""
-    return not stop.wait(gen_s)
+def generate(gen_s: float, stop: Any, preempt: Any = None) -> bool:
+    """Generate one batch (the GPU work, slept); False when the run ends meanwhile.
+    A preempted rollout dies here, abruptly (no goodbye to anyone), as a reclaimed
+    spot node does once its notice runs out: never mid-transfer, where a killed
+    raw NIXL reader took its source down with it (a segfault in UCX over TCP)."""
+    end = time.monotonic() + gen_s
+    while (left := end - time.monotonic()) > 0:
+        if stop.wait(min(left, 0.05)):
+            return False
+        if preempt is not None and preempt.is_set():
+            os._exit(137)
+    return not stop.is_set()

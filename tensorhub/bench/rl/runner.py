@@ -22,7 +22,11 @@ from tensorhub.bench.rl.live import Tracker
 from tensorhub.bench.rl.places import places
 from tensorhub.bench.rl.schedule import MAX_BATCHES, Schedule, draw
 
-RUN_TIMEOUT_S = 1800.0  # a whole method's run: generous, but a run never hangs
+
+def _run_timeout(cfg: RLBenchConfig) -> float:
+    """A whole method's run: generous (stragglers, a slow link), but a run never hangs."""
+    return 300.0 + cfg.steps * (cfg.step_s + 10 * cfg.gen_median_s + 60.0)
+
 
 
 class RunFailed(RuntimeError):
@@ -39,6 +43,7 @@ class _Run:
         self.procs: dict[str, Any] = {}
         self.conns: dict[Any, str] = {}
         self.killed: set[str] = set()
+        self.preempts: dict[str, Any] = {}  # rollout -> its preemption notice (an Event)
         self.events: list[dict] = []
         self.seen: dict[str, set[str]] = {}
 
@@ -49,10 +54,18 @@ class _Run:
         writer.close()
         self.procs[who], self.conns[reader] = p, who
 
-    def kill(self, who: str) -> None:
+    def notice(self) -> Any:
+        return self.ctx.Event()
+
+    def preempt(self, who: str) -> None:
+        """Give notice; the rollout dies at its next batch (not mid-transfer), abruptly."""
         self.killed.add(who)
-        self.procs[who].kill()
-        self.procs[who].join(timeout=10)
+        self.preempts[who].set()
+        deadline = time.monotonic() + proc.WAIT_TIMEOUT_S
+        while self.procs[who].is_alive():
+            if time.monotonic() > deadline:
+                raise RunFailed(f"{self.method}: {who} did not go within {proc.WAIT_TIMEOUT_S:.0f} s of its notice")
+            self.pump(0.05)
         self.tracker.gone(who, "preempted")
 
     def pump(self, timeout: float) -> None:
@@ -77,7 +90,8 @@ class _Run:
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise RunFailed(f"{self.method}: {what} did not happen within {timeout:.0f} s")
+                states = ", ".join(f"{w}: {p.doing} (v{p.version})" for w, p in sorted(self.tracker.procs.items()))
+                raise RunFailed(f"{self.method}: {what} did not happen within {timeout:.0f} s; {states}")
             self.pump(0.1)
             if tick is not None:
                 tick()
@@ -123,16 +137,18 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
     trainer_place = where["trainer"]
     with contextlib.ExitStack() as stack:
         gate = None
-        if method == "tensorhub":  # short TTLs: a preempted rollout's agent and leases go soon
+        if method == "tensorhub":
             server = stack.enter_context(ServerProcess(host=where["server"].addr, netns=where["server"].netns,
-                                                       retain=cfg.retain, agent_ttl_s=3.0, lease_ttl_s=3.0))
+                                                       retain=cfg.retain, lease_ttl_s=cfg.lease_ttl_s))
         stack.callback(run.close)  # before the server stops: the processes close their hubs
         if method == "tensorhub":
             run.start("trainer", via_tensorhub.trainer, trainer_place, server.address, cfg, run.go, run.stop)
 
             def rollout(slot: int, who: str, join_at: float | None, incarnation: int) -> None:
+                run.preempts[who] = run.notice()
                 run.start(who, via_tensorhub.rollout, where[slots[slot]], server.address, cfg,
-                          _gens(schedule, slot, incarnation), slot < cfg.spot, join_at, run.go, run.stop)
+                          _gens(schedule, slot, incarnation), slot < cfg.spot, join_at, run.go, run.stop,
+                          run.preempts[who])
         elif method == "broadcast":
             world, port = cfg.rollouts + 1, free_port()
             run.start("trainer", via_broadcast.trainer, trainer_place, cfg, world, trainer_place.addr, port,
@@ -148,8 +164,9 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
             ready = next(e for e in run.events if e["who"] == "trainer" and e["kind"] == "ready")
 
             def rollout(slot: int, who: str, join_at: float | None, incarnation: int) -> None:
+                run.preempts[who] = run.notice()
                 run.start(who, via_p2p.rollout, where[slots[slot]], cfg, _gens(schedule, slot, incarnation), slot,
-                          gate, ready["metadata"], ready["addr"], join_at, run.go, run.stop)
+                          gate, ready["metadata"], ready["addr"], join_at, run.go, run.stop, run.preempts[who])
 
         for i, who in enumerate(slots):
             rollout(i, who, None, 0)
@@ -169,19 +186,19 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
             while pending and time.monotonic() >= started + pending[0].at_s:
                 wave = pending.pop(0)
                 for slot in wave.slots:
-                    run.kill(current[slot])
-                    if gate is not None:
-                        gate.leave(slot)  # it may have died reading
+                    run.preempt(current[slot])
+                join_at = time.monotonic() + cfg.replace_after_s  # the replacements' boot
+                for slot in wave.slots:
                     incarnation = sum(1 for w in run.procs if w.split("#")[0] == slots[slot])
                     current[slot] = who = f"{slots[slot]}#{incarnation}"
                     joiners.append(who)
-                    rollout(slot, who, started + wave.join_at_s, incarnation)
+                    rollout(slot, who, join_at, incarnation)
 
         def finished() -> bool:
             joined = all(run.has(w, "hold") for w in joiners)
             return run.has("trainer", "done") and not pending and joined
 
-        run.until(finished, RUN_TIMEOUT_S, "the run's end", tick=preempt)
+        run.until(finished, _run_timeout(cfg), "the run's end", tick=preempt)
         carried = {k: v - before[k] for k, v in _counters(hosts).items()}
         run.stop.set()
         alive = [w for w in run.procs if w not in run.killed]

@@ -13,8 +13,7 @@ MAX_BATCHES = 512  # generation draws per rollout slot; a run uses a few dozen
 @dataclass(frozen=True, slots=True)
 class Preemption:
     at_s: float  # seconds after the trainer's first step starts
-    slots: tuple[int, ...]  # rollout slots killed together
-    join_at_s: float  # when their replacements start loading the newest version
+    slots: tuple[int, ...]  # rollout slots killed together; replacements join replace_after_s later
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,24 +31,22 @@ def generation_times(slots: int, median_s: float, sigma: float, seed: int) -> tu
                  for _ in range(slots))
 
 
-def preemptions(*, spot: int, wave: int, waves: int, horizon_s: float, replace_after_s: float,
-                seed: int) -> tuple[Preemption, ...]:
+def preemptions(*, spot: int, wave: int, waves: int, horizon_s: float, seed: int) -> tuple[Preemption, ...]:
     """``waves`` preemptions of ``wave`` spot slots (0..spot-1) each, at random
-    times spread over the run's first ``horizon_s`` seconds, one per segment so
-    that a wave's replacements have joined before the next wave."""
+    times spread over the run's first ``horizon_s`` seconds, one per segment."""
     rng = random.Random(seed * 7919 + 1)
     out = []
     segment = horizon_s / max(waves, 1)
     for i in range(waves):
         at = segment * i + rng.uniform(0.1, 0.5) * segment
         slots = tuple(sorted(rng.sample(range(spot), wave)))
-        out.append(Preemption(at_s=round(at, 3), slots=slots, join_at_s=round(at + replace_after_s, 3)))
+        out.append(Preemption(at_s=round(at, 3), slots=slots))
     return tuple(out)
 
 
 def draw(cfg) -> Schedule:  # cfg: RLBenchConfig
     horizon = cfg.steps * max(cfg.step_s, cfg.gen_median_s) * 0.8
     preempt = preemptions(spot=cfg.spot, wave=cfg.wave, waves=cfg.waves, horizon_s=horizon,
-                          replace_after_s=cfg.replace_after_s, seed=cfg.seed) if cfg.scenario == "elastic" else ()
+                          seed=cfg.seed) if cfg.scenario == "elastic" else ()
     return Schedule(gen_s=generation_times(cfg.rollouts, cfg.gen_median_s, cfg.gen_sigma, cfg.seed),
                     preemptions=preempt)

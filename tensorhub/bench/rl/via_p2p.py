@@ -3,7 +3,7 @@ rollout, whether it updates or joins, READs the whole version out of the
 trainer's registered buffer (the trainer's agent metadata is handed out once).
 
 Without a server someone must keep the trainer from overwriting bytes being
-read: here shared counters (``gate``): the trainer closes the gate, waits until
+read: here shared counters (``Gate``): the trainer closes the gate, waits until
 no READ is in flight, writes the new version and reopens it; a rollout waits
 for an open gate, marks itself reading, READs, unmarks. That is what direct
 trainer-to-rollout paths do (the trainer waits for every reader).
@@ -21,45 +21,54 @@ CLOSED = -1
 
 
 class Gate:
-    """The trainer's version and who is reading it, in shared memory."""
+    """The trainer's version and who is reading it, in shared memory. Waits poll
+    (a few ms) rather than use a Condition: a rollout killed while waiting on a
+    Condition would leave its notify count unmatched and hang the trainer."""
+
+    POLL_S = 0.002
 
     def __init__(self, ctx: Any, slots: int) -> None:
-        self.cond = ctx.Condition()
+        self.lock = ctx.Lock()
         self.version = ctx.Value("i", 0, lock=False)
         self.reading = ctx.Array("i", slots, lock=False)
 
     @contextlib.contextmanager
     def _locked(self):
-        # A rollout killed while holding the lock would otherwise hang everyone.
-        if not self.cond.acquire(timeout=proc.WAIT_TIMEOUT_S):
+        # Held for a few instructions only; the timeout turns a holder killed there into an error.
+        if not self.lock.acquire(timeout=proc.WAIT_TIMEOUT_S):
             raise TimeoutError(f"the p2p gate stayed locked for {proc.WAIT_TIMEOUT_S} s")
         try:
             yield
         finally:
-            self.cond.release()
+            self.lock.release()
 
     def close_and_drain(self, timeout: float) -> None:
         with self._locked():
             self.version.value = CLOSED
-            if not self.cond.wait_for(lambda: not any(self.reading), timeout):
+        deadline = time.monotonic() + timeout
+        while any(self.reading):
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"readers {[i for i, r in enumerate(self.reading) if r]} still read after {timeout} s")
+            time.sleep(self.POLL_S)
 
     def open(self, version: int) -> None:
         with self._locked():
             self.version.value = version
-            self.cond.notify_all()
 
     def enter(self, slot: int, timeout: float) -> int:
-        with self._locked():
-            if not self.cond.wait_for(lambda: self.version.value != CLOSED, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._locked():
+                if self.version.value != CLOSED:
+                    self.reading[slot] = 1
+                    return self.version.value
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"the trainer's buffer stayed closed for {timeout} s")
-            self.reading[slot] = 1
-            return self.version.value
+            time.sleep(self.POLL_S)
 
     def leave(self, slot: int) -> None:
         with self._locked():
             self.reading[slot] = 0
-            self.cond.notify_all()
 
     def latest(self) -> int:
         return self.version.value
@@ -111,7 +120,7 @@ def _read_all(agent: Any, buf: Any, remote: str, addr: int, chunk: int) -> None:
 
 
 def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], slot: int, gate: Gate,
-            metadata: bytes, addr: int, join_at: float | None, go: Any, stop: Any) -> None:
+            metadata: bytes, addr: int, join_at: float | None, go: Any, stop: Any, preempt: Any) -> None:
     proc.enter(place)
     from tensorhub.transport.nixl import new_agent
 
@@ -147,7 +156,7 @@ def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], slo
             held = update("join")
         for gen in gen_s:
             t0 = time.monotonic()
-            if not proc.generate(gen, stop):
+            if not proc.generate(gen, stop, preempt):
                 break
             report("generate", t0, time.monotonic(), version=held)
             if gate.latest() > held:

@@ -51,7 +51,7 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
 
 
 def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: list[float], spot: bool,
-            join_at: float | None, go: Any, stop: Any) -> None:
+            join_at: float | None, go: Any, stop: Any, preempt: Any) -> None:
     """``join_at``: None for a rollout of the start (it holds version 0 before the
     run starts), else the instant a replacement starts loading the newest version."""
     proc.enter(place)
@@ -62,7 +62,7 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
         buf = proc.weights(cfg.size)
         into = {"w": buf}
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
-                         reliability="spot" if spot else "reliable") as hub:
+                         chunk_timeout_s=cfg.chunk_timeout_s, reliability="spot" if spot else "reliable") as hub:
             served = None
 
             def update(version: int | str, what: str) -> int:
@@ -72,13 +72,17 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
                 if served is not None:
                     served.unpublish(timeout=proc.WAIT_TIMEOUT_S)  # nobody reads it while it is overwritten
                     served = None
+                failures = []
                 for retry in range(RETRIES + 1):
                     try:
                         result = hub.pull(proc.MODEL, version, into=into, serve=True)
                         break
-                    except (SourceLost, VersionNotFound):
-                        # The version was superseded mid-pull and its last holder let it go
-                        # (retention keeps the latest only): as a real rollout would, take the newest.
+                    except (SourceLost, VersionNotFound, KeyError) as e:
+                        # SourceLost / VersionNotFound: the version was superseded mid-pull and its last
+                        # holder let it go (retention keeps the latest only): as a real rollout would,
+                        # take the newest. KeyError: a puller bug seen under relay (a replica's lease
+                        # entry gone mid-round), reported, and listed in the row's failed_pulls.
+                        failures.append(f"{type(e).__name__}: {e}"[:300])
                         if retry == RETRIES:
                             raise
                         version = "latest"
@@ -86,7 +90,7 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
                 served = result.publication
                 report.check(buf, result.version)
                 report("stall", t0, t1, version=result.version, what=what, bytes=result.nbytes,
-                       sources=result.bytes_by_source, retries=retry)
+                       sources=result.bytes_by_source, retries=retry, failures=failures)
                 report("hold", t1, t1, version=result.version)
                 return result.version
 
@@ -102,7 +106,7 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
                 held = update("latest", "join")
             for gen in gen_s:
                 t0 = time.monotonic()
-                if not proc.generate(gen, stop):
+                if not proc.generate(gen, stop, preempt):
                     break
                 report("generate", t0, time.monotonic(), version=held)
                 if hub.latest(proc.MODEL) > held:
