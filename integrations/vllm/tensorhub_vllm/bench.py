@@ -1,23 +1,30 @@
-"""``tensorhub bench vllm``: how long a weight update of a running vLLM engine
-takes through TensorHub, split into pull (all bytes into the staging buffer,
-checked) and apply (vLLM's layer-wise reload), beside vLLM reloading the same
-weights from a local safetensors file (``reload_weights(weights_path=...)``, the
-page cache warm after the first repetition).
+"""``tensorhub bench vllm --tp N``: a weight update of a running vLLM engine
+through TensorHub, per worker (bytes pulled against the checkpoint, seconds
+pulling, seconds applying), beside vLLM reloading the same weights from a local
+safetensors file (``reload_weights(weights_path=...)``, page cache warm after
+the first repetition) in the same run.
 
-One process: a reference server, a trainer Hub publishing a random Qwen2-style
-checkpoint, and an in-process engine (CPU or GPU, whatever vLLM runs on).
-Methods alternate within each repetition so machine noise hits both alike.
+One process drives it: a reference server, a trainer Hub publishing a random
+Qwen2-style checkpoint, and an engine (its core in this process, its TP workers
+in their own). Methods alternate within each repetition so machine noise hits
+both alike; the first repetition is a warm-up. JSON rows:
+
+    {"method": "tensorhub", "rank", "pulled_bytes", "checkpoint_bytes", "pull_seconds", "apply_seconds", "seconds"}
+    {"method": "tensorhub-update", "seconds"}     the whole update as the driver sees it (all workers)
+    {"method": "disk-reload", "seconds"}          vLLM's own reload from the local file (all workers)
+
+Every ``seconds`` is a median over repetitions; ``samples`` lists them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from tensorhub.bench.report import Row, print_table, write_json
 
 MODEL = "bench/vllm"
 
@@ -28,6 +35,7 @@ class VllmBenchConfig:
     layers: int = 4
     vocab: int = 16384
     reps: int = 3
+    tp: int = 1
 
 
 def _build_model(path: Path, cfg: VllmBenchConfig) -> None:
@@ -37,14 +45,24 @@ def _build_model(path: Path, cfg: VllmBenchConfig) -> None:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 11 // 4,
                          num_hidden_layers=cfg.layers, num_attention_heads=max(1, cfg.hidden // 64),
-                         num_key_value_heads=max(1, cfg.hidden // 512), max_position_embeddings=512,
+                         num_key_value_heads=max(cfg.tp, cfg.hidden // 512), max_position_embeddings=512,
                          tie_word_embeddings=False, torch_dtype="bfloat16")
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
-def run(cfg: VllmBenchConfig, json_path: str | None = None) -> int:
+def _env(cfg: VllmBenchConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's worker in this process
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    cores = sorted(os.sched_getaffinity(0))
+    if cfg.tp > 1 and len(cores) >= cfg.tp:
+        # vLLM's automatic CPU binding wants a NUMA node per worker; one core each instead
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cores[:cfg.tp]))
+
+
+def measure(cfg: VllmBenchConfig) -> list[dict]:
+    """The rows (see the module docstring)."""
+    _env(cfg)
     from safetensors.torch import load_file
     from vllm import LLM
 
@@ -57,32 +75,64 @@ def run(cfg: VllmBenchConfig, json_path: str | None = None) -> int:
         state = {}
         for f in sorted(model_dir.glob("*.safetensors")):
             state.update(load_file(str(f)))
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
-                  enforce_eager=True, worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
+                  enforce_eager=True, tensor_parallel_size=cfg.tp,
+                  worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
+        # serve: true (the default): staging allocated and registered once, kept between updates
         llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL},))
-        samples: dict[str, list[float]] = {"tensorhub update": [], "tensorhub pull": [], "tensorhub apply": [],
-                                           "vllm reload from safetensors": []}
+        workers: list[list[dict]] = [[] for _ in range(cfg.tp)]
+        updates: list[float] = []
+        disk: list[float] = []
         with Hub.connect(server.address, name="bench-trainer") as trainer:
             for rep in range(cfg.reps + 1):  # the first is warm-up
                 pub = trainer.publish(MODEL, rep, state)
                 start = time.perf_counter()
                 llm.collective_rpc("tensorhub_update", args=(rep,))
                 total = time.perf_counter() - start
-                (stats,) = llm.collective_rpc("tensorhub_stats")
+                stats = llm.collective_rpc("tensorhub_stats")
                 pub.unpublish()
                 start = time.perf_counter()
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir),
                                                              "is_checkpoint_format": True})
-                disk = time.perf_counter() - start
                 if rep:
-                    for key, value in (("tensorhub update", total), ("tensorhub pull", stats["pull_s"]),
-                                       ("tensorhub apply", stats["apply_s"]), ("vllm reload from safetensors", disk)):
-                        samples[key].append(value)
+                    disk.append(time.perf_counter() - start)
+                    updates.append(total)
+                    for rank, s in enumerate(stats):
+                        workers[rank].append(s)
         llm.collective_rpc("tensorhub_close")
-    rows = [Row.of(method, 1, nbytes, values) for method, values in samples.items()]
-    print_table(f"vLLM weight update, {nbytes / 2**20:.0f} MiB checkpoint", rows,
-                {"tensorhub update": "vllm reload from safetensors"})
+    rows = []
+    for rank, samples in enumerate(workers):
+        seconds = [s["pull_s"] + s["apply_s"] for s in samples]
+        rows.append({"method": "tensorhub", "rank": rank, "pulled_bytes": samples[-1]["nbytes"],
+                     "checkpoint_bytes": samples[-1]["checkpoint_nbytes"],
+                     "pull_seconds": statistics.median(s["pull_s"] for s in samples),
+                     "apply_seconds": statistics.median(s["apply_s"] for s in samples),
+                     "seconds": statistics.median(seconds), "samples": seconds})
+    rows.append({"method": "tensorhub-update", "seconds": statistics.median(updates), "samples": updates})
+    rows.append({"method": "disk-reload", "seconds": statistics.median(disk), "samples": disk})
+    return rows
+
+
+def _print(rows: list[dict], cfg: VllmBenchConfig) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    disk = next(r["seconds"] for r in rows if r["method"] == "disk-reload")
+    ckpt = next(r["checkpoint_bytes"] for r in rows if r["method"] == "tensorhub")
+    table = Table(title=f"vLLM weight update, TP={cfg.tp}, {ckpt / 2**20:.0f} MiB checkpoint (median of {cfg.reps})")
+    for col in ("method", "rank", "pulled / checkpoint", "pull s", "apply s", "seconds", "vs disk-reload"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in rows:
+        share = f"{r['pulled_bytes'] / r['checkpoint_bytes']:.2f}" if "pulled_bytes" in r else ""
+        table.add_row(r["method"], str(r.get("rank", "")), share, f"{r['pull_seconds']:.3f}" if share else "",
+                      f"{r['apply_seconds']:.3f}" if share else "", f"{r['seconds']:.3f}",
+                      f"{r['seconds'] / disk:.2f}x")
+    Console().print(table)
+
+
+def run(cfg: VllmBenchConfig, json_path: str | None = None) -> int:
+    rows = measure(cfg)
+    _print(rows, cfg)
     if json_path:
-        write_json(json_path, rows, bench="vllm", config=asdict(cfg))
+        Path(json_path).write_text(json.dumps({"results": rows, "bench": "vllm", "config": asdict(cfg)}, indent=2) + "\n")
     return 0

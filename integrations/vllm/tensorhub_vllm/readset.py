@@ -23,9 +23,9 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Self
 
 import torch
+from typing_extensions import Self  # typing.Self needs Python 3.11
 
 from tensorhub import Shard
 from tensorhub.regions import Bounds
