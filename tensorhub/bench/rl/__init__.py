@@ -33,7 +33,7 @@ Output, in ``out`` (default ``bench-results/rl``): ``rl-<scenario>.json``,
         "bytes_received", "bytes_from_trainer", "bytes_from_rollouts",  # null where unknown (gloo)
         "retries", "failed_pulls",        # pulls retried (the version was let go mid-pull...) and why
         "trainer_egress_bytes", "zone_link_bytes",   # the links' counters (null: hosts=local / one zone)
-        "timeline": {"trainer" | "r0" | "r0#1" ...: [[seconds, version], ...]},
+        "timeline": {"trainer" | "r0" | "r0#1" ...: [[seconds, version], ...]},  # version -1: preempted
         "params": {...}}]}                # every setting that shapes the run
 
 A stall is time a process neither computes (trainer) nor generates (rollout):

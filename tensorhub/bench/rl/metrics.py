@@ -46,9 +46,13 @@ def stall_per_step(events: list[dict], windows: list[tuple[float, float]], *, ro
 
 
 def timeline(events: list[dict], t0: float) -> dict[str, list[tuple[float, int]]]:
-    """Per process, (seconds since t0, version) whenever it starts holding one."""
+    """Per process, (seconds since t0, version) whenever it starts holding one;
+    version -1 when it was preempted (holds nothing from then on)."""
     out: dict[str, list[tuple[float, int]]] = defaultdict(list)
     for e in sorted(events, key=lambda e: e["end"]):
+        if e["kind"] == "preempted":
+            out[e["who"]].append((max(0.0, round(e["end"] - t0, 3)), -1))
+            continue
         if e["kind"] in ("hold", "publish") or (e["kind"] == "ready" and e.get("version") is not None):
             at = max(0.0, round(e["end"] - t0, 3))
             if not out[e["who"]] or out[e["who"]][-1][1] != e["version"]:

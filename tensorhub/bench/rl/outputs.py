@@ -85,7 +85,7 @@ def plot(cfg: RLBenchConfig, rows: list[dict], path: Path) -> None:
             marks = timeline[name]
             for (t, version), nxt in zip(marks, [*marks[1:], (end, None)]):
                 t = max(t, 0.0)
-                if nxt[0] > t:
+                if nxt[0] > t and version >= 0:  # -1: preempted, holds nothing
                     ax.broken_barh([(t, nxt[0] - t)], (y - 0.4, 0.8), color=cmap(version % (cfg.steps + 1)))
                     ax.text(t + 0.05, y, str(version), va="center", fontsize=7, color="white")
         ax.set_yticks(range(len(names)), names, fontsize=7)

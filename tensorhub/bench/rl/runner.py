@@ -66,6 +66,8 @@ class _Run:
             if time.monotonic() > deadline:
                 raise RunFailed(f"{self.method}: {who} did not go within {proc.WAIT_TIMEOUT_S:.0f} s of its notice")
             self.pump(0.05)
+        now = time.monotonic()
+        self.events.append({"who": who, "kind": "preempted", "start": now, "end": now})
         self.tracker.gone(who, "preempted")
 
     def pump(self, timeout: float) -> None:
