@@ -90,7 +90,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("tensorhub demo: --versions, --readers and --trainer-ranks must each be at least 1", file=sys.stderr)
         return 2
     return demo.run(size=parse_size(args.size), versions=args.versions, readers=args.readers,
-                    trainer_ranks=args.trainer_ranks)
+                    trainer_ranks=args.trainer_ranks, rl=not args.no_rl)
 
 
 def _readers(text: str) -> list[int]:
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="trainer rank processes, each publishing only its rows (default 2)")
     demo.add_argument("--readers", type=int, default=2,
                       help="rollout processes; even ones pull whole tensors, odd ones a TP=2 slice (default 2)")
+    demo.add_argument("--no-rl", action="store_true",
+                      help="skip the RL loop at the end (broadcast vs TensorHub, as `tensorhub bench rl`)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks against baselines run in the same process tree")

@@ -25,6 +25,11 @@ in each step, because then the table shows the whole unit: the slice's rows come
 from one trainer rank and its columns from both, and the whole-tensor rollout
 after it reads that slice from the rollout and only the rest from the ranks.
 Live progress per rollout; a table of every pull and its sources at the end.
+
+Then the RL loop (``tensorhub bench rl``'s standalone scenario, small and on
+this host, so no root is needed): a trainer stepping and 4 rollouts with
+straggling batches, first in a gloo broadcast group, then through TensorHub,
+live; it ends with the stall comparison and the path of the plot.
 """
 
 from __future__ import annotations
@@ -263,7 +268,19 @@ def _table(rows: list[tuple]) -> Table:
     return table
 
 
-def run(*, size: int = 256 << 20, versions: int = 4, readers: int = 2, trainer_ranks: int = 2) -> int:
+def rl_loop(console: Console, size: int, out: str = "bench-results/rl-demo") -> None:
+    """The standalone RL scenario on this host (no root): well under a minute here."""
+    from tensorhub.bench.rl.config import RLBenchConfig
+    from tensorhub.bench.rl.runner import run as run_rl
+
+    cfg = RLBenchConfig(scenario="standalone", hosts="local", rollouts=4, size=max(size, 1 << 20), steps=3,
+                        step_s=1.0, gen_median_s=1.0, out=out)
+    console.rule("[bold]The RL loop[/]: 1 trainer, 4 rollouts with stragglers, broadcast vs TensorHub")
+    run_rl(cfg, live=True, console=console)
+
+
+def run(*, size: int = 256 << 20, versions: int = 4, readers: int = 2, trainer_ranks: int = 2,
+        rl: bool = True) -> int:
     if min(versions, readers, trainer_ranks) < 1:
         raise ValueError("versions, readers and trainer ranks must each be at least 1")
     console = Console()
@@ -294,4 +311,6 @@ def run(*, size: int = 256 << 20, versions: int = 4, readers: int = 2, trainer_r
         console.print(f"[red]wrong bytes in {', '.join(f'{n} v{v}' for v, n in bad)}[/]")
         return 1
     console.print(f"all {versions} versions verified: every byte of {len(rows)} pulls matched")
+    if rl:
+        rl_loop(console, size)
     return 0

@@ -110,8 +110,9 @@ def write_all(cfg: RLBenchConfig, rows: list[dict]) -> dict[str, Path]:
 
 
 def print_summary(console: Console, cfg: RLBenchConfig, rows: list[dict], paths: dict[str, Path]) -> None:
-    console.print(f"[bold]{cfg.scenario}[/]: {cfg.rollouts} rollouts, {cfg.size / 2**20:,.0f} MiB versions, links "
-                  f"{cfg.link}" + (f", {cfg.zone_link} between zones" if cfg.scenario == "crossdc" else "")
+    links = f"links {cfg.link}" if cfg.hosts == "netns" else "one host, no link caps"
+    console.print(f"[bold]{cfg.scenario}[/]: {cfg.rollouts} rollouts, {cfg.size / 2**20:,.0f} MiB versions, {links}"
+                  + (f", {cfg.zone_link} between zones" if cfg.scenario == "crossdc" else "")
                   + f"; {cfg.metric} = {MEANING[cfg.metric]}")
     console.print(markdown(cfg, rows), markup=False, highlight=False, soft_wrap=True)
     ratio = metrics.ratio(rows, cfg.metric, baseline(cfg))

@@ -86,6 +86,45 @@ def reporting(events: Any, who: str):
         raise
 
 
+def trainer_steps(report: Reporter, cfg: Any, go: Any):
+    """The trainer's loop, the same for every method: wait for the run's start,
+    then for each step compute (``step_s``, slept) and yield the new version and
+    when its compute ended; the caller makes it available and reports its stall."""
+    if not go.wait(WAIT_TIMEOUT_S):
+        raise TimeoutError("the run did not start")
+    for version in range(1, cfg.steps + 1):
+        t0 = time.monotonic()
+        time.sleep(cfg.step_s)
+        t1 = time.monotonic()
+        report("compute", t0, t1, version=version)
+        yield version, t1
+
+
+def rollout_steps(report: Reporter, update: Any, newest: Any, *, join_at: float | None, gen_s: list[float],
+                  go: Any, stop: Any, preempt: Any) -> None:
+    """A pulling rollout's loop (p2p, tensorhub): hold version 0 before the run
+    starts (or, joining at ``join_at``, the newest); then generate batches and
+    after each move to the newest version if there is a newer one.
+    ``update(what) -> version`` loads weights; ``newest() -> version`` asks."""
+    if join_at is None:
+        held = update("initial")
+        report("ready", version=held)
+        if not go.wait(WAIT_TIMEOUT_S):
+            raise TimeoutError("the run did not start")
+    else:
+        report("ready")
+        time.sleep(max(0.0, join_at - time.monotonic()))
+        held = update("join")
+    for gen in gen_s:
+        t0 = time.monotonic()
+        if not generate(gen, stop, preempt):
+            break
+        report("generate", t0, time.monotonic(), version=held)
+        if newest() > held:
+            held = update("update")
+    report("done")
+
+
 def generate(gen_s: float, stop: Any, preempt: Any = None) -> bool:
     """Generate one batch (the GPU work, slept); False when the run ends meanwhile.
     A preempted rollout dies here, abruptly (no goodbye to anyone), as a reclaimed

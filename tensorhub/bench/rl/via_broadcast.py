@@ -37,13 +37,7 @@ def trainer(events: Any, who: str, place: Any, cfg: Any, world: int, master: str
         proc.write_version(buf, 0)
         dist.broadcast(buf, src=0)  # version 0: everyone starts from it
         report("ready", version=0)
-        if not go.wait(proc.WAIT_TIMEOUT_S):
-            raise TimeoutError("the run did not start")
-        for version in range(1, cfg.steps + 1):
-            t0 = time.monotonic()
-            time.sleep(cfg.step_s)
-            t1 = time.monotonic()
-            report("compute", t0, t1, version=version)
+        for version, t1 in proc.trainer_steps(report, cfg, go):
             proc.write_version(buf, version)
             t2 = time.monotonic()
             report("begin", what="broadcast")

@@ -84,13 +84,7 @@ def trainer(events: Any, who: str, place: Any, cfg: Any, gate: Gate, go: Any, st
         agent = new_agent(f"p2p-{who}")
         agent.register_memory(buf)
         report("ready", version=0, metadata=agent.get_agent_metadata(), addr=buf.data_ptr())
-        if not go.wait(proc.WAIT_TIMEOUT_S):
-            raise TimeoutError("the run did not start")
-        for version in range(1, cfg.steps + 1):
-            t0 = time.monotonic()
-            time.sleep(cfg.step_s)
-            t1 = time.monotonic()
-            report("compute", t0, t1, version=version)
+        for version, t1 in proc.trainer_steps(report, cfg, go):
             gate.close_and_drain(proc.WAIT_TIMEOUT_S)
             proc.write_version(buf, version)
             gate.open(version)
@@ -145,20 +139,5 @@ def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], slo
             report("hold", t1, t1, version=version)
             return version
 
-        if join_at is None:
-            held = update("initial")
-            report("ready", version=held)
-            if not go.wait(proc.WAIT_TIMEOUT_S):
-                raise TimeoutError("the run did not start")
-        else:
-            report("ready")
-            time.sleep(max(0.0, join_at - time.monotonic()))
-            held = update("join")
-        for gen in gen_s:
-            t0 = time.monotonic()
-            if not proc.generate(gen, stop, preempt):
-                break
-            report("generate", t0, time.monotonic(), version=held)
-            if gate.latest() > held:
-                held = update("update")
-        report("done")
+        proc.rollout_steps(report, update, gate.latest, join_at=join_at, gen_s=gen_s, go=go, stop=stop,
+                           preempt=preempt)

@@ -29,13 +29,7 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size) as hub:
             pub = hub.publish(proc.MODEL, 0, {"w": buf})
             report("ready", version=0)
-            if not go.wait(proc.WAIT_TIMEOUT_S):
-                raise TimeoutError("the run did not start")
-            for version in range(1, cfg.steps + 1):
-                t0 = time.monotonic()
-                time.sleep(cfg.step_s)
-                t1 = time.monotonic()
-                report("compute", t0, t1, version=version)
+            for version, t1 in proc.trainer_steps(report, cfg, go):
                 pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)  # the readers of the old version are done
                 t2 = time.monotonic()
                 proc.write_version(buf, version)
@@ -96,21 +90,8 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
 
             if join_at is None:
                 hub.wait_for_version(proc.MODEL, 0, timeout=proc.WAIT_TIMEOUT_S)  # the trainer may start later
-                held = update(0, "initial")
-                report("ready", version=held)
-                if not go.wait(proc.WAIT_TIMEOUT_S):
-                    raise TimeoutError("the run did not start")
-            else:
-                report("ready")
-                time.sleep(max(0.0, join_at - time.monotonic()))
-                held = update("latest", "join")
-            for gen in gen_s:
-                t0 = time.monotonic()
-                if not proc.generate(gen, stop, preempt):
-                    break
-                report("generate", t0, time.monotonic(), version=held)
-                if hub.latest(proc.MODEL) > held:
-                    held = update("latest", "update")
-            report("done")
+            proc.rollout_steps(report, lambda what: update(0 if what == "initial" else "latest", what),
+                               lambda: hub.latest(proc.MODEL), join_at=join_at, gen_s=gen_s, go=go, stop=stop,
+                               preempt=preempt)
             if served is not None:
                 served.unpublish(timeout=proc.WAIT_TIMEOUT_S)
