@@ -1,4 +1,6 @@
-"""`tensorhub bench vllm` runs end to end on a small model and writes its JSON."""
+"""`tensorhub bench vllm --tp N` runs end to end on a small model and writes its JSON:
+one row per worker (bytes pulled against the checkpoint, pull and apply seconds)
+and vLLM's own reload from the local file, measured in the same run."""
 
 from __future__ import annotations
 
@@ -10,10 +12,16 @@ import sys
 
 def test_bench_vllm_writes_json(tmp_path):
     out = tmp_path / "vllm.json"
+    tp = 2 if len(os.sched_getaffinity(0)) >= 2 else 1
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "vllm", "--hidden", "128", "--layers", "2",
-                    "--vocab", "512", "--reps", "1", "--json", str(out)], check=True, env=env, timeout=300,
-                   stdout=subprocess.DEVNULL)
-    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"tensorhub update", "tensorhub pull", "tensorhub apply", "vllm reload from safetensors"}
-    assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in rows.values())
+                    "--vocab", "512", "--reps", "1", "--tp", str(tp), "--json", str(out)], check=True, env=env,
+                   timeout=300, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["results"]
+    workers = [r for r in rows if r["method"] == "tensorhub"]
+    assert [r["rank"] for r in workers] == list(range(tp))
+    for r in workers:
+        assert r["seconds"] > 0 and r["pull_seconds"] > 0 and r["apply_seconds"] > 0
+        assert 0 < r["pulled_bytes"] <= (0.6 if tp == 2 else 1.0) * r["checkpoint_bytes"]
+    assert {r["method"] for r in rows} == {"tensorhub", "tensorhub-update", "disk-reload"}
+    assert all(r["seconds"] > 0 for r in rows)

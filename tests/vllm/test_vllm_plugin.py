@@ -97,3 +97,14 @@ def test_receiver_without_serving_checks_the_layout(hub_server, tiny_model):
                 receiver.receive(1)
         finally:
             receiver.close()
+
+
+def test_trainer_side_registers_with_vllms_trainer_factory():
+    from tensorhub_vllm.trainer import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    assert WeightTransferTrainerFactory._registry["tensorhub"]() is TensorHubTrainerWeightTransferEngine
+    info = TensorHubTrainerInitInfo(hub="127.0.0.1:1", model="m", rank=0)
+    assert (info.backend, info.is_sender, info.first_version) == ("tensorhub", True, 1)
+    with pytest.raises(ValueError, match="needs source="):
+        WeightTransferTrainerFactory.trainer_init(info, client=None, source=None)

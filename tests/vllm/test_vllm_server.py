@@ -16,11 +16,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import MODEL_KEY, PROMPT, update
 
 from tensorhub.client.rpc import ReferenceClient
+
+HERE = Path(__file__).parent
 
 
 def _free_port() -> int:
@@ -92,8 +95,39 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     s = Server(tiny_model, tmp_path_factory.mktemp("server") / "vllm-server.log")
+    s.base = s.complete(PROMPT)  # the text of the weights in its files
     yield s
     s.close()
+
+
+def test_fsdp_trainer_sends_through_vllms_trainer_api(server, hub_server, tiny_model, tmp_path):
+    """2 FSDP2 ranks (gloo) drive an update of the server through vLLM's
+    WeightTransferTrainerFactory (backend ``tensorhub``) and its HTTP client:
+    each rank publishes its local shards in place, about half of the model,
+    nothing is gathered, and the server then runs the trainer's bytes exactly
+    (the text of the same weights loaded from its files). It runs first: after
+    a failed update at TP=2, vLLM 0.32's multiprocess executor answers the next
+    collective_rpc with the other worker's stale error."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(HERE / "vllm_fsdp_trainer.py"), hub_server.address, server.url,
+                               str(tiny_model), MODEL_KEY, str(rank), "2", str(port), str(tmp_path / f"{rank}.json"),
+                               "40"], env=env) for rank in range(2)]
+    try:
+        assert [r.wait(timeout=300) for r in ranks] == [0, 0]
+    finally:
+        for r in ranks:
+            r.kill()
+    import torch
+    from tensorhub_vllm.receiver import checkpoint_layout
+
+    checkpoint = sum(t.numel() * t.element_size() for t in checkpoint_layout(tiny_model, torch.bfloat16).values())
+    for rank in range(2):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got["version"] == 40
+        assert 0.4 * checkpoint <= got["published_bytes"] <= 0.6 * checkpoint, (got, checkpoint)
+    assert server.get("/weight_info") == {"weight_version": "40"}
+    assert server.complete(PROMPT) == server.base
 
 
 def test_server_updates_from_another_engines_replica(server, engine, trainer, hub_server):

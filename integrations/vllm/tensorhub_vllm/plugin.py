@@ -1,6 +1,7 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``): registers
 the ``tensorhub`` weight-transfer backend in every vLLM process, so
-``weight_transfer_config={"backend": "tensorhub"}`` selects it."""
+``weight_transfer_config={"backend": "tensorhub"}`` selects it; and its trainer
+side with ``WeightTransferTrainerFactory``."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, "tensorhub_vllm.engine", "TensorHubWeightTransferEngine")
     except ValueError:  # "already registered": the factory has no public lookup, and raises on a second call
         log.debug("weight-transfer backend %r was already registered", BACKEND)
+    register_trainer()
+
+
+def register_trainer() -> None:
+    """The trainer side (``WeightTransferTrainerFactory``), idempotent. Trainer
+    processes load no vLLM plugins: importing ``tensorhub_vllm.trainer`` calls this."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    try:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "tensorhub_vllm.trainer",
+                                                     "TensorHubTrainerWeightTransferEngine")
+    except ValueError:
+        log.debug("trainer weight-transfer backend %r was already registered", BACKEND)

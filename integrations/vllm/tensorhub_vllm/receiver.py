@@ -100,8 +100,12 @@ class VersionReceiver:
         if not self.info.serve:
             # Fresh memory each time, dropped by the caller after the apply.
             self.staged = self.read_set.allocate(self.device)
-            return self.hub.pull(self.info.model, version, into=self.staged, group=self.group,
-                                 group_round=self._round)
+            try:
+                return self.hub.pull(self.info.model, version, into=self.staged, group=self.group,
+                                     group_round=self._round)
+            except BaseException:
+                self.staged = None  # nothing to apply: free it now, not at the next update
+                raise
         if self._staging is None:
             self._staging = self.read_set.allocate(self.device)
         self.staged = self._staging

@@ -9,6 +9,10 @@
   before. vLLM's ``sharded_rdt`` dry run does the same steps
   (``_bake`` / ``_restore_after_dry_run``); vLLM has no public API for it yet.
 
+* ``module_of``: the module behind vLLM's ``ModuleSource`` (a trainer's
+  ``WeightSource``), whose DTensor parameters the trainer side publishes shard
+  by shard instead of iterating the source (which gathers each of them).
+
 When vLLM changes these internals, this module is what to update.
 """
 
@@ -18,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
 from vllm.model_executor.model_loader.reload.layerwise import (
     LAYERWISE_INFO,
@@ -64,3 +69,8 @@ def loaders_on_meta(model: torch.nn.Module) -> Iterator[None]:
                 tensor.weight_loader = loader
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
+
+
+def module_of(source: WeightSource) -> torch.nn.Module | None:
+    """The module a ``ModuleSource`` iterates, or None for any other source."""
+    return source._module if isinstance(source, ModuleSource) else None

@@ -1,0 +1,57 @@
+"""One rank of a 2-rank FSDP2 trainer (gloo, CPU) that sends a version to a
+vLLM server through vLLM's own trainer-side API: WeightTransferTrainerFactory
+with backend ``tensorhub`` and vLLM's HTTP client. ``DTensor.full_tensor`` is
+made to fail, so a gather anywhere fails the run. Writes what it published.
+
+    python vllm_fsdp_trainer.py HUB SERVER_URL MODEL_DIR MODEL_KEY RANK WORLD PORT OUT_JSON VERSION
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, port: int, out: str,
+         version: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+    def no_gather(self, *args, **kwargs):
+        raise AssertionError("full_tensor() was called: the trainer side must publish local shards, not gather")
+
+    DTensor.full_tensor = no_gather
+
+    from tensorhub_vllm.trainer import TensorHubTrainerInitInfo
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, first_version=version),
+        client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(model))
+    engine.send_weights()
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "published_bytes": engine.published_bytes, "version": engine.version}, f)
+    engine.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]), a[7], int(a[8]))
