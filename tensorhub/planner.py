@@ -134,9 +134,12 @@ def best_holders(
     if k <= 0 or len(candidates) <= k:
         return list(candidates)
 
+    seed = zlib.crc32(f"{salt}/".encode())  # crc32 of (salt/ + id), without building that string per holder
+    tier = reader.tier
+
     def key(s: Source) -> tuple:
-        return (reader.tier(s.labels), s.reliability is Reliability.SPOT, s.origin, s.active_reads,
-                zlib.crc32(f"{salt}/{s.replica_id}".encode()))
+        return (tier(s.labels), s.reliability is Reliability.SPOT, s.origin, s.active_reads,
+                zlib.crc32(s.replica_id.encode(), seed))
 
     ranked = sorted(candidates, key=key)
     chosen = ranked[:k]

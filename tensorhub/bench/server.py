@@ -5,9 +5,10 @@ process gets N registered agents; ``--holders`` of them publish one version of a
 model (``--tensors`` tensors, NIXL metadata the size a real agent sends for
 them); then every agent heartbeats every second and every other agent resolves
 ``latest`` every ``--resolve-interval`` seconds, as a pull does: with a read
-lease, the previous lease released on the same call, the manifest omitted since
-the reader knows it. Load generator processes (asyncio, one gRPC channel each)
-time every call from the client's side.
+lease, the previous lease released on the same call, and, as ``client/rpc.py``
+asks, without the manifest and the holders' memory (NIXL metadata) it already
+has. Load generator processes (asyncio, one gRPC channel each) time every call
+from the client's side.
 
 Reports, per N: resolve latency p50 / p99 / max, heartbeat p99, calls per
 second, holders per resolve answer, the server's resident memory and what each
@@ -137,6 +138,7 @@ async def _agent(stub: Any, pb: Any, agent: int, reads: bool, cfg: ServerBenchCo
                  fingerprint: str, out: dict[str, list]) -> None:
     agent_id = _agent_id(agent)
     lease = ""
+    known: list[bytes] = []  # memory digests of the last answer's holders, as client/rpc.py sends
     loop = asyncio.get_running_loop()
     next_hb = start + random.uniform(0, cfg.heartbeat_interval_s)
     next_resolve = start + random.uniform(0, cfg.resolve_interval_s) if reads else float("inf")
@@ -155,8 +157,9 @@ async def _agent(stub: Any, pb: Any, agent: int, reads: bool, cfg: ServerBenchCo
                 next_resolve += cfg.resolve_interval_s
                 resp = await stub.Resolve(pb.ResolveRequest(
                     agent_id=agent_id, model=MODEL, latest=True, lease=True, known_fingerprint=fingerprint,
-                    release_leases=[lease] if lease else []), timeout=10)
+                    release_leases=[lease] if lease else [], known_memory=known), timeout=10)
                 lease = resp.lease_id
+                known = [r.memory_digest for r in resp.replicas]
                 out["holders"].append(len(resp.replicas))
                 kind = "resolve"
         except Exception as e:  # noqa: BLE001 - counted and reported, the load goes on

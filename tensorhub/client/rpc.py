@@ -38,6 +38,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _MANIFESTS_CACHED = 16
 _RELEASE_DELAY_S = 0.005
+# A holder's memory as a reader needs it: kind, (regions x 3) addr/nbytes/device, NIXL metadata.
+_Memory = tuple[MemoryKind, np.ndarray, bytes]
 
 # Retry idempotent calls while the server restarts or briefly refuses.
 _SERVICE_CONFIG = json.dumps({
@@ -126,6 +128,10 @@ class ReferenceClient:
         # Manifests by fingerprint: the server omits one the client already has.
         self._manifests: dict[str, Manifest] = {}
         self._last_fingerprint: dict[str, str] = {}
+        # Per model, the memory of the last answer's holders by digest: the server
+        # leaves out what the client has (a re-resolve during a pull then costs a
+        # few hundred bytes a holder, not its NIXL metadata). Replaced, never mutated.
+        self._memories: dict[str, dict[bytes, _Memory]] = {}
         self._cache_lock = threading.Lock()
         self._releases: list[str] = []  # leases to release, not yet sent
 
@@ -237,6 +243,8 @@ class ReferenceClient:
         request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     known_fingerprint=self._last_fingerprint.get(model, ""),
                                     release_leases=self._take_releases())
+        known = self._memories.get(model, {})
+        request.known_memory.extend(known)
         if version is None:
             request.latest = True
         else:
@@ -252,8 +260,19 @@ class ReferenceClient:
                 while len(self._manifests) > _MANIFESTS_CACHED:
                     self._manifests.pop(next(iter(self._manifests)))
         self._last_fingerprint[model] = resp.fingerprint
-        return Resolved(model, resp.version, manifest, tuple(_replica(r, manifest) for r in resp.replicas),
-                        resp.lease_id, resp.lease_ttl_s, sent)
+        memories: dict[bytes, _Memory] = {}
+        replicas = []
+        for msg in resp.replicas:
+            if msg.HasField("memory"):
+                memory = _memory(msg.memory)
+            elif (memory := known.get(msg.memory_digest)) is None:
+                raise TensorHubError(f"the server left out the memory of replica {msg.replica_id!r} but this client "
+                                     "never listed its digest as known; the server is broken")
+            if msg.memory_digest:
+                memories[msg.memory_digest] = memory
+            replicas.append(_replica(msg, manifest, memory))
+        self._memories[model] = memories
+        return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent)
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
         resp = self._call(self._stub.AcquireReadLease,
@@ -306,7 +325,12 @@ class ReferenceClient:
         return resp.version if resp.found else None
 
 
-def _replica(msg: pb.ReplicaInfo, manifest: Manifest) -> RemoteReplica:
+def _memory(msg: pb.ReplicaMemory) -> _Memory:
+    regions = np.array([(r.addr, r.size, r.device_id) for r in msg.regions], dtype=np.uint64).reshape(-1, 3)
+    return wire.KIND_BACK[msg.kind], regions, msg.nixl_metadata
+
+
+def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> RemoteReplica:
     source = Source(
         replica_id=msg.replica_id,
         agent_name=msg.agent_name,
@@ -317,6 +341,5 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest) -> RemoteReplica:
         active_reads=msg.active_reads,
     )
     held = tuple(wire.region_from_wire(r) for r in msg.held) if msg.held else tuple(wire.whole_model(manifest))
-    regions = np.array([(r.addr, r.size, r.device_id) for r in msg.memory.regions], dtype=np.uint64).reshape(-1, 3)
-    return RemoteReplica(source, msg.agent_id, wire.KIND_BACK[msg.memory.kind], held, regions,
-                         msg.memory.nixl_metadata, msg.chunk_size, bytes(msg.chunk_bitmap))
+    kind, regions, metadata = memory
+    return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap))

@@ -97,7 +97,7 @@ class ReplicaMemory(_message.Message):
     def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size")
+    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class ReplicaInfo(_message.Message):
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     agent_name: str
@@ -122,7 +123,8 @@ class ReplicaInfo(_message.Message):
     origin: bool
     held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
     chunk_size: int
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    memory_digest: bytes
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("agent_id", "name", "labels", "reliability")
@@ -239,7 +241,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,7 @@ class ResolveRequest(_message.Message):
     KNOWN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     MAX_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_MEMORY_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -260,7 +263,8 @@ class ResolveRequest(_message.Message):
     known_fingerprint: str
     release_leases: _containers.RepeatedScalarFieldContainer[str]
     max_sources: int
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ...) -> None: ...
+    known_memory: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
     __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s")

@@ -82,6 +82,26 @@ def memory_to_wire(kind: MemoryKind, regions: list[MemoryRegion], metadata: byte
     )
 
 
+def _varint(n: int) -> bytes:
+    if n < 0x4000:  # the common case: a tag, or a length under 16 KiB
+        return bytes((n,)) if n < 0x80 else bytes((n & 0x7F | 0x80, n >> 7))
+    out = bytearray()
+    while n > 0x7F:
+        out.append(0x80 | (n & 0x7F))
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def embedded_fields(number: int, payloads: list[bytes]) -> bytes:
+    """Already serialized messages as the repeated message field ``number``: a
+    parser reads ``SerializeToString()`` of the rest + this as one message (the
+    wire format lets fields come in any order). Lets the server keep a holder's
+    serialized form instead of building and copying a message per answer."""
+    tag = _varint(number << 3 | 2)  # wire type 2: length-delimited
+    return b"".join(tag + _varint(len(p)) + p for p in payloads)
+
+
 # The shared token travels as call metadata (server/auth.py checks it).
 AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 AUTH_SCHEME = "Bearer "

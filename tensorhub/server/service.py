@@ -5,6 +5,7 @@ the state's plain types and back. Protobuf stays inside this module and
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import re
@@ -30,6 +31,8 @@ MAX_HELD = MAX_TENSORS  # held regions per replica
 MAX_DIMS = 64  # of a held box
 MAX_NIXL_METADATA = 1 << 20
 MAX_DRAIN_S = 3600.0
+MAX_KNOWN_MEMORY = 4096  # memory digests a reader may list in one Resolve
+RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
 Resp = TypeVar("Resp")
@@ -266,8 +269,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
     # ------------------------------------------------------------ readers
 
-    async def Resolve(self, request: pb.ResolveRequest, context: Any) -> pb.ResolveResponse:
-        async def go() -> pb.ResolveResponse:
+    async def Resolve(self, request: pb.ResolveRequest, context: Any) -> bytes:
+        """Answers the serialized ResolveResponse (see ``_serialize``): the holders'
+        ReplicaInfo bytes are cached, not rebuilt and copied for every reader."""
+
+        async def go() -> bytes:
             agent_id = _require_id(request.agent_id, "agent_id")
             self._release_own(agent_id, request.release_leases)
             model = _require_model(request.model)
@@ -277,6 +283,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             version = None if which == "latest" else _require_version(request.version)
             if request.group and len(request.group) > MAX_NAME:
                 raise Invalid("group name too long")
+            if len(request.known_memory) > MAX_KNOWN_MEMORY:
+                raise Invalid(f"{len(request.known_memory)} known_memory digests, more than {MAX_KNOWN_MEMORY}")
+            known = frozenset(request.known_memory)
             resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
             sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint)
@@ -285,8 +294,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if request.lease:
                 lease = self.state.acquire_lease(agent_id, [r.replica_id for r in sources])
                 response.lease_id, response.lease_ttl_s = lease.lease_id, self.state.lease_ttl_s
-            response.replicas.extend(self._replica_info(r) for r in sources)
-            return response
+            return response.SerializeToString() + wire.embedded_fields(
+                RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known) for r in sources])
 
         return await self._run(context, go)
 
@@ -300,22 +309,35 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         for lease_id in lease_ids:
             self.state.release_lease(lease_id)
 
-    def _replica_info(self, replica: Replica) -> pb.ReplicaInfo:
+    def _replica_info(self, replica: Replica, known_memory: frozenset[bytes]) -> bytes:
+        """The replica's serialized ReplicaInfo. The fields that do not change
+        while it is published (its memory, NIXL metadata and held regions: most
+        of the bytes) are serialized once per agent record; the ones that do
+        (state, bitmap, load) are appended: a parser merges the two. ``memory``
+        is left out when the reader says it has it (``known_memory``)."""
         agent = self.state.agents[replica.agent_id]
-        return pb.ReplicaInfo(
-            replica_id=replica.replica_id,
-            agent_id=agent.agent_id,
-            agent_name=agent.name,
-            labels=wire.labels_to_wire(agent.labels),
-            reliability=wire.reliability_to_wire(agent.reliability),
+        cached = replica.wire_info
+        if cached is None or cached[0] is not agent:  # a re-registered agent may have new labels
+            digest = hashlib.blake2b(replica.memory.SerializeToString(), digest_size=16).digest()
+            lean = pb.ReplicaInfo(
+                replica_id=replica.replica_id,
+                agent_id=agent.agent_id,
+                agent_name=agent.name,
+                labels=wire.labels_to_wire(agent.labels),
+                reliability=wire.reliability_to_wire(agent.reliability),
+                origin=replica.origin,
+                held=replica.wire_held,
+                chunk_size=replica.chunk_size,
+                memory_digest=digest,
+            )
+            full = lean.SerializeToString() + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
+            cached = replica.wire_info = (agent, digest, lean.SerializeToString(), full)
+        _, digest, lean_bytes, full_bytes = cached
+        return (lean_bytes if digest in known_memory else full_bytes) + pb.ReplicaInfo(
             state=pb.REPLICA_STATE_COMPLETE if replica.complete else pb.REPLICA_STATE_FILLING,
             chunk_bitmap=b"" if replica.complete else bytes(replica.bitmap),
-            memory=replica.memory,
             active_reads=len(replica.leases),
-            origin=replica.origin,
-            held=replica.wire_held,
-            chunk_size=replica.chunk_size,
-        )
+        ).SerializeToString()
 
     async def AcquireReadLease(self, request: pb.AcquireReadLeaseRequest, context: Any) -> pb.AcquireReadLeaseResponse:
         async def go() -> pb.AcquireReadLeaseResponse:
@@ -424,6 +446,11 @@ def _guard(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any],
     return handler
 
 
+def _serialize(response: Any) -> bytes:
+    """A handler may answer bytes it serialized itself (Resolve does)."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
 def add_to_server(service: ReferenceService, server: grpc.aio.Server) -> None:
     """Register every method of the .proto's ReferenceService, with lenient
     request parsing (see _Undecodable)."""
@@ -432,7 +459,7 @@ def add_to_server(service: ReferenceService, server: grpc.aio.Server) -> None:
         m.name: grpc.unary_unary_rpc_method_handler(
             _guard(getattr(service, m.name)),
             request_deserializer=_lenient(getattr(pb, m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+            response_serializer=_serialize,
         )
         for m in descriptor.methods
     }

@@ -148,6 +148,8 @@ class Replica:
     retained: bool = False  # a copy kept only to keep a retained version pullable
     withdrawn: bool = False
     wire_held: Any = None  # opaque: the service's wire form of ``held``
+    wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
+    source: Any = None  # cached (agent, complete, active reads, planner Source): see State.sources
     leases: set[str] = field(default_factory=set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -195,11 +197,16 @@ class State:
         self.groups: dict[str, dict[int, int]] = {}
         # Set (and replaced) whenever some version's visibility flips.
         self._visibility_changed = asyncio.Event()
+        # No agent or lease expires before this (a lower bound: renewals only push
+        # expiry later), so expire() on every RPC costs one comparison until then.
+        self._next_expiry = -math.inf
 
     # ------------------------------------------------------------ agents
 
     def register_agent(self, agent_id: str, name: str, labels: Labels, reliability: Reliability) -> None:
-        self.agents[agent_id] = Agent(agent_id, name, labels, reliability, time.monotonic() + self.agent_ttl_s)
+        agent = Agent(agent_id, name, labels, reliability, time.monotonic() + self.agent_ttl_s)
+        self.agents[agent_id] = agent
+        self._next_expiry = min(self._next_expiry, agent.expires_at)
 
     def heartbeat(self, agent_id: str) -> bool:
         agent = self.agents.get(agent_id)
@@ -470,9 +477,12 @@ class State:
         by_id = {r.replica_id: r for r in live}
         candidates = []
         for r in live:
-            agent = self.agents[r.agent_id]
-            candidates.append(Source(r.replica_id, agent.name, agent.labels, agent.reliability, r.complete, r.origin,
-                                     len(r.leases)))
+            # Building a Source costs more than ranking it: keep it while its inputs hold.
+            agent, cached = self.agents[r.agent_id], r.source
+            if cached is None or cached[0] is not agent or cached[1] != r.complete or cached[2] != len(r.leases):
+                cached = r.source = (agent, r.complete, len(r.leases), Source(
+                    r.replica_id, agent.name, agent.labels, agent.reliability, r.complete, r.origin, len(r.leases)))
+            candidates.append(cached[3])
 
         def covers(complete: list[Source]) -> bool:
             holders = [by_id[s.replica_id] for s in complete]
@@ -488,6 +498,7 @@ class State:
         granted = [rid for rid in replica_ids if (r := self.replicas.get(rid)) is not None and self._live(r)]
         lease = Lease(uuid.uuid4().hex, agent_id, granted, time.monotonic() + self.lease_ttl_s)
         self.leases[lease.lease_id] = lease
+        self._next_expiry = min(self._next_expiry, lease.expires_at)
         for rid in granted:
             replica = self.replicas[rid]
             replica.leases.add(lease.lease_id)
@@ -528,6 +539,8 @@ class State:
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if now < self._next_expiry:
+            return
         for lease in [l for l in self.leases.values() if l.expires_at <= now]:
             self.release_lease(lease.lease_id)
         for agent in [a for a in self.agents.values() if a.expires_at <= now]:
@@ -536,6 +549,8 @@ class State:
                 self.report_lost(replica.replica_id)  # refreshes the version's visibility
             for lease in [l for l in self.leases.values() if l.agent_id == agent.agent_id]:
                 self.release_lease(lease.lease_id)
+        self._next_expiry = min((x.expires_at for x in (*self.leases.values(), *self.agents.values())),
+                                default=math.inf)
 
 
 # ---------------------------------------------------------------- coverage

@@ -257,3 +257,23 @@ def test_resolve_returns_the_best_k_holders_and_whatever_covers_the_version():
     assert agents[:2] and all(a.startswith("p") for a in agents[:2])
     assert sorted(agents[2:]) == ["a0", "a1", "a2", "a3"]  # all four shards: none alone covers
     assert len(s2.sources(entry, "me", k=100)) == 2 + 4  # a request cannot raise the server's cap
+
+
+def test_expiry_waits_for_the_earliest_deadline_and_misses_none():
+    """expire() skips its sweep until the earliest agent or lease deadline, and a
+    lease or agent added later with a shorter TTL is still expired on time."""
+    s = State(ServerConfig(agent_ttl_s=100.0, lease_ttl_s=100.0))
+    s.register_agent("a", "a", Labels(), Reliability.RELIABLE)
+    publish(s, "a", [])
+    s.register_agent("r", "r", Labels(), Reliability.RELIABLE)
+    lease = s.acquire_lease("r", ["a.1"])
+    s.expire()
+    assert lease.lease_id in s.leases and "a" in s.agents
+    s.lease_ttl_s = 0.0  # a shorter TTL from now on: the next lease is due before the others
+    short = s.acquire_lease("r", ["a.1"])
+    s.expire()
+    assert short.lease_id not in s.leases and lease.lease_id in s.leases
+    s.heartbeat("r")  # renewals only push deadlines later
+    s.expire(now=lease.expires_at)
+    assert lease.lease_id not in s.leases
+    assert "a" not in s.agents and not s.replicas and "r" in s.agents  # due by then (r heartbeat later)
