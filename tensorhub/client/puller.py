@@ -141,6 +141,11 @@ class PullJob:
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
     _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
     _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
+    # READs in flight across rounds: (chunk, transfer, handle, deadline, source)
+    _flying: list[tuple[int, Transfer, Any, float, RemoteReplica]] = field(default_factory=list)
+    _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
+    _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
+    _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
 
     def run(self) -> PullStats:
         res = self.resolved
@@ -151,6 +156,7 @@ class PullJob:
         try:
             self._rounds(res, stats, needed, maps)
         finally:
+            self._drop_flights()
             self._drop_upfront()
             for lease in self._leases:
                 lease.release()
@@ -274,9 +280,13 @@ class PullJob:
                                       f"{len(needed)} chunk(s) still missing at the pull's deadline")
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
-            chunks, again = self._batch(needed, usable, first=stats.rounds == 1)
-            if not chunks:  # every chunk left is due from a peer: let them land
-                time.sleep(_WAIT_FOR_PEERS_S)
+            in_air = {entry[0] for entry in self._flying}
+            chunks, again = self._batch(needed - in_air, usable, first=stats.rounds == 1)
+            if not chunks:
+                if self._flying:  # land what flies, then look again
+                    self._read_round({}, maps, needed, excluded, stats, carry=True)
+                else:  # every chunk left is due from a peer: let them land
+                    time.sleep(_WAIT_FOR_PEERS_S)
                 maps = self._refresh_quietly(res, excluded, maps, needed)
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
@@ -315,7 +325,7 @@ class PullJob:
                         raise SourceLost(res.model, res.version, sorted(withdrawn), "sources were withdrawn")
                     continue
             before = len(needed)
-            self._read_round(transfers, maps, needed, excluded, stats)
+            self._read_round(transfers, maps, needed, excluded, stats, carry=again and len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed and again:  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(res, excluded, maps, needed)
@@ -339,6 +349,10 @@ class PullJob:
         gone = [rid for rid in old if rid not in fresh and rid in self._covering and rid not in excluded]
         if not gone:
             return fresh
+        if any(entry[1].replica_id in gone for entry in self._flying):  # never release a lease under a READ
+            for rid in gone:
+                fresh[rid] = old[rid]
+            return fresh
         if all(self.layout.transfers(c, list(fresh.values())) is not None for c in needed):
             try:
                 self._release(set(gone), fresh)
@@ -351,7 +365,7 @@ class PullJob:
 
     def _release(self, gone: set[str], fresh: dict[str, HolderMap]) -> None:
         """Release the leases that cover ``gone``; what else they covered and is
-        still listed is leased anew first (no READ is in flight between rounds)."""
+        still listed is leased anew first (no READ in flight is on ``gone``)."""
         for lease in {id(self._covering[rid]): self._covering[rid] for rid in gone}.values():
             keep = [rid for rid, held in self._covering.items() if held is lease and rid not in gone and rid in fresh]
             if keep:
@@ -381,64 +395,76 @@ class PullJob:
         return self._maps(fresh.replicas, excluded)
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
-                    needed: set[int], excluded: set[str], stats: PullStats) -> None:
+                    needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
         """Post the round's READs, up to ``in_flight`` at a time, from this one
         thread, and poll them. Over shared memory a READ is done when posted (no
         thread hop, as raw NIXL); over TCP or RDMA several are in flight at once.
-        A chunk is done when all its READs are; a failed one is planned again."""
+        A chunk is done when all its READs are; a failed one is planned again.
+
+        ``carry``: once every READ of the round is posted and some landed, return
+        with up to half of ``in_flight`` still flying; the next round (after the
+        server is asked who holds what) keeps them, so the links never drain
+        between rounds. The flights live on the job (``_flying``)."""
         layout = self.layout
         todo = iter([(chunk, t) for chunk, planned in transfers.items() for t in planned])
-        pending = {chunk: len(planned) for chunk, planned in transfers.items()}
+        for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
+            self._pending[chunk] = len(planned)
+            self._failed.discard(chunk)
+            self._got.pop(chunk, None)
+        pending, failed, got, flying = self._pending, self._failed, self._got, self._flying
         lost_now: set[str] = set()
-        failed: set[int] = set()
-        got: dict[int, dict[str, int]] = {}  # bytes per source of chunks not complete yet
-        flying: list[tuple[int, Transfer, Any, float]] = []  # chunk, transfer, handle, deadline
         landed: list[int] = []
+        finished_any = False
         last_report = time.monotonic()
         done_bytes = layout.total_bytes - sum(layout.chunk_bytes(c) for c in needed)
         pause = _POLL_MIN_S
 
-        def lost(transfer: Transfer, error: TransferFailed) -> None:
-            rid = transfer.replica_id
-            if rid not in lost_now:
+        def lost(replica: RemoteReplica, error: TransferFailed) -> None:
+            rid = replica.source.replica_id
+            if rid not in lost_now and rid not in excluded:
                 lost_now.add(rid)
-                self._lose(maps[rid].replica, str(error), stats)
+                self._lose(replica, str(error), stats)
             excluded.add(rid)
 
         def post(chunk: int, transfer: Transfer) -> None:
             replica = maps[transfer.replica_id].replica
+            lease = self._covering.get(transfer.replica_id)
+            if lease is None:  # its lease failed to renew earlier in this round: lease again next round
+                failed.add(chunk)
+                return
             try:
-                deadline = min(time.monotonic() + self.chunk_timeout_s,
-                               self._covering[transfer.replica_id].valid_until(), self.deadline)
+                deadline = min(time.monotonic() + self.chunk_timeout_s, lease.valid_until(), self.deadline)
                 remote = self.nixl.connect(transfer.replica_id, replica.metadata)
                 handle = self.nixl.post(remote, transfer.local, self.dest_kind, transfer.remote, replica.kind)
             except TransferFailed as e:
-                lost(transfer, e)
+                lost(replica, e)
                 failed.add(chunk)
             except TensorHubError as e:  # the lease could not be renewed: lease again next round
                 log.info("chunk %d deferred: %s", chunk, e)
                 self._covering.pop(transfer.replica_id, None)
                 failed.add(chunk)
             else:
-                flying.append((chunk, transfer, handle, deadline))
+                flying.append((chunk, transfer, handle, deadline, replica))
 
         try:
             stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
+            posting = True
             while True:
-                while len(flying) < self.in_flight and time.monotonic() < stop_posting_at:
-                    item = next(todo, None)
+                while posting and len(flying) < self.in_flight:
+                    item = next(todo, None) if time.monotonic() < stop_posting_at else None
                     if item is None:
+                        posting = False
                         break
                     chunk, transfer = item
                     if transfer.replica_id in lost_now or chunk in failed:
                         failed.add(chunk)  # stays needed: the next round re-plans it
                         continue
                     post(chunk, transfer)
-                if not flying:
+                if not flying or (carry and not posting and finished_any and len(flying) <= self.in_flight // 2):
                     break
                 finished = []
                 for entry in flying:
-                    chunk, transfer, handle, deadline = entry
+                    chunk, transfer, handle, deadline, replica = entry
                     try:
                         if not self.nixl.poll(handle):
                             if time.monotonic() <= deadline:
@@ -446,20 +472,21 @@ class PullJob:
                             raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
                                                  stalled=True)
                     except TransferFailed as e:
-                        lost(transfer, e)
+                        lost(replica, e)
                         failed.add(chunk)
                         finished.append(entry)
                         continue
                     finished.append(entry)
                     if chunk in failed:
                         continue
-                    name = maps[transfer.replica_id].replica.source.agent_name
                     by_source = got.setdefault(chunk, {})
+                    name = replica.source.agent_name
                     by_source[name] = by_source.get(name, 0) + transfer.nbytes
                     pending[chunk] -= 1
                     if pending[chunk] == 0:
                         # Counted once the whole chunk is in: a chunk that failed
                         # in part is read again, whole, next round.
+                        del pending[chunk]
                         for source, nbytes in got.pop(chunk).items():
                             stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
                         done_bytes += layout.chunk_bytes(chunk)
@@ -470,6 +497,7 @@ class PullJob:
                     flying.remove(entry)
                     self.nixl.release(entry[2])
                 if finished:
+                    finished_any = True
                     pause = _POLL_MIN_S
                     if self.progress is not None:
                         self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
@@ -482,11 +510,23 @@ class PullJob:
                     self.landed(landed)
                     landed = []
                     last_report = time.monotonic()
-        finally:  # a raise mid-round (e.g. from the progress callback) leaves no handle behind
-            for entry in flying:
-                self.nixl.release(entry[2])
+        except BaseException:  # a raise mid-round (e.g. from the progress callback) leaves no handle behind
+            self._drop_flights()
+            raise
+        finally:
+            # A failed chunk with nothing left in flight is planned again next round.
+            in_air = {entry[0] for entry in flying}
+            for chunk in [c for c in failed if c not in in_air]:
+                failed.discard(chunk)
+                pending.pop(chunk, None)
+                got.pop(chunk, None)
         if landed and self.landed is not None:
             self.landed(landed)
+
+    def _drop_flights(self) -> None:
+        for entry in self._flying:
+            self.nixl.release(entry[2])
+        self._flying.clear()
 
     def _lose(self, replica: RemoteReplica, reason: str, stats: PullStats) -> None:
         rid = replica.source.replica_id

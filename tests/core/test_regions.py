@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tensorhub import InvalidRequest, ManifestMismatch, Shard, SourceLost
+from tensorhub.errors import TensorHubError
 from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
@@ -347,3 +348,34 @@ def test_a_pull_that_raises_mid_round_releases_every_read_in_flight():
     with pytest.raises(KeyboardInterrupt):
         _pull(manifest, replicas, [("b", Region()), ("a", Region())], transport=transport, progress=stop)
     assert transport.released == len(transport.reads) + 1  # the READ still in flight too
+
+
+def test_a_lease_that_fails_to_renew_mid_round_defers_its_chunks_to_the_next_round():
+    """The first READ finds its lease cannot be renewed: that chunk and every
+    later one on the same holder wait for a new lease; the pull completes."""
+    full = {"w": torch.arange(64 * 256, dtype=torch.float32)}  # 16 chunks of 4 KiB
+    manifest = Manifest.of(full)
+
+    class FlakyRenewal(FakeControlPlane):
+        renewals = 0
+
+        def acquire_lease(self, agent_id, replica_ids):
+            return "lease", list(replica_ids), 1e-9  # renewed at every READ
+
+        def renew_lease(self, agent_id, lease_id):
+            FlakyRenewal.renewals += 1
+            if FlakyRenewal.renewals == 1:
+                raise TensorHubError("lease expired")
+            return 60.0
+
+    index = manifest.index()
+    dest = torch.full((64 * 256,), -1.0)
+    _, mem = regions_of([dest])
+    parts = [ReadPart("w", index["w"], (64 * 256,), Region().runs((64 * 256,)), 4, mem[0])]
+    plane = FlakyRenewal(Resolved("m", 1, manifest, (_remote("trainer", manifest, [("w", Region(), full["w"])]),)))
+    job = PullJob(rpc=plane, nixl=MemcpyTransport(), agent_id="reader", labels=Labels("h0"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, 4096),
+                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, deadline=time.monotonic() + 30)
+    stats = job.run()
+    assert torch.equal(dest, full["w"]) and stats.bytes_by_source == {"trainer": 64 * 256 * 4}
+    assert FlakyRenewal.renewals > 1
