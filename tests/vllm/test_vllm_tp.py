@@ -37,6 +37,9 @@ def tp_env():
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     # vLLM's automatic binding wants one NUMA node per worker; bind one core each instead
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # an engine started earlier in this session cached the old value
     yield
     if old is None:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
