@@ -198,9 +198,11 @@ class Holdings:
             time.sleep(wait)
             drained, outstanding = wait >= self.lease_ttl_s, -1
         if not drained:
+            who = (f"{outstanding} reader(s) still held read leases" if outstanding >= 0 else
+                   "the server could not say whether readers still held read leases")
             raise UnpublishTimeout(
-                f"{pub.model!r} version {pub.version}: {outstanding} reader(s) still held read leases after "
-                f"{timeout:.1f}s; the replica is withdrawn, but its memory must not be reused yet: call unpublish again"
+                f"{pub.model!r} version {pub.version}: {who} after {timeout:.1f}s; the replica is withdrawn, "
+                "but its memory must not be reused yet: call unpublish again"
             )
         with self._lock, pub.lock:
             self._publications.pop(pub.replica_id, None)

@@ -91,3 +91,15 @@ def test_server_restart_clients_reregister_and_pull_again():
             got = reader.call("pull", model="m", specs=specs, expect_seed=4)
             assert got["mismatched"] == [] and got["version"] == 4
             assert trainer.process.is_alive() and reader.process.is_alive()
+
+
+def test_unpublish_while_the_server_is_down_waits_its_timeout_and_says_it_cannot_tell():
+    with ServerProcess() as server, HubProcess(server.address, name="trainer", rpc_timeout_s=1.0) as trainer:
+        trainer.call("publish", model="m", version=1, specs=BIG, seed=1)
+        server.kill()
+        trainer.send("unpublish", model="m", version=1, timeout=0.5)  # shorter than the lease TTL
+        with pytest.raises(RemoteError) as err:
+            trainer.result(timeout=60)
+    assert err.value.type_name == "UnpublishTimeout", err.value
+    assert "could not say whether readers still held read leases" in str(err.value), err.value
+    assert "-1" not in str(err.value)
