@@ -4,6 +4,7 @@ into SourceLost through the reader's own progress deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -23,11 +24,29 @@ def hosts():
         yield h
 
 
-def _hub(hosts, name, server, **config):
+def _hub(hosts, name, server, zone="", **config):
     # UCX must not use shared memory between "hosts": that would bypass the links.
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
     return HubProcess(server.address, name=name, netns=hosts.netns(name), env=env,
-                      labels={"host": name}, **config)
+                      labels={"host": name, "zone": zone}, **config)
+
+
+@contextlib.contextmanager
+def _cluster(readers, *, specs=SPECS, zones=None, zone_link=None, **config):
+    """Emulated hosts: a server, a trainer holding version 1 of ``specs``, and a
+    hub per reader (``config`` for theirs); every process closed afterwards."""
+    zones = zones or {}
+    names = ["server", "trainer", *readers]
+    with netns.Hosts(names, rate="1gbit", zones=zones or None, zone_link=zone_link) as hosts, \
+            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
+        trainer = _hub(hosts, "trainer", server, zones.get("trainer", ""))
+        hubs = [_hub(hosts, name, server, zones.get(name, ""), **config) for name in readers]
+        try:
+            trainer.call("publish", model="m", version=1, specs=specs, seed=1, chunk_size=CHUNK)
+            yield hosts, hubs
+        finally:
+            for proc in [*hubs, trainer]:
+                proc.close(timeout=15)
 
 
 def test_pull_across_hosts_and_a_cut_link_becomes_source_lost(hosts, tmp_path):
@@ -52,19 +71,10 @@ def test_pull_across_hosts_and_a_cut_link_becomes_source_lost(hosts, tmp_path):
 
 
 def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_trainer():
-    names = ["server", "trainer", "r0", "r1", "r2", "r3"]
-    with netns.Hosts(names, rate="1gbit") as hosts, \
-            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
-        trainer = _hub(hosts, "trainer", server)
-        readers = [_hub(hosts, name, server) for name in names[2:]]
-        try:
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            for reader in readers:
-                reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
-            results = [reader.result(timeout=120) for reader in readers]
-        finally:
-            for proc in [*readers, trainer]:
-                proc.close(timeout=15)
+    with _cluster(["r0", "r1", "r2", "r3"]) as (_, readers):
+        for reader in readers:
+            reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+        results = [reader.result(timeout=120) for reader in readers]
     assert all(r["mismatched"] == [] for r in results)
     size = 64 << 20
     from_trainer = sum(r["sources"].get("trainer", 0) for r in results)
@@ -76,51 +86,28 @@ def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_tra
 
 
 def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pull(tmp_path):
-    names = ["server", "trainer", "r0", "r1", "r2", "r3"]
-    with netns.Hosts(names, rate="1gbit") as hosts, \
-            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
-        trainer = _hub(hosts, "trainer", server)
-        readers = [_hub(hosts, name, server, chunk_timeout_s=3.0) for name in names[2:]]
-        try:
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            marks = str(tmp_path / "progress")
-            readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks)
-            for reader in readers[1:]:
-                reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
-            wait_for_progress(marks, at_least=8 << 20)
-            readers[0].kill()  # it served some chunks and owned others
-            results = [reader.result(timeout=120) for reader in readers[1:]]
-        finally:
-            for proc in [*readers, trainer]:
-                proc.close(timeout=15)
+    with _cluster(["r0", "r1", "r2", "r3"], chunk_timeout_s=3.0) as (_, readers):
+        marks = str(tmp_path / "progress")
+        readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks)
+        for reader in readers[1:]:
+            reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+        wait_for_progress(marks, at_least=8 << 20)
+        readers[0].kill()  # it served some chunks and owned others
+        results = [reader.result(timeout=120) for reader in readers[1:]]
     assert all(r["mismatched"] == [] for r in results)
     assert all(sum(r["sources"].values()) == 64 << 20 for r in results)
 
 
 def test_two_zones_joined_by_a_slow_link_carry_about_one_copy_across_it():
     """The trainer and r0 in zone a; r1, r2, r3 in zone b behind 200 Mbit/s."""
-    names = ["server", "trainer", "r0", "r1", "r2", "r3"]
     zones = {"server": "a", "trainer": "a", "r0": "a", "r1": "b", "r2": "b", "r3": "b"}
     specs, size = [("w", "float32", ((32 << 20) // 4,))], 32 << 20
-    with netns.Hosts(names, rate="1gbit", zones=zones, zone_link="200mbit") as hosts, \
-            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
-        def hub(name):
-            return HubProcess(server.address, name=name, netns=hosts.netns(name),
-                              env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"},
-                              labels={"host": name, "zone": zones[name]})
-
-        trainer = hub("trainer")
-        readers = [hub(name) for name in names[2:]]
-        try:
-            trainer.call("publish", model="m", version=1, specs=specs, seed=1, chunk_size=CHUNK)
-            before = hosts.zone_link_bytes()
-            for reader in readers:
-                reader.send("pull", model="m", specs=specs, expect_seed=1, serve=True)
-            results = [reader.result(timeout=120) for reader in readers]
-            crossed = hosts.zone_link_bytes() - before
-        finally:
-            for proc in [*readers, trainer]:
-                proc.close(timeout=15)
+    with _cluster(["r0", "r1", "r2", "r3"], specs=specs, zones=zones, zone_link="200mbit") as (hosts, readers):
+        before = hosts.zone_link_bytes()
+        for reader in readers:
+            reader.send("pull", model="m", specs=specs, expect_seed=1, serve=True)
+        results = [reader.result(timeout=120) for reader in readers]
+        crossed = hosts.zone_link_bytes() - before
     assert all(r["mismatched"] == [] and sum(r["sources"].values()) == size for r in results)
     detail = f"{crossed / size:.2f} copies crossed the zone link; " + "; ".join(
         f"{r['seconds']:.2f} s from {r['sources']}" for r in results)
@@ -129,23 +116,13 @@ def test_two_zones_joined_by_a_slow_link_carry_about_one_copy_across_it():
 
 
 def test_a_reader_joining_halfway_reads_most_of_its_bytes_from_peers(tmp_path):
-    names = ["server", "trainer", "r0", "r1", "late"]
-    with netns.Hosts(names, rate="1gbit") as hosts, \
-            ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=0) as server:
-        trainer = _hub(hosts, "trainer", server)
-        readers = [_hub(hosts, name, server) for name in names[2:]]
-        try:
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            marks = str(tmp_path / "progress")
-            readers[0].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.03,
-                            progress_file=marks)
-            readers[1].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.03)
-            wait_for_progress(marks, at_least=32 << 20)  # halfway
-            readers[2].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
-            results = [reader.result(timeout=120) for reader in readers]
-        finally:
-            for proc in [*readers, trainer]:
-                proc.close(timeout=15)
+    with _cluster(["r0", "r1", "late"]) as (_, readers):
+        marks = str(tmp_path / "progress")
+        readers[0].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.03, progress_file=marks)
+        readers[1].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.03)
+        wait_for_progress(marks, at_least=32 << 20)  # halfway
+        readers[2].send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+        results = [reader.result(timeout=120) for reader in readers]
     assert all(r["mismatched"] == [] and sum(r["sources"].values()) == 64 << 20 for r in results)
     late = results[2]["sources"]
     assert late.get("trainer", 0) < 0.5 * (64 << 20), f"the late reader read {late}"
