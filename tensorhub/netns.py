@@ -51,6 +51,12 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _tx_bytes(netns_name: str, dev: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", netns_name, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
 def _tbf(netns_name: str, dev: str, rate: str) -> None:
     subprocess.run(["tc", "-n", netns_name, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                     "burst", "256kb", "latency", "20ms"], check=True, capture_output=True)
@@ -100,15 +106,13 @@ class Hosts:
                 for where, dev in ((ns, "eth0"), (sw, port)):
                     _tbf(where, dev, rate)
 
+    def tx_bytes(self, name: str) -> int:
+        """Bytes host ``name`` has sent so far (its interface counter)."""
+        return _tx_bytes(self._ns[name], "eth0")
+
     def zone_link_bytes(self) -> int:
         """Bytes that crossed a zone link so far, both directions."""
-        total = 0
-        for z in range(1, len(self.zones)):
-            for end in (f"zl{z}a", f"zl{z}b"):
-                out = subprocess.run(["ip", "netns", "exec", self.switch, "cat", f"/sys/class/net/{end}/statistics/tx_bytes"],
-                                     capture_output=True, text=True, check=True)
-                total += int(out.stdout)
-        return total
+        return sum(_tx_bytes(self.switch, end) for z in range(1, len(self.zones)) for end in (f"zl{z}a", f"zl{z}b"))
 
     def netns(self, name: str) -> str:
         return self._ns[name]

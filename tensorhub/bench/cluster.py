@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +47,6 @@ class ClusterBenchConfig:
     link: str = "1gbit"
     zones: int = 1
     zone_link: str = "200mbit"
-
-
-def _tx_bytes(hosts: netns.Hosts, name: str) -> int:
-    out = subprocess.run(["ip", "netns", "exec", hosts.netns(name), "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout)
 
 
 def _gloo_main(conn: Any, ns: str, rank: int, world: int, addr: str, port: int, size: int) -> None:
@@ -131,12 +124,12 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                 version += 1
                 progress.update(task, description=f"{method}: {len(group)} reader(s)")
                 trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=CHUNK)
-                sent, zone_sent = _tx_bytes(hosts, "trainer"), hosts.zone_link_bytes()
+                sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
                 for reader in group:
                     reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version)
                 stall = trainer.call("unpublish", model=MODEL, version=version, timeout=300)
                 got = [reader.result(timeout=300) for reader in group]
-                egress = _tx_bytes(hosts, "trainer") - sent
+                egress = hosts.tx_bytes("trainer") - sent
                 if any(g["mismatched"] for g in got):
                     raise RuntimeError(f"{method}: a reader received wrong bytes")
                 if serve:
@@ -155,9 +148,9 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
             for proc in [*pulls, trainer]:
                 proc.close(timeout=15)
         progress.update(task, description=f"gloo-broadcast: {cfg.readers} reader(s)")
-        sent, zone_sent = _tx_bytes(hosts, "trainer"), hosts.zone_link_bytes()
+        sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
         seconds, stall, ok = _gloo(hosts, ["trainer", *readers], size)
-        egress = _tx_bytes(hosts, "trainer") - sent
+        egress = hosts.tx_bytes("trainer") - sent
         if not ok:
             raise RuntimeError("gloo broadcast delivered wrong bytes")
         rows.append(Row.of("gloo-broadcast", cfg.readers, size, [seconds], trainer_egress_bytes=egress,
@@ -168,10 +161,11 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                     {m: "single" for m in ("tensorhub", "tensorhub-no-relay", "gloo-broadcast")})
         single, gloo = rows[0], rows[-1]
         for row in rows:
+            across = f", {row.extra['cross_zone_bytes'] / size:.2f} copies crossed zones" if zoned else ""
+            stall = row.extra["trainer_stall_seconds"]
             print(f"{row.method:>20}: {row.seconds:.2f} s = {row.seconds / single.seconds:.2f}x single, trainer sent "
-                  f"{row.extra['trainer_copies']:.2f} copies, trainer stalled {row.extra['trainer_stall_seconds']:.2f} s"
-                  f" = {row.extra['trainer_stall_seconds'] / gloo.extra['trainer_stall_seconds']:.2f}x gloo's"
-                  + (f", {row.extra['cross_zone_bytes'] / size:.2f} copies crossed zones" if zoned else ""))
+                  f"{row.extra['trainer_copies']:.2f} copies, trainer stalled {stall:.2f} s"
+                  f" = {stall / gloo.extra['trainer_stall_seconds']:.2f}x gloo's{across}")
     if json_path:
         write_json(json_path, rows, benchmark="cluster", link=cfg.link, readers=cfg.readers, zones=cfg.zones,
                    **({"zone_link": cfg.zone_link} if zoned else {}))

@@ -121,9 +121,8 @@ def _counters(hosts: Any) -> dict[str, int]:
     """Bytes the trainer's host sent and bytes that crossed a zone link so far (emulated hosts only)."""
     if hosts is None:
         return {}
-    from tensorhub.bench.cluster import _tx_bytes
 
-    out = {"trainer_egress_bytes": _tx_bytes(hosts, "trainer")}
+    out = {"trainer_egress_bytes": hosts.tx_bytes("trainer")}
     if len(getattr(hosts, "zones", ())) > 1:
         out["zone_link_bytes"] = hosts.zone_link_bytes()
     return out
