@@ -33,6 +33,7 @@ from typing import Any
 from rich.progress import Progress
 
 from tensorhub import netns
+from tensorhub.bench import children
 from tensorhub.bench.report import Row, print_table, write_json
 
 MODEL = "bench/cluster"
@@ -68,19 +69,9 @@ def _gloo_main(conn: Any, ns: str, rank: int, world: int, addr: str, port: int, 
 def _gloo(hosts: netns.Hosts, names: list[str], size: int) -> tuple[float, float, bool]:
     ctx = mp.get_context("spawn")
     port = 29500 + os.getpid() % 1000
-    conns, procs = [], []
-    for rank, name in enumerate(names):
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_gloo_main, daemon=True,
-                           args=(child, hosts.netns(name), rank, len(names), hosts.addr(names[0]), port, size))
-        proc.start()
-        conns.append(conn)
-        procs.append(proc)
-    results = []
-    for conn in conns:
-        if not conn.poll(300):
-            raise RuntimeError("a gloo broadcast process did not finish within 300 s")
-        results.append(conn.recv())
+    conns, procs = children.start(ctx, _gloo_main, [(hosts.netns(name), rank, len(names), hosts.addr(names[0]),
+                                                     port, size) for rank, name in enumerate(names)])
+    results = children.receive(conns, 300, "a gloo broadcast process did not finish")
     for proc in procs:
         proc.join(timeout=30)
     starts, ends, oks = zip(*results)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from rich.progress import Progress
 
+from tensorhub.bench import children
 from tensorhub.bench.report import Row, print_table, write_json
 
 MODEL, SMALL = "bench/model", "bench/small"
@@ -194,40 +195,18 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
     rows: list[Row] = []
     with EmbeddedServer() as server, Progress(disable=quiet, transient=True) as progress:
         task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * 2 + 2)
-        pub_conns, publishers = [], []
-        for rank in range(cfg.publishers):
-            pub_conn, child = ctx.Pipe()
-            publisher = ctx.Process(target=_publisher, args=(child, server.address, cfg, rank), daemon=True)
-            publisher.start()
-            pub_conns.append(pub_conn)
-            publishers.append(publisher)
-        raw_infos = []
-        for pub_conn in pub_conns:
-            if not pub_conn.poll(180):
-                raise RuntimeError("a benchmark publisher did not start within 180 s")
-            raw_infos.append(pub_conn.recv())
-        conns, procs = [], []
-        for i in range(cfg.readers):
-            conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_reader, args=(child, server.address, cfg, raw_infos, i), daemon=True)
-            proc.start()
-            conns.append(conn)
-            procs.append(proc)
-        requested = cfg.size
-        for conn in conns:
-            if not conn.poll(180):
-                raise RuntimeError("a benchmark reader did not start within 180 s")
-            _, requested = conn.recv()
+        pub_conns, publishers = children.start(ctx, _publisher,
+                                               [(server.address, cfg, rank) for rank in range(cfg.publishers)])
+        raw_infos = children.receive(pub_conns, 180, "a benchmark publisher did not start")
+        conns, procs = children.start(ctx, _reader,
+                                      [(server.address, cfg, raw_infos, i) for i in range(cfg.readers)])
+        requested = children.receive(conns, 180, "a benchmark reader did not start")[-1][1]
 
         def round_(cmd: str) -> float:
             start_at = time.monotonic() + 0.05
             for conn in conns:
                 conn.send((cmd, start_at))
-            results = []
-            for conn in conns:
-                if not conn.poll(300):
-                    raise RuntimeError(f"a reader did not finish {cmd} within 300 s")
-                results.append(conn.recv())
+            results = children.receive(conns, 300, f"a reader did not finish {cmd}")
             if not all(ok for _, _, ok in results):
                 raise RuntimeError(f"{cmd}: a reader received wrong bytes")
             return max(e for _, e, _ in results) - min(s for s, _, _ in results)
