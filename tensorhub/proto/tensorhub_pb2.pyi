@@ -97,7 +97,7 @@ class ReplicaMemory(_message.Message):
     def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest")
+    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest", "chunk_crc32")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class ReplicaInfo(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     agent_name: str
@@ -124,7 +125,8 @@ class ReplicaInfo(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
     chunk_size: int
     memory_digest: bytes
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ...) -> None: ...
+    chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ..., chunk_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("agent_id", "name", "labels", "reliability")
@@ -169,7 +171,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class PublishRequest(_message.Message):
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -194,7 +197,8 @@ class PublishRequest(_message.Message):
     origin: bool
     retained: bool
     held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ...) -> None: ...
+    chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
