@@ -72,6 +72,7 @@ class RemoteReplica:
     metadata: bytes
     chunk_size: int  # of the replica's own bytes: the unit of its bitmap
     bitmap: bytes = b""  # chunks present while filling (bit i, LSB first); unused when complete
+    chunk_crc32: np.ndarray | None = None  # uint32 per own chunk (tensorhub.integrity); None: cannot be verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +197,10 @@ class ReferenceClient:
 
     def publish(self, *, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
                 held: list[tuple[int, Region]], chunk_size: int, kind: MemoryKind, regions: list[MemoryRegion],
-                metadata: bytes, complete: bool, bitmap: bytes, origin: bool, retained: bool = False) -> None:
-        """``held``: (tensor index, region) per memory region; empty: every tensor whole."""
+                metadata: bytes, complete: bool, bitmap: bytes, origin: bool, retained: bool = False,
+                chunk_crc32: np.ndarray | None = None) -> None:
+        """``held``: (tensor index, region) per memory region; empty: every tensor whole.
+        ``chunk_crc32``: CRC-32 of each of the replica's chunks, for its readers to check."""
         self._call(self._stub.Publish, pb.PublishRequest(
             agent_id=agent_id,
             replica_id=replica_id,
@@ -211,6 +214,7 @@ class ReferenceClient:
             chunk_bitmap=bytes(bitmap),
             origin=origin,
             retained=retained,
+            chunk_crc32=[] if chunk_crc32 is None else chunk_crc32.tolist(),
         ), not_found=lambda d: VersionNotFound(model, version, d))
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
@@ -342,4 +346,6 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
     )
     held = tuple(wire.region_from_wire(r) for r in msg.held) if msg.held else tuple(wire.whole_model(manifest))
     kind, regions, metadata = memory
-    return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap))
+    crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
+    return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap),
+                         crcs)

@@ -197,6 +197,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             num_chunks = -(-sum(sizes) // request.chunk_size)
             if len(request.chunk_bitmap) > -(-num_chunks // 8):
                 raise Invalid(f"chunk_bitmap is longer than the replica's {num_chunks} chunks")
+            if request.chunk_crc32 and len(request.chunk_crc32) != num_chunks:
+                raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for the replica's {num_chunks} chunks")
             replica = self.state.publish(
                 agent_id=agent_id,
                 replica_id=replica_id,
@@ -213,6 +215,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             )
             # A whole-model replica goes out with an empty held list, to keep Resolve small.
             replica.wire_held = [] if replica.whole else [wire.region_to_wire(i, r) for i, r in replica.held]
+            replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
             entry = self.state.models[model][version]
             if entry.wire_manifest is None:
                 entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
@@ -329,6 +332,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 held=replica.wire_held,
                 chunk_size=replica.chunk_size,
                 memory_digest=digest,
+                chunk_crc32=replica.chunk_crc32 or [],
             )
             full = lean.SerializeToString() + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
             cached = replica.wire_info = (agent, digest, lean.SerializeToString(), full)

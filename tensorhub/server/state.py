@@ -149,6 +149,7 @@ class Replica:
     withdrawn: bool = False
     wire_held: Any = None  # opaque: the service's wire form of ``held``
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
+    chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
     source: Any = None  # cached (agent, complete, active reads, planner Source): see State.sources
     leases: set[str] = field(default_factory=set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
