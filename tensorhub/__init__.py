@@ -28,13 +28,13 @@ _EXPORTS = {
     "Labels": "tensorhub.topology",
     "Reliability": "tensorhub.topology",
     **{name: "tensorhub.errors" for name in (
-        "AlreadyPublished", "InvalidRequest", "ManifestMismatch", "PermissionDenied", "ServerUnavailable",
+        "AlreadyPublished", "IntegrityError", "InvalidRequest", "ManifestMismatch", "PermissionDenied", "ServerUnavailable",
         "SourceLost", "TensorHubError", "TransferStalled", "UnpublishTimeout", "VersionNotFound",
     )},
 }
 
 __all__ = [
-    "AlreadyPublished", "Hub", "HubConfig", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
+    "AlreadyPublished", "Hub", "HubConfig", "IntegrityError", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
     "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "SourceLost",
     "TensorHubError", "TensorSpec", "TransferStalled", "UnpublishTimeout", "VersionNotFound", "__version__",
 ]
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from tensorhub.client.publication import Publication
     from tensorhub.errors import (
         AlreadyPublished,
+        IntegrityError,
         InvalidRequest,
         ManifestMismatch,
         PermissionDenied,

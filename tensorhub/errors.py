@@ -73,3 +73,10 @@ class PermissionDenied(TensorHubError, PermissionError):
     """The reference server refused the call: this client lacks the server's
     token (UNAUTHENTICATED), or touched what belongs to another agent
     (PERMISSION_DENIED). Nothing was changed."""
+
+
+class IntegrityError(SourceLost):
+    """Bytes read from a source did not match the checksums its publisher
+    computed (memory corrupted, or stale bytes after reuse), and no other holder
+    had good ones. Every such source was reported and excluded; no corrupted
+    chunk was served to other readers."""

@@ -23,6 +23,10 @@ class HubConfig:
     read_workers: int = 2  # READs in flight per pull: twice this (one thread posts and polls them)
     chunk_timeout_s: float = 10.0  # a chunk read making no progress this long = source lost
     pull_timeout_s: float = 600.0  # a whole pull, failovers included
+    # Publishers compute a CRC-32 of every chunk once (tensorhub.integrity) and
+    # readers check each chunk they read against it, failing over from a source
+    # whose bytes do not match. Off: publish sends none and pulls check nothing.
+    verify_chunks: bool = True
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

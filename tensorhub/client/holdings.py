@@ -19,15 +19,17 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication, PubState
-from tensorhub.client.rpc import AgentUnknown, ReferenceClient
+from tensorhub.client.rpc import AgentUnknown, ReferenceClient, RemoteReplica
 from tensorhub.errors import ServerUnavailable, TensorHubError, UnpublishTimeout
+from tensorhub.integrity import chunk_checksums
 from tensorhub.manifest import Manifest
 from tensorhub.shard import Part
 from tensorhub.transport import NixlAgent
@@ -125,12 +127,17 @@ class Holdings:
     # ---------------------------------------------------------------- publishing
 
     def publish(self, model: str, version: int, manifest: Manifest, parts: list[Part], chunk_size: int, *,
-                origin: bool = True, complete: bool = True, retained: bool = False) -> Publication:
-        """Register ``parts`` in place and announce them as a replica."""
+                origin: bool = True, complete: bool = True, retained: bool = False,
+                chunk_crc32: np.ndarray | None = None) -> Publication:
+        """Register ``parts`` in place and announce them as a replica. A complete
+        replica's chunk checksums are computed here, once, from its memory
+        (unless given: a copy of a replica has its checksums)."""
+        if chunk_crc32 is None and complete and self.config.verify_chunks:
+            chunk_crc32 = _checksums(parts, chunk_size)
         registration = self._nixl.register([p.tensor for p in parts])
         pub = Publication(self, model=model, version=version, replica_id=f"{self.agent_id}.{next(self._replica_seq)}",
                           manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
-                          origin=origin, complete=complete, retained=retained)
+                          origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32)
         try:
             self.with_agent(lambda: self._announce(pub))
         except BaseException:
@@ -141,9 +148,14 @@ class Holdings:
         return pub
 
     def open_filling(self, model: str, version: int, manifest: Manifest, parts: list[Part],
-                     chunk_size: int) -> Publication:
-        """A pull's destination, served as its chunks land (see ``landed``)."""
-        return self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False)
+                     chunk_size: int, sources: Sequence[RemoteReplica] = ()) -> Publication:
+        """A pull's destination, served as its chunks land (see ``landed``).
+        Where it holds what one of ``sources`` holds, cut the same way, it
+        announces that source's checksums: they belong to the version, and its
+        readers check against them what it serves (it serves only checked chunks)."""
+        crcs = _same_layout_checksums(manifest, parts, chunk_size, sources) if self.config.verify_chunks else None
+        return self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False,
+                            chunk_crc32=crcs)
 
     def landed(self, pub: Publication, chunks: list[int], complete: bool = False) -> None:
         pub.mark_landed(chunks)
@@ -160,7 +172,7 @@ class Holdings:
             agent_id=self.agent_id, replica_id=pub.replica_id, model=pub.model, version=pub.version,
             manifest=pub.manifest, held=[] if pub.whole_model else pub.held, chunk_size=pub.chunk_size,
             kind=pub.registration.kind, regions=pub.registration.regions, metadata=pub.registration.metadata,
-            complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained,
+            complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained, chunk_crc32=pub.chunk_crc32,
         )
 
     def find(self, model: str, version: int) -> list[Publication]:
@@ -224,7 +236,8 @@ class Holdings:
             buffer.copy_(part.tensor)
         log.info("retaining %r v%d in host memory (%d bytes)", pub.model, pub.version, pub.nbytes)
         parts = [Part(p.name, p.full_shape, p.region, b) for p, b in zip(pub.parts, buffers)]
-        return self.publish(pub.model, pub.version, pub.manifest, parts, pub.chunk_size, retained=True)
+        return self.publish(pub.model, pub.version, pub.manifest, parts, pub.chunk_size, retained=True,
+                            chunk_crc32=pub.chunk_crc32)
 
     def _release_retained(self, pub: Publication) -> None:
         """The server no longer needs this retained copy: drop it, keep its buffer."""
@@ -259,3 +272,24 @@ class Holdings:
 
     def shutdown_local(self) -> None:
         self._chores.shutdown(wait=True)
+
+
+def _checksums(parts: list[Part], chunk_size: int) -> np.ndarray | None:
+    """The chunk checksums of ``parts``' bytes, read in place; None for device
+    memory (its readers then cannot check it: no copy to host is made for this)."""
+    if not all(p.tensor.device.type == "cpu" and p.tensor.is_contiguous() for p in parts):
+        log.info("chunk checksums are computed for host memory only; readers of this replica cannot check it")
+        return None
+    return chunk_checksums([p.tensor for p in parts], chunk_size)
+
+
+def _same_layout_checksums(manifest: Manifest, parts: list[Part], chunk_size: int,
+                           sources: Sequence[RemoteReplica]) -> np.ndarray | None:
+    """The checksums of a source whose chunks are exactly those of ``parts``
+    (the same regions in the same order, the same chunk size), if one has them."""
+    index = manifest.index()
+    held = tuple((index[p.name], p.region) for p in parts)
+    for r in sources:
+        if r.chunk_crc32 is not None and r.chunk_size == chunk_size and r.held == held:
+            return r.chunk_crc32
+    return None

@@ -7,6 +7,7 @@ import enum
 import threading
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tensorhub.chunks import bitmap_empty, bitmap_full, bitmap_set
@@ -41,7 +42,7 @@ class Publication:
 
     def __init__(self, owner: Withdrawer, *, model: str, version: int, replica_id: str, manifest: Manifest,
                  parts: list[Part], chunk_size: int, registration: Registration, origin: bool, complete: bool,
-                 retained: bool = False) -> None:
+                 retained: bool = False, chunk_crc32: np.ndarray | None = None) -> None:
         self._owner = owner
         self.model = model
         self.version = version
@@ -52,6 +53,9 @@ class Publication:
         self.registration = registration
         self.origin = origin
         self.retained = retained  # a host copy kept only so the version stays pullable
+        # CRC-32 per chunk (tensorhub.integrity), announced with every publish so
+        # readers can check what they read; None: readers cannot check this replica.
+        self.chunk_crc32 = chunk_crc32
         index = manifest.index()
         self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
         num_chunks = -(-self.nbytes // chunk_size)
