@@ -55,6 +55,9 @@ class PullResult:
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     lost_sources: list[str] = field(default_factory=list)
     publication: Publication | None = None
+    # Checked against the publishers' chunk checksums, and not (no checksums, or a part of a holder's chunk).
+    verified_bytes: int = 0
+    unverified_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -193,7 +196,8 @@ class Hub:
             parts = destination_parts(manifest, into, model=model, version=resolved.version)
             if serve:
                 self._destinations.uncache(parts)
-                publication = self._holdings.open_filling(model, resolved.version, manifest, parts, chunk_size)
+                publication = self._holdings.open_filling(model, resolved.version, manifest, parts, chunk_size,
+                                                          resolved.replicas)
                 registration = publication.registration
             else:
                 registration = self._destinations.register(parts, cache=into is not None)
@@ -212,7 +216,7 @@ class Hub:
             rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels, resolved=resolved,
             layout=ReadLayout(manifest, read_parts, chunk_size), dest_kind=registration.kind,
             in_flight=2 * max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
-            seeds_per_zone=self.config.seeds_per_zone, progress=progress,
+            seeds_per_zone=self.config.seeds_per_zone, progress=progress, verify=self.config.verify_chunks,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=(lambda chunks: self._holdings.landed(publication, chunks)) if publication else None,
         )
@@ -233,7 +237,8 @@ class Hub:
             self._destinations.release(registration, cached=into is not None)
         return PullResult(model=model, version=resolved.version, tensors=result_tensors(parts), nbytes=stats.nbytes,
                           seconds=time.perf_counter() - start, bytes_by_source=stats.bytes_by_source,
-                          lost_sources=stats.lost_sources, publication=publication)
+                          lost_sources=stats.lost_sources, publication=publication,
+                          verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes)
 
     # ---------------------------------------------------------------- queries
 

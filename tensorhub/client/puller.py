@@ -5,7 +5,9 @@
        └─────────────────────────┴──── a source failed or vanished: re-plan what is left ◀───────┘
 
 A chunk of the reader's bytes is done when every transfer planned for it has
-landed; a chunk may come from several holders (one per shard it spans).
+landed; a chunk may come from several holders (one per shard it spans). It is
+reported (served to others) once checked against its sources' checksums
+(``verify.ChunkVerifier``); a mismatch excludes the source and reads it again.
 Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
@@ -28,7 +30,15 @@ import numpy as np
 
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
-from tensorhub.errors import ServerUnavailable, SourceLost, TensorHubError, TransferStalled, VersionNotFound
+from tensorhub.client.verify import ChunkVerifier, Mismatch
+from tensorhub.errors import (
+    IntegrityError,
+    ServerUnavailable,
+    SourceLost,
+    TensorHubError,
+    TransferStalled,
+    VersionNotFound,
+)
 from tensorhub.planner import choose_sources, relay_share, ring_offset
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
@@ -84,6 +94,9 @@ class PullStats:
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     lost_sources: list[str] = field(default_factory=list)
     rounds: int = 0
+    verified_bytes: int = 0  # checked against the publisher's chunk checksums
+    unverified_bytes: int = 0  # read from a source without checksums, or a holder chunk read in part
+    corrupt_sources: list[str] = field(default_factory=list)  # whose bytes failed the check
 
 
 class _Lease:
@@ -133,6 +146,9 @@ class PullJob:
     seeds_per_zone: int = 1  # readers of a zone that read across its boundary (planner.relay_share)
     progress: ProgressFn | None = None
     landed: LandedFn | None = None
+    verify: bool = True  # check chunks against their publishers' checksums (HubConfig.verify_chunks)
+    _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
+    _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
     _upfront: Resolved | None = None  # a resolve whose lease the next round uses
     # Read leases are kept until the pull ends: a holder that unpublishes
     # mid-pull waits for it (the contract), and it stays readable meanwhile.
@@ -151,15 +167,26 @@ class PullJob:
         res = self.resolved
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
+        self._checks = ChunkVerifier(self.verify)
         maps = self._maps(res.replicas, set())
         self._upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
             self._rounds(res, stats, needed, maps)
+        except SourceLost as e:
+            if not self._checks.mismatches or isinstance(e, IntegrityError):
+                raise
+            bad = ", ".join(f"{m.replica.source.agent_name} chunk {m.chunk}" for m in self._checks.mismatches[:4])
+            raise IntegrityError(res.model, res.version, stats.corrupt_sources,
+                                 f"bytes read from {bad} did not match their checksums, and no other "
+                                 f"holder has them ({e})") from None
         finally:
             self._drop_flights()
+            self._checks.close()  # no check reads the destination after this
             self._drop_upfront()
             for lease in self._leases:
                 lease.release()
+            stats.verified_bytes = self._checks.verified_bytes
+            stats.unverified_bytes = self._checks.unverified_bytes
         stats.nbytes = self.layout.total_bytes
         return stats
 
@@ -179,6 +206,7 @@ class PullJob:
             table = self._tables.get(rid)
             if table is None:
                 table = self._tables[rid] = self.layout.holder_table(r)
+                self._checks.add_holder(r, table)
             if len(table["r_off"]):
                 m = self.layout.holder_map(r, table)
                 if len(m.chunk):
@@ -274,10 +302,17 @@ class PullJob:
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
         stale_rounds = 0
-        while needed:
+        while needed or self._checks.busy:
             if time.monotonic() > self.deadline:
                 raise TransferStalled(res.model, res.version, stats.lost_sources,
                                       f"{len(needed)} chunk(s) still missing at the pull's deadline")
+            if not needed:  # everything landed: wait for the last checks
+                settled = self._checked(needed, excluded, stats, min(0.05, self.deadline - time.monotonic()))
+                if not needed and not self._checks.running:
+                    settled += self._checks.settle_rest()
+                if settled and self.landed is not None:
+                    self.landed(settled)
+                continue
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
             in_air = {entry[0] for entry in self._flying}
@@ -411,6 +446,7 @@ class PullJob:
             self._pending[chunk] = len(planned)
             self._failed.discard(chunk)
             self._got.pop(chunk, None)
+            self._arrived.pop(chunk, None)
         pending, failed, got, flying = self._pending, self._failed, self._got, self._flying
         lost_now: set[str] = set()
         landed: list[int] = []
@@ -456,7 +492,7 @@ class PullJob:
                         posting = False
                         break
                     chunk, transfer = item
-                    if transfer.replica_id in lost_now or chunk in failed:
+                    if transfer.replica_id in lost_now or transfer.replica_id in excluded or chunk in failed:
                         failed.add(chunk)  # stays needed: the next round re-plans it
                         continue
                     post(chunk, transfer)
@@ -482,6 +518,7 @@ class PullJob:
                     by_source = got.setdefault(chunk, {})
                     name = replica.source.agent_name
                     by_source[name] = by_source.get(name, 0) + transfer.nbytes
+                    self._arrived.setdefault(chunk, []).append(transfer)
                     pending[chunk] -= 1
                     if pending[chunk] == 0:
                         # Counted once the whole chunk is in: a chunk that failed
@@ -492,7 +529,8 @@ class PullJob:
                         done_bytes += layout.chunk_bytes(chunk)
                         self._progress_at = time.monotonic()
                         needed.discard(chunk)
-                        landed.append(chunk)
+                        landed.extend(self._checks.landed(chunk, self._arrived.pop(chunk, ())))
+                landed.extend(self._checked(needed, excluded, stats))
                 for entry in finished:
                     flying.remove(entry)
                     self.nixl.release(entry[2])
@@ -520,6 +558,7 @@ class PullJob:
                 failed.discard(chunk)
                 pending.pop(chunk, None)
                 got.pop(chunk, None)
+                self._arrived.pop(chunk, None)
         if landed and self.landed is not None:
             self.landed(landed)
 
@@ -527,6 +566,24 @@ class PullJob:
         for entry in self._flying:
             self.nixl.release(entry[2])
         self._flying.clear()
+
+    def _checked(self, needed: set[int], excluded: set[str], stats: PullStats, wait_s: float = 0.0) -> list[int]:
+        """Collect finished checks: the chunks now settled. A source whose bytes
+        failed one is reported and excluded, and the chunks that took bytes of
+        the bad chunk are needed again (read from another holder)."""
+        settled, bad = self._checks.poll(wait_s)
+        for m in bad:
+            self._reject(m, excluded, stats)
+            needed |= m.rereads
+        return settled
+
+    def _reject(self, m: Mismatch, excluded: set[str], stats: PullStats) -> None:
+        rid = m.replica.source.replica_id
+        if rid in excluded:
+            return
+        excluded.add(rid)
+        stats.corrupt_sources.append(m.replica.source.agent_name)
+        self._lose(m.replica, m.reason(), stats)
 
     def _lose(self, replica: RemoteReplica, reason: str, stats: PullStats) -> None:
         rid = replica.source.replica_id

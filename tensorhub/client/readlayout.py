@@ -60,6 +60,7 @@ class Transfer:
     local: np.ndarray
     remote: np.ndarray
     nbytes: int
+    h_off: np.ndarray | None = None  # per descriptor: its offset in the holder's own bytes (checksums)
 
 
 class HolderMap:
@@ -183,7 +184,7 @@ class ReadLayout:
             nbytes = int(cols["length"].sum())
             local = np.stack([cols["local"], cols["length"], cols["local_dev"]], axis=1).astype(np.uint64)
             remote = np.stack([cols["remote"], cols["length"], cols["remote_dev"]], axis=1).astype(np.uint64)
-            out.append(Transfer(holder.replica_id, local, remote, nbytes))
+            out.append(Transfer(holder.replica_id, local, remote, nbytes, cols["h_off"]))
             got += nbytes
             if got >= need:
                 return out

@@ -1,0 +1,208 @@
+"""Checking what a pull read against its sources' chunk checksums.
+
+A source's checksums (``tensorhub.integrity``) are per chunk of *its* bytes
+(its held regions back to back), which need not line up with the reader's
+chunks: a reader's chunk may take bytes from several holders, and a holder's
+chunk may be spread over several reader chunks (or reader tensors).
+
+    reader chunk lands ──▶ its READs' pieces, filed by (holder, holder chunk)
+                                │ every byte of a holder chunk landed from that holder
+                                ▼
+                      CRC-32 of the destination pieces in the holder's order
+                      (helper thread: zlib releases the GIL, READs go on)
+                                │
+              ok: reader chunks waiting only on checked holder chunks are settled
+              bad: the holder is reported and excluded; the reader chunks that took
+                   bytes of that holder chunk are read again from another holder
+
+A reader chunk is *settled* (reported to the server, served to others) only
+once every holder chunk it read from is checked, or cannot be: a holder chunk
+the read set does not cover whole (a TP slice reads part of it), one whose
+bytes came from two holders, or a source without checksums. Those bytes are
+counted as unverified. Checks need the destination in host memory (DRAM).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import logging
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorhub.client.readlayout import Transfer
+from tensorhub.client.rpc import RemoteReplica
+
+log = logging.getLogger(__name__)
+
+_Key = tuple[str, int]  # (replica id, holder chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A holder chunk whose bytes did not match its publisher's checksum."""
+
+    replica: RemoteReplica
+    chunk: int  # of the holder's own chunks
+    rereads: frozenset[int]  # reader chunks that took bytes of it: to be read again
+    expected: int
+    got: int
+
+    def reason(self) -> str:
+        return (f"integrity: chunk {self.chunk} read from it has CRC-32 {self.got:08x}, its publisher's is "
+                f"{self.expected:08x} (memory corrupted or overwritten while published)")
+
+
+class _Holder:
+    """One source's checksums and which of its chunks the read set covers whole."""
+
+    def __init__(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> None:
+        self.replica = replica
+        self.chunk_size = replica.chunk_size
+        crcs = replica.chunk_crc32
+        total = int(replica.regions[:, 1].sum()) if len(replica.regions) else 0
+        num = -(-total // self.chunk_size) if self.chunk_size else 0
+        self.crcs = crcs if crcs is not None and len(crcs) == num else None
+        if self.crcs is None:
+            self.checkable = np.zeros(num, bool)
+            return
+        full = np.full(num, self.chunk_size, np.int64)
+        if num:
+            full[-1] = total - (num - 1) * self.chunk_size
+        in_set = np.bincount(table["h_off"] // self.chunk_size, weights=table["length"], minlength=num)
+        self.checkable = in_set[:num].astype(np.int64) == full
+        self.full = full
+
+
+class ChunkVerifier:
+    """The checks of one pull. Not thread-safe: driven from the pull's thread;
+    only the CRC itself runs on the helper thread."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._holders: dict[str, _Holder] = {}
+        self._pieces: dict[_Key, dict[int, tuple[int, int]]] = {}  # h_off -> (local addr, length)
+        self._readers: dict[_Key, set[int]] = {}  # reader chunks that took bytes of a holder chunk
+        self._waits: dict[int, set[_Key]] = {}  # landed reader chunk -> holder chunks not yet checked
+        self._checked: set[_Key] = set()
+        self._bad: set[_Key] = set()
+        self._running: dict[_Key, cf.Future] = {}
+        self.verified_bytes = 0
+        self.unverified_bytes = 0
+        self.mismatches: list[Mismatch] = []
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def add_holder(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> None:
+        if self.enabled:
+            self._holders[replica.source.replica_id] = _Holder(replica, table)
+
+    @property
+    def busy(self) -> bool:
+        """Reader chunks landed but not settled yet."""
+        return bool(self._waits)
+
+    def landed(self, chunk: int, transfers: Iterable[Transfer]) -> list[int]:
+        """Reader ``chunk`` has landed through ``transfers``; the reader chunks settled now."""
+        waits: set[_Key] = set()
+        for t in transfers:
+            holder = self._holders.get(t.replica_id)
+            if holder is None or holder.crcs is None or t.h_off is None:
+                self.unverified_bytes += t.nbytes
+                continue
+            own = t.h_off // holder.chunk_size
+            for j in np.unique(own).tolist():
+                key = (t.replica_id, j)
+                rows = own == j
+                if not holder.checkable[j] or key in self._bad:
+                    self.unverified_bytes += int(t.local[rows, 1].sum())
+                    continue
+                self._readers.setdefault(key, set()).add(chunk)
+                if key in self._checked:
+                    continue
+                pieces = self._pieces.setdefault(key, {})
+                for h, addr, n in zip(t.h_off[rows].tolist(), t.local[rows, 0].tolist(), t.local[rows, 1].tolist()):
+                    pieces[int(h)] = (int(addr), int(n))
+                waits.add(key)
+                if key not in self._running and sum(n for _, n in pieces.values()) == holder.full[j]:
+                    self._submit(key, holder)
+        if not waits:
+            return [chunk]
+        self._waits[chunk] = waits
+        return []
+
+    def _submit(self, key: _Key, holder: _Holder) -> None:
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-verify")
+        pieces = [self._pieces[key][h] for h in sorted(self._pieces[key])]
+        self._running[key] = self._pool.submit(_crc, pieces)
+
+    def poll(self, wait_s: float = 0.0) -> tuple[list[int], list[Mismatch]]:
+        """Finished checks: reader chunks settled, and mismatches (their reader
+        chunks must be read again, see ``forget``). ``wait_s``: wait this long at
+        most for the running checks."""
+        if not self._running:
+            return [], []
+        if wait_s > 0:
+            cf.wait(self._running.values(), timeout=wait_s)
+        settled: list[int] = []
+        bad: list[Mismatch] = []
+        for key, future in [(k, f) for k, f in self._running.items() if f.done()]:
+            del self._running[key]
+            got = future.result()
+            holder = self._holders[key[0]]
+            expected = int(holder.crcs[key[1]])
+            pieces = self._pieces.pop(key)
+            nbytes = sum(n for _, n in pieces.values())
+            if got == expected:
+                self._checked.add(key)
+                self.verified_bytes += nbytes
+                for c in self._readers.get(key, ()):
+                    waits = self._waits.get(c)
+                    if waits is not None:
+                        waits.discard(key)
+                        if not waits:
+                            del self._waits[c]
+                            settled.append(c)
+            else:
+                self._bad.add(key)
+                rereads = frozenset(self._readers.pop(key, ()))
+                for c in rereads:
+                    self.forget(c)
+                bad.append(Mismatch(holder.replica, key[1], rereads, expected, got))
+        self.mismatches.extend(bad)
+        return settled, bad
+
+    def forget(self, chunk: int) -> None:
+        """Reader ``chunk`` will be read again: it waits for nothing until it lands anew."""
+        self._waits.pop(chunk, None)
+
+    def settle_rest(self) -> list[int]:
+        """Every READ has landed and every check finished: what still waits can
+        never be checked (a holder chunk whose bytes came from two holders).
+        Settle it unchecked."""
+        rest = sorted(self._waits)
+        for key in {k for waits in self._waits.values() for k in waits}:
+            pieces = self._pieces.pop(key, {})
+            self.unverified_bytes += sum(n for _, n in pieces.values())
+        self._waits.clear()
+        return rest
+
+    @property
+    def running(self) -> bool:
+        return bool(self._running)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def _crc(pieces: list[tuple[int, int]]) -> int:
+    """CRC-32 of host memory pieces (address, length) back to back, read in place."""
+    value = 0
+    for addr, n in pieces:
+        value = zlib.crc32((ctypes.c_char * n).from_address(addr), value)
+    return value
