@@ -206,6 +206,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
         held[(model, result.version)] = result.publication
     out = {"version": result.version, "nbytes": result.nbytes, "seconds": result.seconds, "start": start,
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
+           "verified": result.verified_bytes, "unverified": result.unverified_bytes,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
     if expect_seed is not None and specs is not None:
         expected = make_tensors(specs, result.version if expect_seed == "version" else expect_seed)
@@ -250,6 +251,13 @@ def _overwrite(hub: Any, held: dict, *, model: str, version: int, seed: int) -> 
         tensors[name].copy_(new)
 
 
+def _corrupt(hub: Any, held: dict, *, model: str, version: int, tensor: str, byte: int = 0) -> None:
+    """Flip the bits of one byte of a published tensor in place, behind the hub's back
+    (what a memory fault or a stray write does): its chunk checksum no longer matches."""
+    flat = held[(model, version)].tensors[tensor].view(-1).view(torch.uint8)  # published, or served by a pull
+    flat[byte] ^= 0xFF
+
+
 def _latest(hub: Any, held: dict, *, model: str) -> int:
     return hub.latest(model)
 
@@ -264,7 +272,7 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
 
 _HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "unpublish": _unpublish, "pull": _pull,
              "pull_latest_loop": _pull_latest_loop, "latest": _latest, "versions": _versions,
-             "overwrite": _overwrite, "wait_for_version": _wait_for_version}
+             "overwrite": _overwrite, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
 
 
 class HubProcess:

@@ -1,17 +1,21 @@
 """Per-chunk checksums (tensorhub.integrity): the publisher's chunks of its held
 regions back to back, checked against plain CRC-32 of the same bytes; a byte
-changed after publish is found in exactly its chunk."""
+changed after publish is found in exactly its chunk. Then end to end: readers
+check what they read, fail over from a corrupted holder, and never serve or
+return its bytes."""
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import numpy as np
 import pytest
 import torch
 
+from tensorhub import Hub
 from tensorhub.integrity import checksum, chunk_checksums, mismatched_chunks
-from tensorhub.testing import make_tensors, mixed_specs
+from tensorhub.testing import RemoteError, make_tensors, mixed_specs
 
 
 def _reference(tensors, chunk_size):
@@ -48,3 +52,83 @@ def test_what_cannot_be_checked_is_refused():
         chunk_checksums([torch.randn(8)], 0)
     with pytest.raises(ValueError, match="3 checksums for 1 chunks"):
         mismatched_chunks([torch.randn(8)], 4096, np.zeros(3, np.uint32))
+
+
+# ---------------------------------------------------------------- end to end
+# Real processes, real NIXL, a real server: a holder's memory is corrupted after
+# publish (one byte flipped in place, in its own process) and readers pull.
+
+SPECS = mixed_specs(24, largest_bytes=256 << 10)
+CHUNK = 64 << 10
+BAD_TENSOR = max(make_tensors(SPECS, 0).items(), key=lambda kv: kv[1].nbytes)[0]  # spans several chunks
+
+
+def _holder(hubs, name: str, host: str, **config):
+    return hubs(name, labels={"host": host}, chunk_size=CHUNK, **config)
+
+
+def test_a_corrupted_holder_is_reported_and_its_chunk_read_from_a_good_one(hubs):
+    good, bad = _holder(hubs, "good", "far"), _holder(hubs, "bad", "near")
+    for h in (good, bad):
+        h.call("publish", model="m", version=1, specs=SPECS, seed=1)
+    bad.call("corrupt", model="m", version=1, tensor=BAD_TENSOR, byte=100)
+    reader = _holder(hubs, "reader", "near")  # the bad holder is nearer: read first
+    got = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
+    assert got["mismatched"] == []  # byte-exact: the bad chunk came from the good holder
+    assert got["lost"] == ["bad"]  # reported to the server and excluded
+    assert 0 < got["sources"]["good"] < got["nbytes"]  # only what the bad holder got wrong
+    assert got["verified"] == got["nbytes"] and got["unverified"] == 0
+
+
+def test_without_verification_the_corruption_reaches_the_reader(hubs):
+    """The control for the test above: the same fault, checks off, wrong bytes."""
+    good, bad = _holder(hubs, "good", "far"), _holder(hubs, "bad", "near")
+    for h in (good, bad):
+        h.call("publish", model="m", version=1, specs=SPECS, seed=1)
+    bad.call("corrupt", model="m", version=1, tensor=BAD_TENSOR, byte=100)
+    reader = _holder(hubs, "reader", "near", verify_chunks=False)
+    got = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
+    assert got["mismatched"] == [BAD_TENSOR] and got["lost"] == [] and got["verified"] == 0
+
+
+def test_only_a_corrupted_holder_fails_typed_and_serves_nothing(server, hubs):
+    bad = _holder(hubs, "bad", "near")
+    bad.call("publish", model="m", version=1, specs=SPECS, seed=1)
+    bad.call("corrupt", model="m", version=1, tensor=BAD_TENSOR, byte=7)
+    reader = _holder(hubs, "reader", "near")
+    start = time.monotonic()
+    with pytest.raises(RemoteError) as err:
+        reader.call("pull", model="m", version=1, specs=SPECS, serve=True, timeout=30)
+    assert err.value.type_name == "IntegrityError"
+    assert "bad" in err.value.message and "did not match their checksums" in err.value.message
+    assert time.monotonic() - start < 30
+    # The reader's partial replica was withdrawn: no one can read its chunks.
+    with Hub.connect(server.address, name="probe") as probe:
+        holders = probe._rpc.resolve(probe.agent_id, "m", 1).replicas
+    assert [r.source.agent_name for r in holders] == ["bad"]
+
+
+def test_a_relay_serves_checked_chunks_with_the_versions_checksums(hubs):
+    """A reader that serves what it pulled announces the origin's checksums (its
+    chunks are cut the same way): its own readers check what they read from it."""
+    trainer, relay = _holder(hubs, "trainer", "far"), _holder(hubs, "relay", "near")
+    trainer.call("publish", model="m", version=1, specs=SPECS, seed=1)
+    got = relay.call("pull", model="m", version=1, specs=SPECS, expect_seed=1, serve=True)
+    assert got["mismatched"] == [] and got["verified"] == got["nbytes"]
+    relay.call("corrupt", model="m", version=1, tensor=BAD_TENSOR, byte=3)
+    reader = _holder(hubs, "reader", "near")
+    got = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
+    assert got["mismatched"] == [] and got["lost"] == ["relay"]
+    assert 0 < got["sources"]["trainer"] < got["nbytes"]
+
+
+def test_shards_are_checked_and_slices_of_their_chunks_are_counted_unchecked(hubs):
+    ranks = [_holder(hubs, f"rank{r}", "far") for r in range(2)]
+    for r, h in enumerate(ranks):
+        h.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=r, world=2)
+    reader = _holder(hubs, "reader", "near")
+    whole = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
+    assert whole["mismatched"] == [] and whole["verified"] == whole["nbytes"]
+    tp = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1, read=("tp", 0, 2))
+    assert tp["mismatched"] == [] and tp["unverified"] > 0
+    assert tp["verified"] + tp["unverified"] == tp["nbytes"]
