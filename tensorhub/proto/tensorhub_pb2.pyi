@@ -387,3 +387,101 @@ class ListVersionsResponse(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionSummary]
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class AgentStatus(_message.Message):
+    __slots__ = ("agent_id", "name", "labels", "reliability", "expires_in_s")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    RELIABILITY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    name: str
+    labels: Labels
+    reliability: Reliability
+    expires_in_s: float
+    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "agent_id", "state", "chunks_present", "num_chunks", "origin", "retained", "withdrawn", "held_regions", "held_bytes", "active_reads")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
+    HELD_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_READS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    agent_id: str
+    state: ReplicaState
+    chunks_present: int
+    num_chunks: int
+    origin: bool
+    retained: bool
+    withdrawn: bool
+    held_regions: int
+    held_bytes: int
+    active_reads: int
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunks_present: _Optional[int] = ..., num_chunks: _Optional[int] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., withdrawn: _Optional[bool] = ..., held_regions: _Optional[int] = ..., held_bytes: _Optional[int] = ..., active_reads: _Optional[int] = ...) -> None: ...
+
+class VersionStatus(_message.Message):
+    __slots__ = ("version", "visible", "fingerprint", "tensors", "total_bytes", "missing", "replicas")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    visible: bool
+    fingerprint: str
+    tensors: int
+    total_bytes: int
+    missing: str
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, version: _Optional[int] = ..., visible: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., missing: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("model", "versions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    versions: _containers.RepeatedCompositeFieldContainer[VersionStatus]
+    def __init__(self, model: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[VersionStatus, _Mapping]]] = ...) -> None: ...
+
+class LeaseStatus(_message.Message):
+    __slots__ = ("lease_id", "agent_id", "replica_ids", "expires_in_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    agent_id: str
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    expires_in_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("instance_id", "uptime_s", "agents", "models", "leases")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    uptime_s: float
+    agents: _containers.RepeatedCompositeFieldContainer[AgentStatus]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
+    def __init__(self, instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...

@@ -94,6 +94,11 @@ class ReferenceServiceStub:
                 request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.SerializeToString,
                 response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/tensorhub.v1.ReferenceService/Describe',
+                request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class ReferenceServiceServicer:
@@ -171,6 +176,12 @@ class ReferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_ReferenceServiceServicer_to_server(servicer, server):
                     servicer.WaitForVersion,
                     request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.FromString,
                     response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.DescribeRequest.FromString,
+                    response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class ReferenceService:
             '/tensorhub.v1.ReferenceService/WaitForVersion',
             tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.SerializeToString,
             tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.ReferenceService/Describe',
+            tensorhub_dot_proto_dot_tensorhub__pb2.DescribeRequest.SerializeToString,
+            tensorhub_dot_proto_dot_tensorhub__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
