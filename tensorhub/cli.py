@@ -82,6 +82,20 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     return bench.run(cfg, json_path=args.json)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from tensorhub.chaos.campaign import ChaosConfig, run
+
+    try:
+        cfg = ChaosConfig(minutes=args.minutes, seed=args.seed, readers=args.readers)
+    except ValueError as e:
+        print(f"tensorhub chaos: {e}", file=sys.stderr)
+        return 2
+    tally = run(cfg, json_path=args.json)
+    print(tally.line())
+    clean = not (tally.mismatches or tally.hangs or tally.untyped_count or tally.leaked or tally.crashes)
+    return 0 if clean else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tensorhub import demo
     from tensorhub.bench.payload import parse_size
@@ -132,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-rl", action="store_true",
                       help="skip the RL loop at the end (broadcast vs TensorHub, as `tensorhub bench rl`)")
     demo.set_defaults(func=_demo)
+
+    chaos = sub.add_parser("chaos", help="a seeded fault campaign on emulated hosts (netns + tc, needs root): "
+                           "holder kills, link cuts, server restarts, slow readers, unpublish mid-pull")
+    chaos.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected (default 10)")
+    chaos.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (default 0)")
+    chaos.add_argument("--readers", type=int, default=4, help="relaying reader processes (default 4)")
+    chaos.add_argument("--json", help="write the counts here as JSON")
+    chaos.set_defaults(func=_chaos)
 
     bench = sub.add_parser("bench", help="benchmarks against baselines run in the same process tree")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -127,6 +127,12 @@ class Hosts:
     def restore(self, name: str) -> None:
         _ip("-n", self.switch, "link", "set", f"p{self.names.index(name)}", "up")
 
+    def set_rate(self, name: str, rate: str) -> None:
+        """Cap host ``name``'s link at ``rate`` (both directions, as tc writes it,
+        e.g. "20mbit"), replacing its cap: a slow host; set the old rate to undo."""
+        _tbf(self._ns[name], "eth0", rate)
+        _tbf(self.switch, f"p{self.names.index(name)}", rate)
+
     def close(self) -> None:
         for ns in [*self._ns.values(), self.switch]:
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()

@@ -1,0 +1,118 @@
+"""What a campaign counts, and its JSON form:
+
+    {"faults": {kind: n}, "skipped": {kind: n}, "pulls_ok": n, "idle_pulls": n,
+     "failures": {ErrorType: n}, "untyped": [...], "mismatches": n, "mismatch_details": [...],
+     "hangs": n, "hang_details": [{"who", "op", "seconds", "stacks"}], "crashes": n,
+     "unpublishes": n, "unpublish_overruns": n, "unpublish_max_s": s, "late_failures": n,
+     "versions": n, "leaks": {...}, "seed": s, "minutes": m, "seconds": s, "schedule": [...]}
+
+A failure is typed when it is a ``TensorHubError``; anything else counts under
+``failures`` as ``UNTYPED:<Type>`` and its traceback goes to ``untyped``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class Tally:
+    seed: int
+    minutes: float
+    unpublish_timeout_s: float
+    faults: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)
+    pulls_ok: int = 0
+    idle_pulls: int = 0
+    failures: Counter = field(default_factory=Counter)
+    untyped: list[dict] = field(default_factory=list)
+    examples: dict[str, str] = field(default_factory=dict)  # one message per failure type
+    overrun_details: list[dict] = field(default_factory=list)
+    mismatches: int = 0
+    mismatch_details: list[dict] = field(default_factory=list)
+    hangs: int = 0
+    hang_details: list[dict] = field(default_factory=list)
+    crashes: int = 0
+    crash_details: list[str] = field(default_factory=list)
+    unpublishes: int = 0
+    unpublish_overruns: int = 0
+    unpublish_max_s: float = 0.0
+    late_failures: int = 0
+    versions: int = 0
+    bytes_pulled: int = 0
+    leaks: dict[str, int] = field(default_factory=dict)
+    applied: list[list] = field(default_factory=list)  # [at_s, kind, target, duration_s]
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds of start-up, faults, settle, drain, close
+
+    def answer(self, who: str, answer: dict[str, Any], elapsed_s: float, allowed_s: float) -> None:
+        """Count one operation's answer (see worker.py)."""
+        for seconds in answer.get("unpublish_s", []):
+            self.unpublishes += 1
+            self.unpublish_max_s = max(self.unpublish_max_s, seconds)
+            if seconds > self.unpublish_timeout_s + 1.0:  # its own timeout, plus a second of slack
+                self.unpublish_overruns += 1
+                self.overrun_details.append({"who": who, "op": answer.get("op"), "seconds": round(seconds, 2),
+                                             "errors": answer.get("unpublish_messages", [])})
+        for name, message in zip(answer.get("unpublish_errors", []), answer.get("unpublish_messages", [])):
+            self.failures[name] += 1
+            self.examples.setdefault(name, message)
+        if "error" in answer:
+            self.failure(who, answer)
+            if elapsed_s > allowed_s:
+                self.late_failures += 1
+        elif answer.get("idle"):
+            self.idle_pulls += 1
+        elif answer.get("op") == "pull":
+            if answer.get("mismatched"):
+                self.mismatches += 1
+                self.mismatch_details.append({"who": who, "version": answer.get("version"),
+                                              "tensors": answer["mismatched"], "sources": answer.get("sources")})
+            else:
+                self.pulls_ok += 1
+                self.bytes_pulled += answer.get("nbytes", 0)
+
+    def failure(self, who: str, answer: dict[str, Any]) -> None:
+        name = answer["error"] if answer.get("typed") else f"UNTYPED:{answer['error']}"
+        self.failures[name] += 1
+        self.examples.setdefault(name, answer.get("message", ""))
+        if not answer.get("typed") and len(self.untyped) < 20:
+            self.untyped.append({"who": who, "op": answer.get("op"), "error": answer["error"],
+                                 "message": answer.get("message", ""), "traceback": answer.get("traceback", "")})
+
+    @property
+    def untyped_count(self) -> int:
+        return sum(n for name, n in self.failures.items() if name.startswith("UNTYPED:"))
+
+    @property
+    def leaked(self) -> int:
+        return sum(self.leaks.values())
+
+    def line(self) -> str:
+        """The live line."""
+        faults = " ".join(f"{k.split('_')[0]} {n}" for k, n in sorted(self.faults.items()))
+        fails = sum(self.failures.values())
+        return (f"{self.seconds:5.0f} s  faults {sum(self.faults.values())} ({faults})  v{self.versions}  "
+                f"pulls ok {self.pulls_ok}  failed {fails} (untyped {self.untyped_count})  "
+                f"mismatches {self.mismatches}  hangs {self.hangs}  crashes {self.crashes}  "
+                f"unpublish max {self.unpublish_max_s:.1f} s")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"faults": dict(self.faults), "skipped": dict(self.skipped), "pulls_ok": self.pulls_ok,
+                "idle_pulls": self.idle_pulls, "failures": dict(self.failures), "untyped": self.untyped,
+                "failure_examples": self.examples, "overrun_details": self.overrun_details[:20],
+                "mismatches": self.mismatches, "mismatch_details": self.mismatch_details[:20], "hangs": self.hangs,
+                "hang_details": self.hang_details, "crashes": self.crashes, "crash_details": self.crash_details[:20],
+                "unpublishes": self.unpublishes, "unpublish_overruns": self.unpublish_overruns,
+                "unpublish_max_s": round(self.unpublish_max_s, 3), "late_failures": self.late_failures,
+                "versions": self.versions, "bytes_pulled": self.bytes_pulled, "leaks": self.leaks,
+                "seed": self.seed, "minutes": self.minutes, "seconds": round(self.seconds, 1),
+                "phases": {k: round(v, 1) for k, v in self.phases.items()},
+                "applied": self.applied}
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)

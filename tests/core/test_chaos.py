@@ -1,0 +1,102 @@
+"""The fault campaign (tensorhub chaos): a short seeded run on emulated hosts
+with every kind of fault must end with every byte checked and right, every
+failure typed, nothing hung and nothing left behind; and the campaign's own
+checks must be able to fail (a corrupted payload is a mismatch, an untyped
+error is counted as such, a stuck process is a hang with its stacks dumped)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tensorhub import netns
+from tensorhub.chaos import payload
+from tensorhub.chaos.campaign import Campaign, ChaosConfig, run
+from tensorhub.chaos.schedule import KINDS, schedule
+from tensorhub.chaos.server import Server
+from tensorhub.chaos.tally import Tally
+
+needs_root = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+
+
+def test_schedule_is_seeded_and_has_every_kind():
+    a, b = schedule(1, 120), schedule(1, 120)
+    assert a == b and a != schedule(2, 120)
+    assert {f.kind for f in a} == set(KINDS)
+    assert all(3.0 < f.at_s < 120 for f in a) and [f.at_s for f in a] == sorted(f.at_s for f in a)
+    with pytest.raises(ValueError, match="fault kinds"):
+        schedule(1, 10, kinds=("meteor",))
+
+
+def test_the_checker_can_fail():
+    """A corrupted byte, another version's bytes, a missing tensor: each is a mismatch."""
+    scale = 0.05
+    good = payload.full_tensors(7, seed=3, scale=scale)
+    assert payload.mismatched(good, 7, 3, scale) == []
+    assert payload.mismatched(good, 8, 3, scale) == list(good)  # another version differs everywhere
+    assert payload.mismatched(good, 7, 4, scale) == list(good)  # and so does another seed
+    corrupt = {k: v.clone() for k, v in good.items()}
+    corrupt["proj"].view(-1).view(torch.uint8)[-1] ^= 1  # one bit of the last byte
+    assert payload.mismatched(corrupt, 7, 3, scale) == ["proj"]
+    assert payload.mismatched({k: v for k, v in good.items() if k != "head"}, 7, 3, scale) == ["head"]
+    # The ranks' shards put together are the version.
+    shards = [payload.rank_shards(7, 3, r, 2, scale)[0] for r in range(2)]
+    joined = {k: torch.cat([s[k].tensor for s in shards]) if k not in payload.REPLICATED else shards[0][k].tensor
+              for k in good}
+    assert payload.mismatched(joined, 7, 3, scale) == []
+
+    tally = Tally(seed=0, minutes=0, unpublish_timeout_s=8.0)
+    tally.answer("r0", {"op": "pull", "version": 7, "mismatched": ["proj"]}, 1.0, 10.0)
+    tally.answer("r0", {"op": "pull", "version": 7, "mismatched": [], "nbytes": 5}, 1.0, 10.0)
+    tally.answer("r1", {"op": "pull", "error": "KeyError", "typed": False, "message": "x"}, 1.0, 10.0)
+    tally.answer("r1", {"op": "pull", "error": "SourceLost", "typed": True, "message": "y"}, 30.0, 10.0)
+    tally.answer("t0", {"op": "step", "unpublish_s": [3.0, 9.5]}, 9.5, 30.0)
+    assert (tally.mismatches, tally.pulls_ok, tally.untyped_count, tally.late_failures) == (1, 1, 1, 1)
+    assert tally.failures == {"UNTYPED:KeyError": 1, "SourceLost": 1}
+    assert (tally.unpublishes, tally.unpublish_overruns) == (2, 1)
+
+
+@needs_root
+def test_a_stuck_process_is_a_hang_with_its_stacks(tmp_path):
+    cfg = ChaosConfig(minutes=1, readers=1, trainer_ranks=1)
+    with netns.Hosts(["server", "t0", "r0"]) as hosts:
+        server = Server(hosts.addr("server"), 50152, hosts.netns("server"), agent_ttl_s=3, lease_ttl_s=3)
+        server.start()
+        campaign = Campaign(cfg, hosts, server, str(tmp_path))
+        try:
+            server.wait_ready(60)
+            campaign.spawn("r0")
+            worker = campaign.workers["r0"]
+            deadline = time.monotonic() + 120
+            while not worker.ready and time.monotonic() < deadline:
+                campaign._collect(time.monotonic())
+                time.sleep(0.1)
+            worker.send("stall", 1.0, seconds=60)
+            while campaign.tally.hangs == 0 and time.monotonic() < deadline:
+                campaign._collect(time.monotonic())
+                time.sleep(0.1)
+            assert campaign.tally.hangs == 1
+            hang = campaign.tally.hang_details[0]
+            assert hang["who"] == "r0" and hang["op"] == "stall" and "in stall" in hang["stacks"]
+            assert campaign.workers["r0"] is not worker and not worker.process.is_alive()  # killed, replaced
+        finally:
+            for w in campaign.workers.values():
+                w.kill()
+            server.stop()
+
+
+@needs_root
+def test_a_short_campaign_with_every_fault_ends_clean():
+    cfg = ChaosConfig(minutes=0.6, seed=5, readers=3, trainer_ranks=2, scale=0.25, mean_gap_s=1.3, step_s=1.5,
+                      agent_ttl_s=3.0, lease_ttl_s=3.0)
+    tally = run(cfg, quiet=True).to_json()
+    summary = {k: tally[k] for k in ("faults", "skipped", "pulls_ok", "failures", "failure_examples", "mismatches",
+                                     "hangs", "crashes", "crash_details", "leaks", "phases", "overrun_details")}
+    assert set(tally["faults"]) == set(KINDS), summary
+    assert tally["pulls_ok"] >= 10, summary
+    assert tally["mismatches"] == 0 and tally["hangs"] == 0 and tally["crashes"] == 0, summary
+    assert not [name for name in tally["failures"] if name.startswith("UNTYPED")], tally["untyped"]
+    assert tally["leaks"] and not any(tally["leaks"].values()), summary
+    assert tally["unpublish_overruns"] == 0, summary
