@@ -76,6 +76,7 @@ def choose_sources(
     *,
     exclude: frozenset[str] = frozenset(),
     cap: int = 0,
+    relayed: frozenset[int] | set[int] = frozenset(),
 ) -> Assignment:
     """Rank the holders of every chunk; spread ties evenly.
 
@@ -83,6 +84,11 @@ def choose_sources(
     chunk, False when it can give a part of it. Chunks are planned in order.
     ``cap`` > 0: holders with that many active readers or more rank after the
     others of their tier.
+    ``relayed``: chunks the reader takes from readers filling the version beside
+    it (pipeline replication): for those, a filling holder of the whole chunk
+    ranks before complete ones, spot or not. Else every reader of a wave of spot
+    joiners ranks the one reliable complete holder first and they all queue on
+    its link, while their peers' chunks sit unread.
     """
     usable = {s.replica_id: s for s in sources if s.replica_id not in exclude}
     assigned = dict.fromkeys(usable, 0)
@@ -98,6 +104,7 @@ def choose_sources(
                 reader.tier(usable[rid].labels),
                 cap > 0 and usable[rid].active_reads >= cap,
                 not whole[rid],
+                chunk in relayed and usable[rid].complete,
                 usable[rid].reliability is Reliability.SPOT,
                 usable[rid].origin,
                 usable[rid].active_reads,

@@ -162,6 +162,7 @@ class PullJob:
     _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
+    _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
 
     def run(self) -> PullStats:
         res = self.resolved
@@ -252,7 +253,7 @@ class PullJob:
         near = [m for m in peers if m.replica.source.labels.zone == zone]
         at_peers = self._any_covers(near)
         from_peers = [c for c in order if at_peers[c]][:size]
-        taken = set(from_peers)
+        taken = self._relayed = set(from_peers)
         rest = [c for c in order if c not in taken]
         if time.monotonic() - self._progress_at > _PATIENCE_S:
             mine = rest
@@ -325,7 +326,8 @@ class PullJob:
                 maps = self._refresh_quietly(res, excluded, maps, needed)
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
-                                  self.labels, exclude=frozenset(excluded))
+                                  self.labels, exclude=frozenset(excluded), relayed=self._relayed)
+            self._relayed = set()
             transfers: dict[int, list[Transfer]] = {}
             unavailable = list(plan.unavailable)
             for chunk in chunks:  # in the batch's order: the round reads them in this order
