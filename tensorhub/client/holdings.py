@@ -27,7 +27,7 @@ import torch
 
 from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication, PubState
-from tensorhub.client.rpc import AgentUnknown, ReferenceClient, RemoteReplica
+from tensorhub.client.rpc import AgentUnknown, ReferenceClient, RemoteReplica, ReplicaUnknown
 from tensorhub.errors import ServerUnavailable, TensorHubError, UnpublishTimeout
 from tensorhub.integrity import chunk_checksums
 from tensorhub.manifest import Manifest
@@ -35,6 +35,9 @@ from tensorhub.shard import Part
 from tensorhub.transport import NixlAgent
 
 T = TypeVar("T")
+# An unpublish call may outlive the server's drain by this much (the answer's
+# round trip), not by a whole RPC timeout: unpublish(timeout) returns within it.
+_UNPUBLISH_CALL_SLACK_S = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +56,9 @@ class Holdings:
         self.lease_ttl_s = 10.0
         self._retain_spares: dict[tuple, list[list[torch.Tensor]]] = {}
         self._releasing: set[str] = set()
+        # Filling replicas whose chunk report the server missed (it was away, or
+        # had forgotten the replica): the heartbeat announces them again, bitmap included.
+        self._unreported: set[str] = set()
         # Slow housekeeping off the heartbeat thread (releasing retained copies drains readers).
         self._chores = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-chores")
         self._stop = threading.Event()
@@ -108,8 +114,22 @@ class Holdings:
         instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, held,
                                                                 timeout=max(self.config.heartbeat_interval_s, 1.0))
         if not known or instance != self._instance_id:
-            self.register()
+            self.register()  # announces every replica again, bitmaps included
+            with self._lock:
+                self._unreported.clear()
             return
+        with self._lock:
+            unreported, self._unreported = self._unreported, set()
+        for rid in unreported:
+            with self._lock:
+                pub = self._publications.get(rid)
+            if pub is not None and pub.announced:
+                try:
+                    self._announce(pub)
+                except TensorHubError as e:  # the next heartbeat tries again
+                    log.debug("announcing %s again: %s", rid, e)
+                    with self._lock:
+                        self._unreported.add(rid)
         for rid in release:
             with self._lock:
                 pub = self._publications.get(rid)
@@ -163,7 +183,15 @@ class Holdings:
             with pub.lock:
                 if pub.state is PubState.FILLING:
                     pub.state = PubState.COMPLETE
-        self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete))
+        try:
+            self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete))
+        except (ServerUnavailable, ReplicaUnknown) as e:
+            # The bytes are here and the bitmap says so: a server that restarted or
+            # was out of reach hears it from the next heartbeat, rather than the
+            # pull that serves them failing.
+            log.info("chunk report for %s deferred to the heartbeat: %s", pub.replica_id, e)
+            with self._lock:
+                self._unreported.add(pub.replica_id)
 
     def _announce(self, pub: Publication) -> None:
         with pub.lock:
@@ -193,19 +221,27 @@ class Holdings:
             # From here on heartbeats must never publish it again: the server may
             # drop it any moment, and the caller is about to reuse the memory.
             pub.state = PubState.WITHDRAWING
+        # Every wait below comes out of the caller's one ``timeout``.
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         try:
-            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout, force=force)
+            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, left(), force=force,
+                                                               call_slack_s=_UNPUBLISH_CALL_SLACK_S)
             if retain:
                 # The last reliable holder of a region of a retained version: keep
                 # the bytes in host memory of this process before letting go.
                 self._retain_copy(pub)
-                drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, timeout)
+                drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, left(),
+                                                                   call_slack_s=_UNPUBLISH_CALL_SLACK_S)
                 if retain:
                     raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
         except (ServerUnavailable, AgentUnknown) as e:
             # The server cannot say who still reads. Readers stop at their
-            # lease's expiry, so waiting one lease TTL is safe.
-            wait = min(self.lease_ttl_s, timeout)
+            # lease's expiry, so waiting one lease TTL is safe (if the timeout leaves that long).
+            wait = min(self.lease_ttl_s, left())
             log.warning("unpublish %r v%d: %s; waiting %.1fs for read leases to expire", pub.model, pub.version, e, wait)
             time.sleep(wait)
             drained, outstanding = wait >= self.lease_ttl_s, -1

@@ -60,6 +60,10 @@ class AgentUnknown(TensorHubError):
     """The server does not know this agent (it restarted or the agent expired)."""
 
 
+class ReplicaUnknown(TensorHubError):
+    """The server does not know this replica (it restarted, or dropped it with its expired agent)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteReplica:
     """A replica a reader may read: what the planner ranks, and how to read it."""
@@ -219,19 +223,21 @@ class ReferenceClient:
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
         self._call(self._stub.ReportChunks, pb.ReportChunksRequest(
-            agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete))
+            agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete),
+            not_found=lambda d: ReplicaUnknown(d))
 
     def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float, *,
-                  force: bool = False) -> tuple[bool, int, bool]:
+                  force: bool = False, call_slack_s: float | None = None) -> tuple[bool, int, bool]:
         """Withdraw a replica and wait on the server for its readers to finish.
         Returns (drained, leases still outstanding, retain_required); with
-        retain_required nothing was withdrawn. An unknown replica counts as drained."""
+        retain_required nothing was withdrawn. An unknown replica counts as drained.
+        The call gives up ``call_slack_s`` (default: the RPC timeout) after the drain's end."""
         try:
             resp = self._call(
                 self._stub.Unpublish,
                 pb.UnpublishRequest(agent_id=agent_id, replica_id=replica_id, drain_timeout_s=drain_timeout_s,
                                     force=force),
-                timeout=drain_timeout_s + self.timeout_s,
+                timeout=drain_timeout_s + (self.timeout_s if call_slack_s is None else call_slack_s),
                 not_found=lambda d: KeyError(d),
             )
         except KeyError:

@@ -17,6 +17,7 @@ from tensorhub.chaos.campaign import Campaign, ChaosConfig, run
 from tensorhub.chaos.schedule import KINDS, schedule
 from tensorhub.chaos.server import Server
 from tensorhub.chaos.tally import Tally
+from tensorhub.testing import HubProcess, RemoteError, ServerProcess, wait_for_progress
 
 needs_root = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 
@@ -100,3 +101,47 @@ def test_a_short_campaign_with_every_fault_ends_clean():
     assert not [name for name in tally["failures"] if name.startswith("UNTYPED")], tally["untyped"]
     assert tally["leaks"] and not any(tally["leaks"].values()), summary
     assert tally["unpublish_overruns"] == 0, summary
+
+
+# ---------------------------------------------------------------- bugs the campaign found (regressions)
+
+SPECS = [("w", "float32", ((8 << 20) // 4,))]  # 8 MiB in 1 MiB chunks
+CHUNK = 1 << 20
+
+
+def test_a_serving_pull_survives_a_server_restart(tmp_path):
+    """Found by the campaign (server_restart during relaying pulls): a serving
+    pull's chunk report failed with ServerUnavailable while the server was
+    down (or NOT_FOUND, a bare TensorHubError, once it was back) and the whole
+    pull failed. Now the report waits for the heartbeat, which announces the
+    replica again with its bitmap."""
+    progress = str(tmp_path / "progress")
+    with ServerProcess() as server, HubProcess(server.address, name="trainer") as trainer, \
+            HubProcess(server.address, name="reader", read_workers=1) as reader:
+        trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+        reader.send("pull", model="m", version=1, specs=SPECS, expect_seed=1, serve=True, pace_s=0.4,
+                    progress_file=progress)
+        wait_for_progress(progress, at_least=1)
+        server.kill()
+        server.start()
+        got = reader.result(timeout=60)
+        assert got["mismatched"] == [] and got["version"] == 1
+
+
+def test_unpublish_returns_within_its_timeout_when_the_server_dies_mid_drain(tmp_path):
+    """Found by the campaign (unpublish_s 9.6-10.0 s with an 8 s timeout): when the
+    server went away during the drain, unpublish then waited a whole lease TTL
+    (or its timeout) more, on top of the time already spent."""
+    progress = str(tmp_path / "progress")
+    with ServerProcess(lease_ttl_s=10) as server, HubProcess(server.address, name="trainer") as trainer, \
+            HubProcess(server.address, name="reader", read_workers=1) as reader:
+        trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+        reader.send("pull", model="m", version=1, specs=SPECS, expect_seed=1, pace_s=1.0, progress_file=progress)
+        wait_for_progress(progress, at_least=1)
+        trainer.send("unpublish", model="m", version=1, timeout=3.0)
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        server.kill()
+        with pytest.raises(RemoteError, match="UnpublishTimeout"):  # the server cannot say: not drained
+            trainer.result(timeout=30)
+        assert time.monotonic() - t0 < 3.0 + 1.0
