@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 from tensorhub_vllm.readset import dry_run
-from tensorhub_vllm.views import BoxView, merge_boxes
+from tensorhub_vllm.views import BoxView, merge_boxes, widening
 
 from tensorhub import Shard
+from tensorhub.regions import Region
 
 
 def _random_view(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
@@ -69,6 +70,37 @@ def test_views_that_wrap_are_not_boxes():
 def test_merge_boxes_keeps_disjoint_and_joins_overlapping():
     assert merge_boxes([((0, 2), (0, 4)), ((4, 6), (0, 4))]) == [((0, 2), (0, 4)), ((4, 6), (0, 4))]
     assert merge_boxes([((0, 3), (0, 4)), ((2, 6), (1, 2))]) == [((0, 6), (0, 4))]
+
+
+def test_widening_reads_a_column_slice_as_whole_rows():
+    w = widening((8, 6), ((0, 8), (3, 6)), 2)  # 8 runs of 6 B, 6 B apart
+    assert (w.box, w.gap, w.extra, w.runs_saved) == (((0, 8), (0, 6)), 6, 48, 7)
+    assert widening((8, 6), ((4, 8), (0, 6)), 2) is None  # whole rows: one run already
+    assert widening((6,), ((0, 3),), 2) is None
+    assert widening((8, 6), ((2, 3), (1, 4)), 2) is None  # one row: one run
+
+
+def test_widening_against_the_runs_of_the_full_tensor():
+    rng = random.Random(0)
+    widened = 0
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 4)))
+        box = tuple((a, rng.randint(a + 1, n)) for n in shape for a in [rng.randrange(n)])
+        itemsize = rng.choice([1, 2, 4])
+        w = widening(shape, box, itemsize)
+        runs = len(Region(box=box).runs(shape).start)
+        if w is None:  # one run already, or taking the innermost partial dimension whole joins none
+            if runs > 1:
+                d = max(i for i, ((a, b), n) in enumerate(zip(box, shape)) if b - a < n)
+                wide = (*box[:d], (0, shape[d]), *box[d + 1:])
+                assert len(Region(box=wide).runs(shape).start) == runs, (shape, box)
+            continue
+        widened += 1
+        assert all(c <= a and b <= d for (a, b), (c, d) in zip(box, w.box))  # still holds the box
+        assert len(Region(box=w.box).runs(shape).start) == runs - w.runs_saved < runs, (shape, box)
+        extra = (Region(box=w.box).numel(shape) - Region(box=box).numel(shape)) * itemsize
+        assert w.extra == extra == w.gap * runs, (shape, box)
+    assert widened > 50  # the rest: one run already, or nothing to join
 
 
 class Toy(torch.nn.Module):
@@ -141,3 +173,47 @@ def test_dry_run_finds_slices_and_falls_back_by_name(rank, caplog):
     finalize_layerwise_reload(model, None)
     for name, want in _expected(rank).items():
         assert torch.equal(getattr(model, name), want), name
+
+
+def test_coalesced_spends_the_overread_budget_on_the_narrowest_gaps_first():
+    from tensorhub_vllm.readset import ReadSet
+
+    layout = {"narrow": torch.empty(64, 8, dtype=torch.bfloat16, device="meta"),  # column half: gaps of 8 B
+              "wide": torch.empty(64, 32, dtype=torch.bfloat16, device="meta"),  # gaps of 32 B
+              "rows": torch.empty(64, 8, dtype=torch.bfloat16, device="meta")}
+    exact = ReadSet(layout=layout, boxes={"narrow": [((0, 64), (0, 4))], "wide": [((0, 64), (16, 32))],
+                                          "rows": [((0, 32), (0, 8))]}, fallbacks={})
+    assert exact.nbytes() == 512 + 2048 + 512
+    assert exact.coalesced(0.0).boxes == exact.boxes and exact.coalesced(0.0).widened == {}
+    # 0.2 x 3072 B = 614 B: "narrow" whole (+512 B), not "wide" (+2048 B); "rows" is one run already
+    some = exact.coalesced(0.2)
+    assert some.boxes == {"wide": [((0, 64), (16, 32))], "rows": [((0, 32), (0, 8))]}  # "narrow": whole
+    assert some.widened == {"narrow": 512} and some.nbytes() == exact.nbytes() + 512
+    assert exact.coalesced(1.0).boxes == {"rows": [((0, 32), (0, 8))]}
+    assert exact.coalesced(1.0, max_gap=16).widened == {"narrow": 512}  # a 32 B gap is over the limit
+
+
+def test_replay_views_columns_inside_whole_rows():
+    """The Toy's column loader replayed on a staging of whole rows (the coalesced
+    read set) loads the same bytes as on its exact columns."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    for rank in (0, 1):
+        model = Toy(rank)
+        record_metadata_for_reloading(model)
+        layout = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in CHECKPOINT.items()}
+        read_set = dry_run(model, layout, torch.device("cpu")).coalesced(1.0)
+        assert "cols" not in read_set.boxes and read_set.widened["cols"] == 8 * 3 * 2
+        staged = read_set.allocate("cpu")
+        for name, value in staged.items():
+            for s in value if isinstance(value, list) else [Shard(value, value.shape)]:
+                s.tensor.copy_(CHECKPOINT[name][tuple(slice(a, b) for a, b in s.region.bounds(s.full_shape))])
+        initialize_layerwise_reload(model)
+        model.load_weights(read_set.weights(staged, torch.device("cpu")))
+        finalize_layerwise_reload(model, None)
+        for name, want in _expected(rank).items():
+            assert torch.equal(getattr(model, name), want), (rank, name)

@@ -80,10 +80,18 @@ def test_each_worker_reads_its_slices_only(engines):
     b0, b1 = (s["boxes"] for s in sets)
     assert b0["model.embed_tokens.weight"] == [[[0, 256], [0, 128]]]
     assert b1["model.embed_tokens.weight"] == [[[256, 512], [0, 128]]]
-    assert b0["model.layers.0.self_attn.o_proj.weight"] == [[[0, 128], [0, 64]]]
-    assert b1["model.layers.0.self_attn.o_proj.weight"] == [[[0, 128], [64, 128]]]
+    assert b0["model.layers.1.mlp.down_proj.weight"] == [[[0, 128], [0, 128]]]
+    assert b1["model.layers.1.mlp.down_proj.weight"] == [[[0, 128], [128, 256]]]
     assert "model.norm.weight" not in b0  # replicated: read whole
     assert sets[0]["fallbacks"] == sets[1]["fallbacks"] == {}
+    # Columns are rows of 128-256 B, one READ descriptor each: within the 0.2
+    # over-read budget the narrowest are read as whole rows instead (o_proj's
+    # 128 B gaps, then layer 0's down_proj), the loaders viewing their columns.
+    for s in sets:
+        assert s["widened"] == {"model.layers.0.self_attn.o_proj.weight": 128 * 64 * 2,
+                                "model.layers.1.self_attn.o_proj.weight": 128 * 64 * 2,
+                                "model.layers.0.mlp.down_proj.weight": 128 * 128 * 2}, s["widened"]
+        assert not set(s["widened"]) & set(s["boxes"])  # whole tensors now
 
 
 def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, trainer):

@@ -62,6 +62,12 @@ def _seconds(cls: type, name: str, value: Any) -> float:
     return float(value)
 
 
+def _fraction(cls: type, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise _fail(cls, name, f"must be a number from 0 to 1, not {value!r}")
+    return float(value)
+
+
 def _hub_config(cls: type, name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _fail(cls, name, f"must be a dict of HubConfig fields, not {value!r}")
@@ -88,12 +94,15 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     engine_id: str = ""  # group of the engine's workers; default: vLLM's instance id (+ DP rank)
     unpublish_timeout_s: float = 60.0  # wait for peers' reads of our replica before re-filling it
     hub_config: dict[str, Any] = field(default_factory=dict)  # tensorhub.HubConfig fields
+    # Extra bytes a worker may read (and hold) beyond its read set, as a share of
+    # it, to read columns of row-parallel weights as whole rows (readset.ReadSet.coalesced).
+    overread: float = 0.2
 
     @classmethod
     def from_dict(cls, values: Any) -> TensorHubInitInfo:
         return cls(**_parse(cls, values, {
             "hub": _text, "model": _text, "serve": _flag, "engine_id": _optional_text,
-            "unpublish_timeout_s": _seconds, "hub_config": _hub_config,
+            "unpublish_timeout_s": _seconds, "hub_config": _hub_config, "overread": _fraction,
         }))
 
 

@@ -61,11 +61,12 @@ class TensorHubWorkerExtension:
             "agent": u.receiver.hub.name}
 
     def tensorhub_read_set(self, which: str = "extension") -> dict[str, Any]:
-        """This worker's read set: the boxes it reads per tensor (absent: whole)
-        and why a tensor is read whole although its loader may need less."""
+        """This worker's read set: the boxes it reads per tensor (absent: whole),
+        why a tensor is read whole although its loader may need less, and the
+        bytes read beyond the loaders' boxes to read whole rows (``widened``)."""
         u = self._tensorhub_updater(which)
         return {} if u is None else {"boxes": {n: [[list(r) for r in b] for b in bs] for n, bs in u.read_set.boxes.items()},
-                                     "fallbacks": dict(u.read_set.fallbacks)}
+                                     "fallbacks": dict(u.read_set.fallbacks), "widened": dict(u.read_set.widened)}
 
     def tensorhub_close(self) -> None:
         if self._tensorhub is not None:

@@ -106,6 +106,38 @@ def _place(n: int, st: int, shape: tuple[int, ...], src: tuple[int, ...], start:
     return first
 
 
+@dataclass(frozen=True, slots=True)
+class Widening:
+    """``box`` with its innermost partial dimension taken whole: fewer, longer
+    contiguous runs to read, for ``extra`` more bytes (``gap`` between two runs)."""
+
+    box: Bounds
+    gap: int  # bytes of the full tensor between two runs of the original box
+    extra: int  # bytes the widened box holds beyond the original
+    runs_saved: int  # contiguous runs (one READ descriptor each) fewer
+
+
+def widening(shape: Sequence[int], box: Bounds, itemsize: int) -> Widening | None:
+    """The box of a row-major tensor of ``shape`` read as fewer contiguous runs,
+    or None where that takes more than its innermost partial dimension (it is
+    one run already, or the next dimension out holds a single index). A column
+    slice ``(0:R, a:b)`` is R runs (one per row); ``(0:R, 0:C)`` is one."""
+    partial = [d for d, ((a, b), n) in enumerate(zip(box, shape)) if b - a < n]
+    if not partial:
+        return None
+    d = partial[-1]
+    runs = math.prod(b - a for a, b in box[:d])
+    if runs <= 1:
+        return None
+    wide = (*box[:d], (0, int(shape[d])), *box[d + 1:])
+    after = math.prod(b - a for a, b in wide[:partial[-2]]) if len(partial) > 1 else 1
+    if after == runs:
+        return None
+    inner = math.prod(shape[d + 1:]) * itemsize
+    gap = (int(shape[d]) - (box[d][1] - box[d][0])) * inner
+    return Widening(wide, gap, runs * gap, runs - after)
+
+
 def contains(outer: Bounds, inner: Bounds) -> bool:
     return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
 

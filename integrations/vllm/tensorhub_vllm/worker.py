@@ -43,10 +43,11 @@ class WorkerUpdater:
                                    vllm_config.model_config.dtype)
         self.device = model_device(model)
         start = time.perf_counter()
-        self.read_set = dry_run(model, layout, self.device)
+        self.read_set = dry_run(model, layout, self.device).coalesced(info.overread)
         log.info("tensorhub: read set of this worker: %d of %d bytes of the checkpoint (%d tensors in parts, "
-                 "%d whole by fallback; dry run %.2fs)", self.read_set.nbytes(), self.read_set.checkpoint_nbytes(),
-                 len(self.read_set.boxes), len(self.read_set.fallbacks), time.perf_counter() - start)
+                 "%d whole by fallback, %d bytes read as whole rows in %d; dry run %.2fs)", self.read_set.nbytes(),
+                 self.read_set.checkpoint_nbytes(), len(self.read_set.boxes), len(self.read_set.fallbacks),
+                 sum(self.read_set.widened.values()), len(self.read_set.widened), time.perf_counter() - start)
         group = engine_group(vllm_config, info, role)
         self.receiver = VersionReceiver(info, layout, group=group, name=f"vllm:{group}:{os.getpid()}",
                                         read_set=self.read_set, device=self.device)
