@@ -7,21 +7,23 @@ The unit is the replica's own chunk (its held regions back to back, cut every
 them from its memory alone and a reader that read a holder's whole chunk can
 check it without asking anyone.
 
-Algorithm: CRC-32 (IEEE, ``zlib.crc32``): in the standard library, releases the
-GIL on large buffers (the check can overlap the next READs), 3.4 GB/s on one
-core of the reference machine (x86-64; BLAKE2b 0.74, SHA-256 1.5, Adler-32 3.0
-GB/s in the same run). It detects accidental corruption and stale bytes, not an
-adversary who can choose the bytes (that needs a keyed hash, at about a fifth
-of the speed here).
+Algorithm: CRC-32 (IEEE: the values of ``zlib.crc32``), computed with ISA-L
+(the ``isal`` package) at 21-25 GB/s on one core of the reference machine
+(x86-64, 1 GiB buffer; in the same run ``zlib.crc32`` 4.2, BLAKE2b 0.92,
+SHA-256 1.3 GB/s). It holds the GIL (about 1.5 ms per 32 MiB chunk). At that
+speed the checks cost about 6% of a 1 GiB pull here (``tensorhub bench pull``),
+so they stay on by default. CRC-32 detects accidental corruption and stale
+bytes, not an adversary who can choose the bytes (that needs a keyed hash, at
+about a fifth of zlib's speed here).
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from isal.isal_zlib import crc32  # zlib's CRC-32, computed with ISA-L's folding code
 
 ALGORITHM = "crc32"
 
@@ -56,7 +58,7 @@ def chunk_checksums(tensors: Sequence[torch.Tensor], chunk_size: int) -> np.ndar
     total = sum(len(b) for b in buffers)
     out = np.zeros(-(-total // chunk_size), dtype=np.uint32)
     for chunk, piece in _pieces(buffers, chunk_size):
-        out[chunk] = zlib.crc32(piece, int(out[chunk]))  # a chunk spanning tensors continues the CRC
+        out[chunk] = crc32(piece, int(out[chunk]))  # a chunk spanning tensors continues the CRC
     return out
 
 
@@ -76,5 +78,5 @@ def checksum(pieces: Sequence[memoryview | bytes]) -> int:
     chunk's entry of the holder's ``chunk_checksums``."""
     value = 0
     for piece in pieces:
-        value = zlib.crc32(piece, value)
+        value = crc32(piece, value)
     return value

@@ -9,7 +9,7 @@ chunk may be spread over several reader chunks (or reader tensors).
                                 │ every byte of a holder chunk landed from that holder
                                 ▼
                       CRC-32 of the destination pieces in the holder's order
-                      (helper thread: zlib releases the GIL, READs go on)
+                      (on a helper thread, while the next READs fly)
                                 │
               ok: reader chunks waiting only on checked holder chunks are settled
               bad: the holder is reported and excluded; the reader chunks that took
@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import logging
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from tensorhub.client.readlayout import Transfer
 from tensorhub.client.rpc import RemoteReplica
+from tensorhub.integrity import crc32
 
 log = logging.getLogger(__name__)
 
@@ -204,5 +204,5 @@ def _crc(pieces: list[tuple[int, int]]) -> int:
     """CRC-32 of host memory pieces (address, length) back to back, read in place."""
     value = 0
     for addr, n in pieces:
-        value = zlib.crc32((ctypes.c_char * n).from_address(addr), value)
+        value = crc32((ctypes.c_char * n).from_address(addr), value)
     return value
