@@ -35,7 +35,8 @@ def _bench_pull(args: argparse.Namespace) -> int:
     for readers in args.readers:
         cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, publishers=args.publishers,
                                    reader_slice=args.reader_slice, reps=args.reps,
-                                   chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers)
+                                   chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
+                                   verify=not args.no_verify)
         json_path = args.json if len(args.readers) == 1 else (args.json and args.json.replace(".json", f"-r{readers}.json"))
         pull.run(cfg, json_path=json_path)
     return 0
@@ -168,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
     pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
     pull.add_argument("--read-workers", type=int, default=2, help="READs in flight per reader: twice this")
+    pull.add_argument("--no-verify", action="store_true",
+                      help="chunk checksums off (HubConfig.verify_chunks=False); by default they are on, and a "
+                           "tensorhub-unchecked row shows what they cost")
     pull.add_argument("--json", help="write the results here as JSON")
     pull.set_defaults(func=_bench_pull)
 

@@ -7,7 +7,10 @@ two ways in the same run:
   server, no chunks, no regions): the best NIXL alone can do here;
 * ``tensorhub``: each reader pulls the version through the hub into
   preallocated tensors: whole tensors, or with ``--reader-slice tp2`` the TP
-  rank 0 of 2 slice (rows of half the matrices, columns of the other half).
+  rank 0 of 2 slice (rows of half the matrices, columns of the other half);
+* ``tensorhub-unchecked``: the same pull with chunk checksums off
+  (``HubConfig.verify_chunks=False``, a second Hub in the reader): what the
+  checks cost. ``--no-verify`` turns them off in the ``tensorhub`` row instead.
 
 Methods alternate within each repetition so machine noise hits both alike.
 A last row measures the latency of pulling a 4 KiB single-tensor version.
@@ -47,6 +50,7 @@ class PullBenchConfig:
     latency_pulls: int = 50
     chunk_size: int = 32 << 20
     read_workers: int = 2
+    verify: bool = True  # chunk checksums on in the tensorhub row (and a tensorhub-unchecked row beside it)
 
     def __post_init__(self) -> None:
         if self.reader_slice not in SLICES:
@@ -92,7 +96,7 @@ def _publisher(conn, address: str, cfg: PullBenchConfig, rank: int) -> None:
         own_addr, own_bytes = buffer.data_ptr(), buffer.numel()
     raw = new_agent(f"raw-pub-{rank}-{os.getpid()}")  # configured as the hub's agents are
     raw.register_memory([(own_addr, own_bytes, 0, "")], "DRAM")
-    with Hub.connect(address, name=f"publisher-{rank}", chunk_size=cfg.chunk_size) as hub:
+    with Hub.connect(address, name=f"publisher-{rank}", chunk_size=cfg.chunk_size, verify_chunks=cfg.verify) as hub:
         hub.publish(MODEL, 1, tensors, manifest=manifest)
         if rank == 0:
             hub.publish(SMALL, 1, {"x": torch.ones(SMALL_BYTES // 4)})
@@ -160,7 +164,9 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
         for h in handles:
             raw.release_xfer_handle(h)
 
-    with Hub.connect(address, name=f"reader-{index}", read_workers=cfg.read_workers) as hub:
+    with (Hub.connect(address, name=f"reader-{index}", read_workers=cfg.read_workers, verify_chunks=cfg.verify) as hub,
+          Hub.connect(address, name=f"reader-{index}-unchecked", read_workers=cfg.read_workers,
+                      verify_chunks=False) as unchecked):
         conn.send(("ready", requested))
         while True:
             cmd, arg = conn.recv()
@@ -181,7 +187,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
             if cmd in ("nixl-raw", "verify-raw"):
                 raw_read()
             else:
-                hub.pull(MODEL, 1, into=into)
+                (unchecked if cmd == "tensorhub-unchecked" else hub).pull(MODEL, 1, into=into)
             end = time.monotonic()
             ok = torch.equal(dest, expected) if cmd == "verify" or (cmd == "verify-raw" and exact_raw) else True
             conn.send((start, end, ok))
@@ -194,7 +200,7 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
     ctx = mp.get_context("spawn")
     rows: list[Row] = []
     with EmbeddedServer() as server, Progress(disable=quiet, transient=True) as progress:
-        task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * 2 + 2)
+        task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * (3 if cfg.verify else 2) + 2)
         pub_conns, publishers = children.start(ctx, _publisher,
                                                [(server.address, cfg, rank) for rank in range(cfg.publishers)])
         raw_infos = children.receive(pub_conns, 180, "a benchmark publisher did not start")
@@ -215,9 +221,10 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
         round_("verify-raw")
         round_("verify")
         progress.advance(task, 2)
-        samples: dict[str, list[float]] = {"nixl-raw": [], "tensorhub": []}
+        methods = ("nixl-raw", "tensorhub", "tensorhub-unchecked") if cfg.verify else ("nixl-raw", "tensorhub")
+        samples: dict[str, list[float]] = {m: [] for m in methods}
         for rep in range(cfg.warmup + cfg.reps):
-            order = ("nixl-raw", "tensorhub") if rep % 2 == 0 else ("tensorhub", "nixl-raw")
+            order = methods if rep % 2 == 0 else methods[::-1]
             for method in order:
                 progress.update(task, description=f"{method} rep {rep + 1 - cfg.warmup}" if rep >= cfg.warmup
                                 else f"{method} warm-up")
@@ -244,14 +251,19 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
                 proc.kill()
     if not quiet:
         print_table(f"pull {requested:,} of {cfg.size:,} bytes ({cfg.reader_slice}) from {cfg.publishers} "
-                    f"publisher(s), {cfg.readers} reader(s), median of {cfg.reps}", rows, {"tensorhub": "nixl-raw"})
+                    f"publisher(s), {cfg.readers} reader(s), median of {cfg.reps}", rows,
+                    {"tensorhub": "nixl-raw", "tensorhub-unchecked": "nixl-raw"})
         th = next(r for r in rows if r.method == "tensorhub" and r.bytes == requested)
         raw = next(r for r in rows if r.method == "nixl-raw")
         print(f"tensorhub / nixl-raw throughput: {raw.seconds / th.seconds:.2f}x (goal >= 0.8); "
               f"bytes read / model bytes: {requested / cfg.size:.3f}"
               + (" (goal <= 0.55)" if cfg.reader_slice == "tp2" else "")
               + f"; 4 KiB pull latency: {statistics.median(latency) * 1e3:.2f} ms (goal <= 5 ms)")
+        if cfg.verify:
+            off = next(r for r in rows if r.method == "tensorhub-unchecked")
+            print(f"chunk checksums cost {1 - off.seconds / th.seconds:.1%} of pull throughput "
+                  "(tensorhub vs tensorhub-unchecked; goal <= 10%)")
     if json_path:
         write_json(json_path, rows, benchmark="pull", chunk_size=cfg.chunk_size, read_workers=cfg.read_workers,
-                   publishers=cfg.publishers, reader_slice=cfg.reader_slice)
+                   publishers=cfg.publishers, reader_slice=cfg.reader_slice, verify_chunks=cfg.verify)
     return rows
