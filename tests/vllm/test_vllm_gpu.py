@@ -19,8 +19,9 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("overread", [0.0, 1.0])  # exact boxes; columns read as whole rows
 @pytest.mark.parametrize("rank", [0, 1])
-def test_read_set_is_pulled_into_gpu_memory_and_replayed(rank):
+def test_read_set_is_pulled_into_gpu_memory_and_replayed(rank, overread):
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -32,7 +33,7 @@ def test_read_set_is_pulled_into_gpu_memory_and_replayed(rank):
         model = Toy(rank).to(device)
         record_metadata_for_reloading(model)
     layout = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in CHECKPOINT.items()}
-    read_set = dry_run(model, layout, device)
+    read_set = dry_run(model, layout, device).coalesced(overread)
     staged = read_set.allocate(device)
     assert all(s.tensor.is_cuda for v in staged.values() for s in (v if isinstance(v, list) else []))
     with EmbeddedServer() as server, Hub.connect(server.address, name="trainer") as trainer, \

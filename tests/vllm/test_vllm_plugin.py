@@ -32,6 +32,7 @@ def test_entry_point_registers_backend_idempotently():
     ({"hub": "h:1", "model": ""}, r"TensorHubInitInfo\.model: must be a non-empty string"),
     ({"hub": "h:1", "model": "m", "serve": "yes"}, r"TensorHubInitInfo\.serve: must be true or false"),
     ({"hub": "h:1", "model": "m", "unpublish_timeout_s": 0}, r"TensorHubInitInfo\.unpublish_timeout_s"),
+    ({"hub": "h:1", "model": "m", "overread": 1.5}, r"TensorHubInitInfo\.overread: must be a number from 0 to 1"),
     ({"hub": "h:1", "model": "m", "hub_config": {"read_wrkers": 2}}, r"TensorHubInitInfo\.hub_config: .*read_wrkers"),
     ({"hub": "h:1", "model": "m", "modle": "x"}, r"TensorHubInitInfo has no field\(s\) \['modle'\]"),
     ("h:1", r"TensorHubInitInfo must be a dict"),
@@ -43,7 +44,8 @@ def test_bad_init_info_names_the_field(values, message):
 
 def test_init_and_update_info_parse():
     info = TensorHubInitInfo.from_dict({"hub": "127.0.0.1:1", "model": "m", "hub_config": {"read_workers": 4}})
-    assert (info.serve, info.hub_config) == (True, {"read_workers": 4})
+    assert (info.serve, info.hub_config, info.overread) == (True, {"read_workers": 4}, 0.2)
+    assert TensorHubInitInfo.from_dict({"hub": "h:1", "model": "m", "overread": 0}).overread == 0.0
     assert TensorHubUpdateInfo.from_dict({}).version == "latest"
     assert TensorHubUpdateInfo.from_dict({"version": 3}).version == 3
     for bad in (-1, "3", True, 1.5):
