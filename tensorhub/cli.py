@@ -15,7 +15,8 @@ def _server(args: argparse.Namespace) -> int:
     try:
         token = read_secret(args.token_file, "token file") if args.token_file else ""
         config = ServerConfig(host=args.host, port=args.port, agent_ttl_s=args.agent_ttl, lease_ttl_s=args.lease_ttl,
-                              retain=args.retain, token=token, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "")
+                              retain=args.retain, token=token, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+                              metrics_port=args.metrics_port)
         if config.tls_cert:
             TlsFiles(config.tls_cert, config.tls_key).credentials()  # unreadable files: say so before starting
     except ValueError as e:
@@ -25,6 +26,39 @@ def _server(args: argparse.Namespace) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import math
+    import os
+
+    from tensorhub.client.rpc import ReferenceClient
+    from tensorhub.errors import TensorHubError
+    from tensorhub.server.auth import read_secret
+    from tensorhub.status import render
+
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print(f"tensorhub status: --timeout must be a positive number of seconds, not {args.timeout}", file=sys.stderr)
+        return 2
+    try:
+        token = read_secret(args.token_file, "token file") if args.token_file else os.environ.get("TENSORHUB_TOKEN", "")
+        rpc = ReferenceClient(args.address, timeout_s=args.timeout, token=token, tls_root_cert=args.tls_root_cert or "")
+    except ValueError as e:
+        print(f"tensorhub status: {e}", file=sys.stderr)
+        return 2
+    try:
+        status = rpc.describe(args.model or "")
+    except TensorHubError as e:
+        print(f"tensorhub status: {e}", file=sys.stderr)
+        return 1
+    finally:
+        rpc.close()
+    if args.json:
+        print(json.dumps(status.to_json(), indent=2))
+    else:
+        render(status)
     return 0
 
 
@@ -135,7 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "or TENSORHUB_TOKEN); without it, any client that reaches the port is served")
     server.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (with --tls-key)")
     server.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    server.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on --host at this port "
+                        "(0: a free one, printed at start); counts only, no model names, no token asked")
     server.set_defaults(func=_server)
+
+    status = sub.add_parser("status", help="what a reference server holds: models, versions (complete or filling), "
+                            "holders with their labels, readers in flight, leases")
+    status.add_argument("--address", required=True, help="the server, host:port")
+    status.add_argument("--model", help="only this model (default: every model)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument("--token-file", help="file holding the server's shared token (default: TENSORHUB_TOKEN)")
+    status.add_argument("--tls-root-cert", help="PEM of the CA that signed the server's certificate: use TLS")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server (default 10)")
+    status.set_defaults(func=_status)
 
     demo = sub.add_parser("demo", help="embedded server, trainer ranks publishing shards, rollouts pulling new versions")
     demo.add_argument("--size", default="256MiB", help="bytes per version (default 256MiB)")

@@ -31,6 +31,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.regions import Region
+from tensorhub.status import HubStatus
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind, MemoryRegion
 
@@ -320,6 +321,15 @@ class ReferenceClient:
         self._call(self._stub.ReportLost, pb.ReportLostRequest(agent_id=agent_id, replica_id=replica_id, reason=reason))
 
     # ---------------------------------------------------------------- queries
+
+    def describe(self, model: str = "") -> HubStatus:
+        """What the server holds now: agents, versions and their replicas, read leases (``tensorhub status``)."""
+        resp = self._call(self._stub.Describe, pb.DescribeRequest(model=model))
+        try:
+            return wire.status_from_wire(resp)
+        except ValueError as e:
+            raise TensorHubError(f"reference server at {self.address} sent a status this client cannot read: {e}") \
+                from None
 
     def list_versions(self, model: str) -> list[VersionInfo]:
         resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))

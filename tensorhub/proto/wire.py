@@ -6,6 +6,7 @@ from __future__ import annotations
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.regions import Region
+from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport.memory import MemoryKind, MemoryRegion
 
@@ -100,6 +101,52 @@ def embedded_fields(number: int, payloads: list[bytes]) -> bytes:
     serialized form instead of building and copying a message per answer."""
     tag = _varint(number << 3 | 2)  # wire type 2: length-delimited
     return b"".join(tag + _varint(len(p)) + p for p in payloads)
+
+
+def status_to_wire(status: HubStatus) -> pb.DescribeResponse:
+    def replica(r: ReplicaView) -> pb.ReplicaStatus:
+        return pb.ReplicaStatus(
+            replica_id=r.replica_id, agent_id=r.agent_id,
+            state=pb.REPLICA_STATE_COMPLETE if r.complete else pb.REPLICA_STATE_FILLING,
+            chunks_present=r.chunks_present, num_chunks=r.num_chunks, origin=r.origin, retained=r.retained,
+            withdrawn=r.withdrawn, held_regions=r.held_regions, held_bytes=r.held_bytes, active_reads=r.active_reads)
+
+    return pb.DescribeResponse(
+        instance_id=status.instance_id,
+        uptime_s=status.uptime_s,
+        agents=[pb.AgentStatus(agent_id=a.agent_id, name=a.name, labels=labels_to_wire(a.labels),
+                               reliability=reliability_to_wire(a.reliability), expires_in_s=a.expires_in_s)
+                for a in status.agents],
+        models=[pb.ModelStatus(model=m.model, versions=[
+            pb.VersionStatus(version=v.version, visible=v.visible, fingerprint=v.fingerprint, tensors=v.tensors,
+                             total_bytes=v.total_bytes, missing=v.missing, replicas=[replica(r) for r in v.replicas])
+            for v in m.versions]) for m in status.models],
+        leases=[pb.LeaseStatus(lease_id=x.lease_id, agent_id=x.agent_id, replica_ids=x.replica_ids,
+                               expires_in_s=x.expires_in_s) for x in status.leases],
+    )
+
+
+def status_from_wire(msg: pb.DescribeResponse) -> HubStatus:
+    """ValueError for an enum value this version does not know."""
+    def replica(r: pb.ReplicaStatus) -> ReplicaView:
+        return ReplicaView(
+            replica_id=r.replica_id, agent_id=r.agent_id, complete=r.state == pb.REPLICA_STATE_COMPLETE,
+            chunks_present=r.chunks_present, num_chunks=r.num_chunks, origin=r.origin, retained=r.retained,
+            withdrawn=r.withdrawn, held_regions=r.held_regions, held_bytes=r.held_bytes, active_reads=r.active_reads)
+
+    return HubStatus(
+        instance_id=msg.instance_id,
+        uptime_s=msg.uptime_s,
+        agents=tuple(AgentView(agent_id=a.agent_id, name=a.name, labels=labels_from_wire(a.labels),
+                               reliability=reliability_from_wire(a.reliability), expires_in_s=a.expires_in_s)
+                     for a in msg.agents),
+        models=tuple(ModelView(model=m.model, versions=tuple(
+            VersionView(version=v.version, visible=v.visible, fingerprint=v.fingerprint, tensors=v.tensors,
+                        total_bytes=v.total_bytes, missing=v.missing, replicas=tuple(replica(r) for r in v.replicas))
+            for v in m.versions)) for m in msg.models),
+        leases=tuple(LeaseView(lease_id=x.lease_id, agent_id=x.agent_id, replica_ids=tuple(x.replica_ids),
+                               expires_in_s=x.expires_in_s) for x in msg.leases),
+    )
 
 
 # The shared token travels as call metadata (server/auth.py checks it).

@@ -13,13 +13,22 @@ import grpc
 
 from tensorhub.server.auth import TlsFiles, TokenInterceptor
 from tensorhub.server.config import ServerConfig
+from tensorhub.server.metrics import NoMetrics, PrometheusMetrics
 from tensorhub.server.service import ReferenceService, add_to_server
 from tensorhub.server.state import State
 
 log = logging.getLogger(__name__)
 
 
-async def _start(state: State) -> tuple[grpc.aio.Server, int]:
+def _metrics(state: State) -> NoMetrics:
+    """Prometheus metrics over HTTP when ``metrics_port`` is set, else nothing."""
+    config = state.config
+    if config.metrics_port is None:
+        return NoMetrics()
+    return PrometheusMetrics(state, config.host, config.metrics_port)
+
+
+async def _start(state: State, metrics: NoMetrics) -> tuple[grpc.aio.Server, int]:
     config = state.config
     # The token is checked before any handler runs (auth.py); none: anyone may call.
     interceptors = [TokenInterceptor(config.token)] if config.token else []
@@ -31,7 +40,7 @@ async def _start(state: State) -> tuple[grpc.aio.Server, int]:
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_to_server(ReferenceService(state), server)
+    add_to_server(ReferenceService(state, metrics), server)
     where = f"{config.host}:{config.port}"
     if config.tls_cert:
         bound = server.add_secure_port(where, TlsFiles(config.tls_cert, config.tls_key).credentials())
@@ -56,12 +65,18 @@ async def serve(config: ServerConfig | None = None, *, ready: asyncio.Event | No
     """Run a reference server until cancelled."""
     state = State(config or ServerConfig())
     host = state.config.host
-    server, bound = await _start(state)
+    metrics = _metrics(state)
+    try:
+        server, bound = await _start(state, metrics)
+    except BaseException:
+        metrics.stop()
+        raise
     log.info("reference server %s listening on %s:%d", state.instance_id[:8], host, bound)
     guard = ", token required" if state.config.token else ""
     scheme = "TLS" if state.config.tls_cert else "plaintext"
+    scrape = f"; metrics on http://{host}:{metrics.port}/metrics" if metrics.port is not None else ""
     print(f"tensorhub reference server listening on {host}:{bound} ({scheme}{guard}; instance "
-          f"{state.instance_id[:8]})", flush=True)
+          f"{state.instance_id[:8]}{scrape})", flush=True)
     if ready is not None:
         ready.set()
     expiry = asyncio.create_task(_expire_forever(state))
@@ -70,6 +85,7 @@ async def serve(config: ServerConfig | None = None, *, ready: asyncio.Event | No
     finally:
         expiry.cancel()
         await server.stop(grace=0.5)
+        metrics.stop()
 
 
 class EmbeddedServer:
@@ -86,15 +102,22 @@ class EmbeddedServer:
         config = (config or ServerConfig(port=0)).replace(**overrides)
         self.host = config.host
         self.state = State(config)
+        self.metrics = _metrics(self.state)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tensorhub-server", daemon=True)
         self._thread.start()
-        self._server, self.port = asyncio.run_coroutine_threadsafe(_start(self.state), self._loop).result(timeout=30)
+        self._server, self.port = asyncio.run_coroutine_threadsafe(_start(self.state, self.metrics), self._loop).result(timeout=30)
         self._expiry = asyncio.run_coroutine_threadsafe(_expire_forever(self.state), self._loop)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes this server; None without ``metrics_port``."""
+        port = self.metrics.port
+        return f"http://{self.host}:{port}/metrics" if port is not None else None
 
     def stop(self) -> None:
         if self._loop.is_closed():
@@ -105,6 +128,7 @@ class EmbeddedServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+        self.metrics.stop()
 
     def __enter__(self) -> EmbeddedServer:
         return self

@@ -27,10 +27,14 @@ class ServerConfig:
     expiry_period_s: float = 0.5  # leases and agents also expire without traffic
     max_wait_s: float = 60.0  # longest WaitForVersion long poll; a longer timeout_s is cut to this
     max_sources: int = 16  # holders a Resolve returns at most (the reader's k best, plus any needed for coverage)
+    # Prometheus metrics over HTTP on host:metrics_port (server/metrics.py); None: off, 0: a free port.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerConfig.port {self.port} outside [0, 65535]")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"ServerConfig.metrics_port {self.metrics_port} outside [0, 65535]")
         if self.token:
             check_token(self.token, "ServerConfig.token")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -20,6 +20,7 @@ from tensorhub.manifest import Manifest
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
+from tensorhub.server.metrics import NoMetrics
 from tensorhub.server.state import Held, Replica, State, StateError, check_held, held_bytes
 from tensorhub.topology import Labels, Reliability
 
@@ -130,8 +131,9 @@ def _check_memory(manifest: Manifest, held: list[Held], mem: pb.ReplicaMemory, w
 
 
 class ReferenceService(pb_grpc.ReferenceServiceServicer):
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, metrics: NoMetrics | None = None) -> None:
         self.state = state
+        self.metrics = metrics or NoMetrics()
 
     # ------------------------------------------------------------ plumbing
 
@@ -229,12 +231,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if replica is not None and len(request.chunks) > replica.num_chunks:
                 raise Invalid(f"{len(request.chunks)} chunks reported; replica {request.replica_id} has "
                               f"{replica.num_chunks}")
+            was_complete = replica is not None and replica.complete
             self.state.report_chunks(
                 _require_id(request.agent_id, "agent_id"),
                 _require_id(request.replica_id, "replica_id"),
                 list(request.chunks),
                 request.complete,
             )
+            if replica is not None and replica.complete and not was_complete and not replica.origin:
+                self.metrics.served()
             return pb.ReportChunksResponse()
 
         return await self._run(context, go)
@@ -248,7 +253,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if not request.force and self.state.needs_retention(agent_id, replica_id):
                 return pb.UnpublishResponse(retain_required=True)
             replica = self.state.withdraw(agent_id, replica_id)
+            started = time.monotonic()
             drained = await self._drain(replica, request.drain_timeout_s)
+            self.metrics.unpublished(time.monotonic() - started, drained)
             outstanding = len(replica.leases)
             if drained:
                 self.state.remove_replica(replica.replica_id)
@@ -275,9 +282,12 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
     async def Resolve(self, request: pb.ResolveRequest, context: Any) -> bytes:
         """Answers the serialized ResolveResponse (see ``_serialize``): the holders'
         ReplicaInfo bytes are cached, not rebuilt and copied for every reader."""
+        outcome, pull_started = "error", False
 
         async def go() -> bytes:
+            nonlocal outcome, pull_started
             agent_id = _require_id(request.agent_id, "agent_id")
+            self.state.heartbeat(agent_id)  # any call of a live agent shows it is alive
             self._release_own(agent_id, request.release_leases)
             model = _require_model(request.model)
             which = request.WhichOneof("which")
@@ -289,18 +299,29 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.known_memory) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_memory)} known_memory digests, more than {MAX_KNOWN_MEMORY}")
             known = frozenset(request.known_memory)
-            resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
+            try:
+                resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
+            except StateError as e:
+                outcome = "not_found" if e.code == "NOT_FOUND" else outcome
+                raise
             sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint)
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)
             if request.lease:
+                pull_started = not self.state.leases_of.get(agent_id)  # not a pull's refresh
                 lease = self.state.acquire_lease(agent_id, [r.replica_id for r in sources])
                 response.lease_id, response.lease_ttl_s = lease.lease_id, self.state.lease_ttl_s
-            return response.SerializeToString() + wire.embedded_fields(
+            answer = response.SerializeToString() + wire.embedded_fields(
                 RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known) for r in sources])
+            outcome = "ok"
+            return answer
 
-        return await self._run(context, go)
+        started = time.perf_counter()
+        try:
+            return await self._run(context, go)
+        finally:
+            self.metrics.resolved(time.perf_counter() - started, outcome, pull_started)
 
     def _release_own(self, agent_id: str, lease_ids: Any) -> None:
         """Release read leases of ``agent_id``; another agent's lease is PERMISSION_DENIED
@@ -380,6 +401,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                                                       f"{replica_id!r}; only its readers may report it lost")
             log.warning("replica %s reported lost by %s: %s", replica_id, agent_id, request.reason[:200])
             self.state.report_lost(replica_id)
+            self.metrics.source_lost()
             return pb.ReportLostResponse()
 
         return await self._run(context, go)
@@ -415,6 +437,18 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             timeout = min(request.timeout_s, self.state.config.max_wait_s)
             found = await self.state.wait_for_version(model, at_least, timeout)
             return pb.WaitForVersionResponse(found=found is not None, version=found or 0)
+
+        return await self._run(context, go)
+
+
+    # ------------------------------------------------------------ operators
+
+    async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.DescribeResponse:
+        """Read-only: what the hub holds (``tensorhub status``). Behind the token like every call."""
+
+        async def go() -> pb.DescribeResponse:
+            model = _require_model(request.model) if request.model else ""
+            return wire.status_to_wire(self.state.describe(model))
 
         return await self._run(context, go)
 

@@ -32,6 +32,7 @@ from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source, best_holders
 from tensorhub.regions import Region, Runs, describe_elements, gaps, overlap
 from tensorhub.server.config import ServerConfig
+from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
@@ -188,6 +189,7 @@ class State:
     def __init__(self, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig()
         self.instance_id = uuid.uuid4().hex
+        self.started_at = time.monotonic()
         self.agent_ttl_s = self.config.agent_ttl_s
         self.lease_ttl_s = self.config.lease_ttl_s
         self.retain = self.config.retain  # the latest K visible versions of every model stay pullable
@@ -195,6 +197,7 @@ class State:
         self.models: dict[str, dict[int, Version]] = {}
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
+        self.leases_of: dict[str, int] = {}  # agent id -> read leases it holds (a pull in flight when > 0)
         self.groups: dict[str, dict[int, int]] = {}
         # Set (and replaced) whenever some version's visibility flips.
         self._visibility_changed = asyncio.Event()
@@ -499,6 +502,7 @@ class State:
         granted = [rid for rid in replica_ids if (r := self.replicas.get(rid)) is not None and self._live(r)]
         lease = Lease(uuid.uuid4().hex, agent_id, granted, time.monotonic() + self.lease_ttl_s)
         self.leases[lease.lease_id] = lease
+        self.leases_of[agent_id] = self.leases_of.get(agent_id, 0) + 1
         self._next_expiry = min(self._next_expiry, lease.expires_at)
         for rid in granted:
             replica = self.replicas[rid]
@@ -516,6 +520,9 @@ class State:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return
+        left = self.leases_of.pop(lease.agent_id, 1) - 1
+        if left > 0:
+            self.leases_of[lease.agent_id] = left
         for rid in lease.replica_ids:
             replica = self.replicas.get(rid)
             if replica is not None:
@@ -552,6 +559,45 @@ class State:
                 self.release_lease(lease.lease_id)
         self._next_expiry = min((x.expires_at for x in (*self.leases.values(), *self.agents.values())),
                                 default=math.inf)
+
+
+    # ------------------------------------------------------------ operators
+
+    def describe(self, model: str = "") -> HubStatus:
+        """A snapshot for ``tensorhub status``: every agent and read lease, and
+        the versions of ``model`` (empty: of every model) with their replicas."""
+        now = time.monotonic()
+        agents = tuple(AgentView(agent_id=a.agent_id, name=a.name, labels=a.labels, reliability=a.reliability,
+                                 expires_in_s=a.expires_at - now) for a in self.agents.values())
+        models = []
+        for name in sorted(self.models) if not model else [model] if model in self.models else []:
+            versions = []
+            for version, entry in sorted(self.models[name].items()):
+                replicas = tuple(ReplicaView(
+                    replica_id=r.replica_id, agent_id=r.agent_id, complete=r.complete,
+                    chunks_present=r.num_chunks if r.complete else bitmap_count(r.bitmap), num_chunks=r.num_chunks,
+                    origin=r.origin, retained=r.retained, withdrawn=r.withdrawn, held_regions=len(r.held),
+                    held_bytes=sum(held_bytes(entry.manifest, r.held)) if r.held else entry.manifest.total_bytes,
+                    active_reads=len(r.leases)) for r in entry.replicas.values())
+                versions.append(VersionView(
+                    version=version, visible=entry.visible, fingerprint=entry.fingerprint,
+                    tensors=len(entry.manifest.tensors), total_bytes=entry.manifest.total_bytes,
+                    missing=self._missing(entry), replicas=replicas))
+            models.append(ModelView(model=name, versions=tuple(versions)))
+        leases = tuple(LeaseView(lease_id=lease.lease_id, agent_id=lease.agent_id,
+                                 replica_ids=tuple(lease.replica_ids), expires_in_s=lease.expires_at - now)
+                       for lease in self.leases.values()
+                       if not model or any((r := self.replicas.get(rid)) is not None and r.model == model
+                                           for rid in lease.replica_ids))
+        return HubStatus(instance_id=self.instance_id, uptime_s=now - self.started_at, agents=agents,
+                         models=tuple(models), leases=leases)
+
+    def _missing(self, entry: Version) -> str:
+        if entry.visible:
+            return ""
+        if not any(r.complete and self._live(r) for r in entry.replicas.values()):
+            return "everything: no complete replica yet"
+        return entry.describe_missing()
 
 
 # ---------------------------------------------------------------- coverage

@@ -1,0 +1,125 @@
+"""Prometheus metrics of the reference server (``tensorhub server --metrics-port P``).
+
+What the server can count is what it sees on the control plane: resolves (a
+pull's plan, and its refreshes), read leases, sources reported lost (each one
+a reader failing over), unpublish drains, agents and replicas. It never sees
+the bytes. Counts only: no model name, version or agent id appears in a label,
+so the unauthenticated HTTP endpoint tells a scraper nothing the token guards.
+
+The counters move on the server's event loop; the gauges are read at scrape
+time from the state (on prometheus-client's HTTP thread: len() of a dict and a
+walk over the replicas, a consistent enough snapshot for a gauge), so they cost
+the RPCs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorhub.server.state import State
+
+# Resolve handling time, seconds: 100 us .. 2.5 s.
+RESOLVE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Unpublish drain, seconds: none .. an hour (MAX_DRAIN_S).
+UNPUBLISH_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
+
+
+class NoMetrics:
+    """What the service calls when no ``--metrics-port`` was given: nothing."""
+
+    port: int | None = None  # where the metrics are served over HTTP
+
+    def resolved(self, seconds: float, outcome: str, pull_started: bool) -> None:
+        pass
+
+    def source_lost(self) -> None:
+        pass
+
+    def unpublished(self, seconds: float, drained: bool) -> None:
+        pass
+
+    def served(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class PrometheusMetrics(NoMetrics):
+    """The server's metrics in their own registry (several embedded servers may
+    share a process), served over HTTP on ``host:port`` (0: a free port, see ``.port``)."""
+
+    def __init__(self, state: State, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        self._resolve_seconds = Histogram(
+            "tensorhub_resolve_seconds", "Time the server took to answer a Resolve (from the handler's start; gRPC's "
+            "own queueing not included)", registry=self.registry, buckets=RESOLVE_BUCKETS)
+        self._resolves = Counter("tensorhub_resolves", "Resolve calls answered, by outcome (ok, not_found, error)",
+                                 ["outcome"], registry=self.registry)
+        self._pulls = Counter("tensorhub_pulls", "Pulls started: a Resolve taking a read lease from an agent that "
+                              "held no other read lease", registry=self.registry)
+        self._served = Counter("tensorhub_pulls_served", "Serving pulls that completed: a reader's filling replica "
+                               "reported complete", registry=self.registry)
+        self._lost = Counter("tensorhub_sources_lost", "Sources reported lost by their readers (each a failover to "
+                             "other holders)", registry=self.registry)
+        self._unpublish = Histogram("tensorhub_unpublish_wait_seconds", "Time an Unpublish waited for the replica's "
+                                    "readers to finish", registry=self.registry, buckets=UNPUBLISH_BUCKETS)
+        self._unpublish_timeouts = Counter("tensorhub_unpublish_timeouts", "Unpublish calls whose readers were "
+                                           "still reading at the drain deadline", registry=self.registry)
+        self.registry.register(_StateCollector(state))
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port: int = self._httpd.server_port
+
+    def resolved(self, seconds: float, outcome: str, pull_started: bool) -> None:
+        self._resolve_seconds.observe(seconds)
+        self._resolves.labels(outcome).inc()
+        if pull_started:
+            self._pulls.inc()
+
+    def source_lost(self) -> None:
+        self._lost.inc()
+
+    def unpublished(self, seconds: float, drained: bool) -> None:
+        self._unpublish.observe(seconds)
+        if not drained:
+            self._unpublish_timeouts.inc()
+
+    def served(self) -> None:
+        self._served.inc()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+class _StateCollector:
+    """Gauges read from the state at scrape time."""
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        state = self._state
+        yield GaugeMetricFamily("tensorhub_agents", "Registered agents (alive: heartbeating within their TTL)",
+                                value=len(state.agents))
+        yield GaugeMetricFamily("tensorhub_read_leases", "Read leases held: readers in flight", value=len(state.leases))
+        replicas = GaugeMetricFamily("tensorhub_replicas", "Replicas by state", labels=["state"])
+        counts = {"complete": 0, "filling": 0, "withdrawn": 0}
+        for r in list(state.replicas.values()):
+            counts["withdrawn" if r.withdrawn else "complete" if r.complete else "filling"] += 1
+        for name, n in counts.items():
+            replicas.add_metric([name], n)
+        yield replicas
+        versions = GaugeMetricFamily("tensorhub_versions", "Versions held, by whether they are complete (visible)",
+                                     labels=["visible"])
+        entries = [e for model in list(state.models.values()) for e in list(model.values())]
+        versions.add_metric(["true"], sum(e.visible for e in entries))
+        versions.add_metric(["false"], sum(not e.visible for e in entries))
+        yield versions
