@@ -262,6 +262,10 @@ def _latest(hub: Any, held: dict, *, model: str) -> int:
     return hub.latest(model)
 
 
+def _latest_near(hub: Any, held: dict, *, model: str) -> int:
+    return hub.latest_near(model)
+
+
 def _versions(hub: Any, held: dict, *, model: str) -> list[int]:
     return hub.versions(model)
 
@@ -271,7 +275,7 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
 
 
 _HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "unpublish": _unpublish, "pull": _pull,
-             "pull_latest_loop": _pull_latest_loop, "latest": _latest, "versions": _versions,
+             "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,
              "overwrite": _overwrite, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
 
 

@@ -253,6 +253,27 @@ class Hub:
             raise VersionNotFound(model, "latest")
         return versions[-1]
 
+    def latest_near(self, model: str) -> int:
+        """The highest visible version of ``model`` that a complete replica of
+        another process in this one's zone (or nearer: rack, host) holds whole; VersionNotFound
+        if none. A rollout across a slow link moves to this one, not ``latest``:
+        it keeps generating on the version it has while the next one crosses to
+        its zone's seed, and then reads it from there. Asks the server about
+        the visible versions, newest first, until one qualifies."""
+        model = _check_model(model)
+        me = self.config.labels
+        for version in reversed(self.versions(model)):
+            try:
+                resolved = self._rpc.resolve(self.agent_id, model, version)
+            except VersionNotFound:  # let go since it was listed
+                continue
+            tensors = len(resolved.manifest.tensors)
+            for r in resolved.replicas:
+                if (r.source.complete and me.tier(r.source.labels) <= 2 and len(r.held) == tensors
+                        and all(region.whole for _, region in r.held)):
+                    return version
+        raise VersionNotFound(model, "latest", f"no complete replica of {model!r} in zone {me.zone!r}")
+
     def wait_for_version(self, model: str, at_least: int = 0, timeout: float = 60.0) -> int:
         """Block until a version >= ``at_least`` of ``model`` is visible and return
         the highest visible one; VersionNotFound after ``timeout`` seconds. The
