@@ -47,7 +47,7 @@ class ChaosConfig:
     link: str = "1gbit"
     slow_rate: str = "16mbit"
     step_s: float = 2.0  # a new version this often
-    mean_gap_s: float = 2.4  # between faults (10 minutes: about 240)
+    mean_gap_s: float = 2.2  # between faults (10 minutes: about 270 scheduled)
     kinds: tuple[str, ...] = KINDS
     pull_timeout_s: float = 30.0
     wait_s: float = 2.0  # a reader's wait for a version newer than it holds

@@ -3,8 +3,9 @@
     {"faults": {kind: n}, "skipped": {kind: n}, "pulls_ok": n, "idle_pulls": n,
      "failures": {ErrorType: n}, "untyped": [...], "mismatches": n, "mismatch_details": [...],
      "hangs": n, "hang_details": [{"who", "op", "seconds", "stacks"}], "crashes": n,
-     "unpublishes": n, "unpublish_overruns": n, "unpublish_max_s": s, "late_failures": n,
-     "versions": n, "leaks": {...}, "seed": s, "minutes": m, "seconds": s, "schedule": [...]}
+     "unpublishes": n, "unpublish_overruns": n, "unpublish_max_s": s, "late_ops": n,
+     "versions": n, "leaks": {...}, "seed": s, "minutes": m, "seconds": s, "phases": {...},
+     "applied": [[at_s, kind, target, duration_s]], "failure_log": [[at_s, who, op, type, message]]}
 
 A failure is typed when it is a ``TensorHubError``; anything else counts under
 ``failures`` as ``UNTYPED:<Type>`` and its traceback goes to ``untyped``.
@@ -40,7 +41,8 @@ class Tally:
     unpublishes: int = 0
     unpublish_overruns: int = 0
     unpublish_max_s: float = 0.0
-    late_failures: int = 0
+    late_ops: int = 0  # operations (pulls, steps, ...) that ended past the deadlines they were given
+    failure_log: list[list] = field(default_factory=list)  # [at_s, who, op, type, message start]
     versions: int = 0
     bytes_pulled: int = 0
     leaks: dict[str, int] = field(default_factory=dict)
@@ -60,10 +62,10 @@ class Tally:
         for name, message in zip(answer.get("unpublish_errors", []), answer.get("unpublish_messages", [])):
             self.failures[name] += 1
             self.examples.setdefault(name, message)
+        if elapsed_s > allowed_s:
+            self.late_ops += 1
         if "error" in answer:
             self.failure(who, answer)
-            if elapsed_s > allowed_s:
-                self.late_failures += 1
         elif answer.get("idle"):
             self.idle_pulls += 1
         elif answer.get("op") == "pull":
@@ -79,6 +81,9 @@ class Tally:
         name = answer["error"] if answer.get("typed") else f"UNTYPED:{answer['error']}"
         self.failures[name] += 1
         self.examples.setdefault(name, answer.get("message", ""))
+        if len(self.failure_log) < 5000:
+            self.failure_log.append([round(self.seconds, 1), who, answer.get("op"), name,
+                                     answer.get("message", "")[:160]])
         if not answer.get("typed") and len(self.untyped) < 20:
             self.untyped.append({"who": who, "op": answer.get("op"), "error": answer["error"],
                                  "message": answer.get("message", ""), "traceback": answer.get("traceback", "")})
@@ -107,11 +112,11 @@ class Tally:
                 "mismatches": self.mismatches, "mismatch_details": self.mismatch_details[:20], "hangs": self.hangs,
                 "hang_details": self.hang_details, "crashes": self.crashes, "crash_details": self.crash_details[:20],
                 "unpublishes": self.unpublishes, "unpublish_overruns": self.unpublish_overruns,
-                "unpublish_max_s": round(self.unpublish_max_s, 3), "late_failures": self.late_failures,
+                "unpublish_max_s": round(self.unpublish_max_s, 3), "late_ops": self.late_ops,
                 "versions": self.versions, "bytes_pulled": self.bytes_pulled, "leaks": self.leaks,
                 "seed": self.seed, "minutes": self.minutes, "seconds": round(self.seconds, 1),
                 "phases": {k: round(v, 1) for k, v in self.phases.items()},
-                "applied": self.applied}
+                "applied": self.applied, "failure_log": self.failure_log}
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
