@@ -217,3 +217,42 @@ def test_replay_views_columns_inside_whole_rows():
         finalize_layerwise_reload(model, None)
         for name, want in _expected(rank).items():
             assert torch.equal(getattr(model, name), want), (rank, name)
+
+
+class ToyStage(Toy):
+    """The Toy as a pipeline stage that does not hold ``norm``: its loaders skip it."""
+
+    def load_weights(self, weights):
+        super().load_weights((n, w) for n, w in weights if n != "norm")
+
+
+def test_a_tensor_no_loader_reads_is_pulled_as_one_element():
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    from tensorhub import Hub
+    from tensorhub.server import EmbeddedServer
+
+    model = ToyStage(0)
+    record_metadata_for_reloading(model)
+    layout = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in CHECKPOINT.items()}
+    read_set = dry_run(model, layout, torch.device("cpu"))
+    assert read_set.unread == ["norm"] and read_set.boxes["norm"] == [((0, 1),)]
+    assert "norm" not in read_set.fallbacks
+    staged = read_set.allocate("cpu")
+    with EmbeddedServer() as server, Hub.connect(server.address, name="trainer") as trainer, \
+            Hub.connect(server.address, name="stage") as worker:
+        trainer.publish("toy", 1, CHECKPOINT)
+        result = worker.pull("toy", 1, into=staged)  # every name is still checked against the version
+    assert result.nbytes == read_set.nbytes() == sum(
+        s.tensor.nbytes for v in staged.values() for s in (v if isinstance(v, list) else [Shard(v, v.shape)]))
+    assert staged["norm"][0].tensor.nbytes == 2
+    initialize_layerwise_reload(model)
+    model.load_weights(read_set.weights(staged, torch.device("cpu")))
+    finalize_layerwise_reload(model, None)
+    for name, want in _expected(0).items():
+        if name != "norm":
+            assert torch.equal(getattr(model, name), want), name

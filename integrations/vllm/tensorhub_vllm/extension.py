@@ -62,11 +62,13 @@ class TensorHubWorkerExtension:
 
     def tensorhub_read_set(self, which: str = "extension") -> dict[str, Any]:
         """This worker's read set: the boxes it reads per tensor (absent: whole),
-        why a tensor is read whole although its loader may need less, and the
-        bytes read beyond the loaders' boxes to read whole rows (``widened``)."""
+        why a tensor is read whole although its loader may need less, the
+        bytes read beyond the loaders' boxes to read whole rows (``widened``),
+        and the tensors no loader of this worker reads (``unread``: one element each)."""
         u = self._tensorhub_updater(which)
         return {} if u is None else {"boxes": {n: [[list(r) for r in b] for b in bs] for n, bs in u.read_set.boxes.items()},
-                                     "fallbacks": dict(u.read_set.fallbacks), "widened": dict(u.read_set.widened)}
+                                     "fallbacks": dict(u.read_set.fallbacks), "widened": dict(u.read_set.widened),
+                                     "unread": list(u.read_set.unread)}
 
     def tensorhub_close(self) -> None:
         if self._tensorhub is not None:

@@ -153,12 +153,14 @@ class ReplaySink:
 class ReadSet:
     """What one worker loads of each checkpoint tensor: ``boxes[name]`` (disjoint)
     where it reads part of it, the whole tensor otherwise. ``fallbacks``: why a
-    tensor is read whole although the worker may need less of it."""
+    tensor is read whole although the worker may need less of it. ``unread``:
+    tensors no loader of the worker reads, pulled as one element (a 0-d one whole)."""
 
     layout: dict[str, torch.Tensor]  # meta tensors: the checkpoint's names, shapes, dtypes
     boxes: dict[str, list[Bounds]]
     fallbacks: dict[str, str]
     widened: dict[str, int] = field(default_factory=dict)  # bytes read beyond the loaders' boxes, by name
+    unread: list[str] = field(default_factory=list)  # no loader reads them: one element each is pulled
 
     def nbytes(self) -> int:
         return sum(self._numel(n) * t.element_size() for n, t in self.layout.items())
@@ -193,7 +195,7 @@ class ReadSet:
             merged = merge_boxes(bs)
             if tuple((0, d) for d in self.layout[name].shape) not in merged:
                 out[name] = merged
-        return ReadSet(layout=self.layout, boxes=out, fallbacks=self.fallbacks, widened=widened)
+        return ReadSet(layout=self.layout, boxes=out, fallbacks=self.fallbacks, widened=widened, unread=self.unread)
 
     def checkpoint_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layout.values())
@@ -245,9 +247,6 @@ def dry_run(model: torch.nn.Module, layout: dict[str, torch.Tensor], device: tor
             continue
         break
     fallbacks.update(sink.not_boxes)
-    for name in layout:
-        if name not in fallbacks and name not in sink.views:
-            fallbacks[name] = "no loader of this worker read it"
     for name, why in fallbacks.items():
         log.warning("tensorhub: %s is pulled whole: %s", name, why)
     boxes: dict[str, list[Bounds]] = {}
@@ -258,4 +257,13 @@ def dry_run(model: torch.nn.Module, layout: dict[str, torch.Tensor], device: tor
         whole = tuple((0, d) for d in layout[name].shape)
         if whole not in merged:
             boxes[name] = merged
-    return ReadSet(layout=layout, boxes=boxes, fallbacks=fallbacks)
+    # Tensors no loader of this worker reads (another pipeline stage's layers):
+    # one element each, so the pull still checks the version has them with this
+    # shape and dtype, at 1 element instead of the whole tensor.
+    unread = [n for n, t in layout.items() if n not in fallbacks and n not in sink.views and t.dim() and t.numel()]
+    for name in unread:
+        boxes[name] = [tuple((0, 1) for _ in layout[name].shape)]
+    if unread:
+        log.info("tensorhub: no loader of this worker reads %d tensor(s) (%s%s): one element of each is pulled",
+                 len(unread), ", ".join(unread[:3]), ", ..." if len(unread) > 3 else "")
+    return ReadSet(layout=layout, boxes=boxes, fallbacks=fallbacks, unread=unread)
