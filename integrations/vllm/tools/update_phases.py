@@ -1,0 +1,135 @@
+"""Where one worker's update goes, phase by phase: the engine and checkpoint of
+``tensorhub bench vllm``, with TensorHub's and NIXL's calls wrapped in timers
+inside each TP worker. A measuring tool, not part of the adapter: it wraps
+private functions, so it follows their names.
+
+    .venv-vllm/bin/python integrations/vllm/tools/update_phases.py --tp 2 --reps 3
+
+Prints per repetition and worker: pull and apply seconds, then each phase's
+seconds and calls (a phase's time includes the phases it calls), and the READ
+descriptors posted (count, and how many are under 4 KiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+# (module, owner attribute or "", function, label)
+PHASES = (
+    ("tensorhub_vllm.worker", "", "apply_checkpoint", "apply (vLLM layer-wise reload)"),
+    ("tensorhub_vllm.receiver", "VersionReceiver", "_withdraw", "withdraw the previous version"),
+    ("tensorhub.client.hub", "Hub", "pull", "hub.pull"),
+    ("tensorhub.client.rpc", "ReferenceClient", "resolve", "  rpc resolve"),
+    ("tensorhub.client.hub", "", "destination_parts", "  check the destination"),
+    ("tensorhub.client.holdings", "Holdings", "open_filling", "  register + publish the filling replica"),
+    ("tensorhub.client.readlayout", "ReadLayout", "holder_table", "  holder tables (segments)"),
+    ("tensorhub.client.readlayout", "ReadLayout", "transfers", "  descriptors per chunk"),
+    ("tensorhub.client.puller", "PullJob", "_read_round", "  read rounds"),
+    ("nixl._api", "nixl_agent", "initialize_xfer", "    NIXL initialize_xfer"),
+    ("nixl._api", "nixl_agent", "transfer", "    NIXL transfer (the READ; synchronous over CMA)"),
+    ("nixl._api", "nixl_agent", "check_xfer_state", "    NIXL check_xfer_state"),
+    ("tensorhub.client.rpc", "ReferenceClient", "report_chunks", "    rpc report_chunks (landed)"),
+)
+
+
+def instrument(worker) -> None:  # runs in each worker (collective_rpc)
+    import functools
+    import importlib
+    import time as clock
+
+    import tensorhub
+    from tensorhub.transport import nixl
+
+    if hasattr(tensorhub, "_phases"):
+        return
+    totals: dict[str, list] = {}
+    tensorhub._phases = totals
+    for module, owner, name, label in PHASES:
+        target = importlib.import_module(module)
+        target = getattr(target, owner) if owner else target
+        fn = getattr(target, name)
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            start = clock.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                entry = totals.setdefault(_label, [0.0, 0])
+                entry[0] += clock.perf_counter() - start
+                entry[1] += 1
+
+        setattr(target, name, functools.wraps(fn)(timed))
+    post = nixl.NixlAgent.post
+
+    def counted(self, remote, local, *rest):
+        entry = totals.setdefault("READ descriptors (count, under 4 KiB)", [0, 0])
+        entry[0] += len(local)
+        entry[1] += int((local[:, 1] < 4096).sum())
+        return post(self, remote, local, *rest)
+
+    nixl.NixlAgent.post = counted
+
+
+def collect(worker) -> dict:
+    import tensorhub
+
+    out = {k: list(v) for k, v in tensorhub._phases.items()}
+    tensorhub._phases.clear()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    from tensorhub_vllm.bench import MODEL, VllmBenchConfig, _build_model, _env
+
+    cfg = VllmBenchConfig(tp=args.tp)
+    _env(cfg)
+    from safetensors.torch import load_file
+    from vllm import LLM
+
+    from tensorhub import Hub
+    from tensorhub.server import EmbeddedServer
+
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer() as server:
+        model_dir = Path(tmp)
+        _build_model(model_dir, cfg)
+        state = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
+                  enforce_eager=True, tensor_parallel_size=cfg.tp,
+                  worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
+        llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL},))
+        llm.collective_rpc(instrument)
+        with Hub.connect(server.address, name="bench-trainer") as trainer:
+            for rep in range(args.reps + 1):  # the first is warm-up
+                pub = trainer.publish(MODEL, rep, state)
+                start = time.perf_counter()
+                llm.collective_rpc("tensorhub_update", args=(rep,))
+                update = time.perf_counter() - start
+                stats, phases = llm.collective_rpc("tensorhub_stats"), llm.collective_rpc(collect)
+                pub.unpublish()
+                start = time.perf_counter()
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir),
+                                                             "is_checkpoint_format": True})
+                disk = time.perf_counter() - start
+                if not rep:
+                    continue
+                print(f"rep {rep}: update {update:.3f} s, disk reload {disk:.3f} s")
+                for rank, (s, p) in enumerate(zip(stats, phases)):
+                    print(f"  worker {rank}: pull {s['pull_s']:.3f} s, apply {s['apply_s']:.3f} s, "
+                          f"{s['nbytes']} of {s['checkpoint_nbytes']} bytes")
+                    for label, (value, calls) in p.items():
+                        shown = f"{value * 1e3:8.2f} ms" if isinstance(value, float) else f"{value:8d}   "
+                        print(f"    {label:52s} {shown} {calls:6d}")
+        llm.collective_rpc("tensorhub_close")
+
+
+if __name__ == "__main__":
+    main()
