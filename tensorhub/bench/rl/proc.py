@@ -101,11 +101,12 @@ def trainer_steps(report: Reporter, cfg: Any, go: Any):
 
 
 def rollout_steps(report: Reporter, update: Any, newest: Any, *, join_at: float | None, gen_s: list[float],
-                  go: Any, stop: Any, preempt: Any) -> None:
+                  go: Any, stop: Any, preempt: Any, on_notice: Any = None) -> None:
     """A pulling rollout's loop (p2p, tensorhub): hold version 0 before the run
     starts (or, joining at ``join_at``, the newest); then generate batches and
     after each move to the newest version if there is a newer one.
-    ``update(what) -> version`` loads weights; ``newest() -> version`` asks."""
+    ``update(what) -> version`` loads weights; ``newest() -> version`` asks;
+    ``on_notice()``: what the rollout does with its preemption notice before it dies."""
     if join_at is None:
         held = update("initial")
         report("ready", version=held)
@@ -117,7 +118,7 @@ def rollout_steps(report: Reporter, update: Any, newest: Any, *, join_at: float 
         held = update("join")
     for gen in gen_s:
         t0 = time.monotonic()
-        if not generate(gen, stop, preempt):
+        if not generate(gen, stop, preempt, on_notice):
             break
         report("generate", t0, time.monotonic(), version=held)
         if newest() > held:
@@ -125,15 +126,18 @@ def rollout_steps(report: Reporter, update: Any, newest: Any, *, join_at: float 
     report("done")
 
 
-def generate(gen_s: float, stop: Any, preempt: Any = None) -> bool:
+def generate(gen_s: float, stop: Any, preempt: Any = None, on_notice: Any = None) -> bool:
     """Generate one batch (the GPU work, slept); False when the run ends meanwhile.
-    A preempted rollout dies here, abruptly (no goodbye to anyone), as a reclaimed
-    spot node does once its notice runs out: never mid-transfer, where a killed
-    raw NIXL reader took its source down with it (a segfault in UCX over TCP)."""
+    A preempted rollout dies here, as a spot node does: a notice (the cloud's
+    30 s to 2 min), on which it does ``on_notice()`` (stop serving what it holds),
+    then the kill, abrupt (no goodbye to anyone). Never mid-transfer, where a
+    killed raw NIXL reader took its source down with it (a segfault in UCX over TCP)."""
     end = time.monotonic() + gen_s
     while (left := end - time.monotonic()) > 0:
         if stop.wait(min(left, 0.05)):
             return False
         if preempt is not None and preempt.is_set():
+            if on_notice is not None:
+                on_notice()
             os._exit(137)
     return not stop.is_set()

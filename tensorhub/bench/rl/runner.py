@@ -144,6 +144,8 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
         stack.callback(run.close)  # before the server stops: the processes close their hubs
         if method == "tensorhub":
             run.start("trainer", via_tensorhub.trainer, trainer_place, server.address, cfg, run.go, run.stop)
+            if "seed" in where:  # crossdc: the far zone's seed
+                run.start("seed", via_tensorhub.seed, where["seed"], server.address, cfg, run.go, run.stop)
 
             def rollout(slot: int, who: str, join_at: float | None, incarnation: int) -> None:
                 run.preempts[who] = run.notice()
@@ -171,7 +173,7 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
 
         for i, who in enumerate(slots):
             rollout(i, who, None, 0)
-        run.until(lambda: all(run.has(w, "ready") for w in ["trainer", *slots]), proc.START_TIMEOUT_S,
+        run.until(lambda: all(run.has(w, "ready") for w in run.procs), proc.START_TIMEOUT_S,
                   "every process holding version 0")
         before = _counters(hosts)
         started = time.monotonic()

@@ -7,6 +7,13 @@ The trainer's stall is what it cannot skip: unpublishing the previous version
 holds it) before its optimizer overwrites the buffer, and publishing the next.
 A rollout's stall is its update: unpublishing what it served, then the pull
 (again, for the newest version, if the one it pulled was let go meanwhile).
+
+Across zones (crossdc) the far zone has a seed (``seed``): a process on its own
+host that holds versions in host memory (no GPU) and pulls each new version
+across the slow link as soon as it is published. The zone's rollouts move to
+the newest version their zone holds (``Hub.latest_near``), not to ``latest``:
+they generate on while the next version crosses, then read it from the seed
+over their own link. The version crosses once, and no rollout waits for it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from typing import Any
 from tensorhub.bench.rl import proc
 
 RETRIES = 3
+NOTICE_S = 30.0  # a spot notice's length: the longest a preempted rollout waits for its readers
+NEAR_POLL_S = 0.2  # a far rollout waiting for its zone's first version asks this often
 
 
 def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, stop: Any) -> None:
@@ -44,54 +53,142 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
             pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)
 
 
+def _pull(hub: Any, version: Any, into: dict) -> tuple[Any, int, list[str]]:
+    """``hub.pull(..., serve=True)`` of ``version()`` (asked again on each try);
+    returns the result, the retries and why each failed."""
+    from tensorhub.errors import SourceLost, VersionNotFound
+
+    failures: list[str] = []
+    for retry in range(RETRIES + 1):
+        try:
+            return hub.pull(proc.MODEL, version(), into=into, serve=True), retry, failures
+        except (SourceLost, VersionNotFound, KeyError) as e:
+            # SourceLost / VersionNotFound: the version was superseded mid-pull and its last
+            # holder let it go (retention keeps the latest only): as a real rollout would,
+            # take the newest. KeyError: a puller bug seen under relay (a replica's lease
+            # entry gone mid-round), reported, and listed in the row's failed_pulls.
+            failures.append(f"{type(e).__name__}: {e}"[:300])
+            if retry == RETRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _wait_near(hub: Any) -> None:
+    """Until some holder of the caller's zone has a version (the seed's first)."""
+    from tensorhub.errors import VersionNotFound
+
+    deadline = time.monotonic() + proc.WAIT_TIMEOUT_S
+    while True:
+        try:
+            hub.latest_near(proc.MODEL)
+            return
+        except VersionNotFound:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(NEAR_POLL_S)
+
+
 def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: list[float], spot: bool,
             join_at: float | None, go: Any, stop: Any, preempt: Any) -> None:
     """``join_at``: None for a rollout of the start (it holds version 0 before the
     run starts), else the instant a replacement starts loading the newest version."""
     proc.enter(place)
     from tensorhub import Hub
-    from tensorhub.errors import SourceLost, VersionNotFound
 
+    far = cfg.scenario == "crossdc"  # the far zone has a seed: move to what it holds
     with proc.reporting(events, who) as report:
         buf = proc.weights(cfg.size)
         into = {"w": buf}
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
                          chunk_timeout_s=cfg.chunk_timeout_s, reliability="spot" if spot else "reliable") as hub:
             served = None
+            newest = (lambda: hub.latest_near(proc.MODEL)) if far else (lambda: hub.latest(proc.MODEL))
 
-            def update(version: int | str, what: str) -> int:
+            def update(what: str) -> int:
                 nonlocal served
                 t0 = time.monotonic()
                 report("begin", what=what)
                 if served is not None:
                     served.unpublish(timeout=proc.WAIT_TIMEOUT_S)  # nobody reads it while it is overwritten
                     served = None
-                failures = []
-                for retry in range(RETRIES + 1):
-                    try:
-                        result = hub.pull(proc.MODEL, version, into=into, serve=True)
-                        break
-                    except (SourceLost, VersionNotFound, KeyError) as e:
-                        # SourceLost / VersionNotFound: the version was superseded mid-pull and its last
-                        # holder let it go (retention keeps the latest only): as a real rollout would,
-                        # take the newest. KeyError: a puller bug seen under relay (a replica's lease
-                        # entry gone mid-round), reported, and listed in the row's failed_pulls.
-                        failures.append(f"{type(e).__name__}: {e}"[:300])
-                        if retry == RETRIES:
-                            raise
-                        version = "latest"
+                if far:
+                    version = newest
+                else:
+                    version = (lambda: 0) if what == "initial" else (lambda: "latest")
+                result, retries, failures = _pull(hub, version, into)
                 t1 = time.monotonic()
                 served = result.publication
                 report.check(buf, result.version)
                 report("stall", t0, t1, version=result.version, what=what, bytes=result.nbytes,
-                       sources=result.bytes_by_source, retries=retry, failures=failures)
+                       sources=result.bytes_by_source, retries=retries, failures=failures)
                 report("hold", t1, t1, version=result.version)
                 return result.version
 
+            def notice() -> None:
+                # A spot rollout's notice: withdraw what it serves (readers mid-pull finish or
+                # move on), so no joiner is planned onto it after the kill; only a kill without
+                # notice is left to the readers' failover and the server's agent TTL.
+                hub.close(timeout=NOTICE_S)
+
             if join_at is None:
                 hub.wait_for_version(proc.MODEL, 0, timeout=proc.WAIT_TIMEOUT_S)  # the trainer may start later
-            proc.rollout_steps(report, lambda what: update(0 if what == "initial" else "latest", what),
-                               lambda: hub.latest(proc.MODEL), join_at=join_at, gen_s=gen_s, go=go, stop=stop,
-                               preempt=preempt)
+                if far:
+                    _wait_near(hub)
+            proc.rollout_steps(report, update, newest, join_at=join_at, gen_s=gen_s, go=go, stop=stop,
+                               preempt=preempt, on_notice=notice if spot else None)
             if served is not None:
                 served.unpublish(timeout=proc.WAIT_TIMEOUT_S)
+
+
+def seed(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, stop: Any) -> None:
+    """The far zone's seed: two buffers in host memory, the newest version it
+    has served from one while the next crosses into the other (rollouts still
+    reading the older one finish first: its unpublish waits for them). Not a
+    rollout: it generates nothing, so it has no stall; its ``hold`` events
+    show when each version reached the zone."""
+    proc.enter(place)
+    from tensorhub import Hub
+    from tensorhub.errors import VersionNotFound
+
+    with proc.reporting(events, who) as report:
+        bufs = [proc.weights(cfg.size), proc.weights(cfg.size)]
+        served: list[Any] = [None, None]
+        with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
+                         chunk_timeout_s=cfg.chunk_timeout_s) as hub:
+            held, slot = -1, 1
+
+            def newer() -> int:
+                # The newest version, never one it holds (the trainer may have let
+                # its newer ones go at the run's end): that ends the pull as lost.
+                latest = hub.latest(proc.MODEL)
+                if latest <= held:
+                    raise VersionNotFound(proc.MODEL, f"> {held}", "nothing newer than the seed's")
+                return latest
+
+            def fetch() -> None:
+                nonlocal held, slot
+                nxt = slot ^ 1  # the buffer of the older version: its readers finish first
+                if served[nxt] is not None:
+                    served[nxt].unpublish(timeout=proc.WAIT_TIMEOUT_S)
+                    served[nxt] = None
+                t0 = time.monotonic()
+                result, retries, failures = _pull(hub, newer if held >= 0 else (lambda: 0), {"w": bufs[nxt]})
+                t1 = time.monotonic()
+                slot, served[nxt], held = nxt, result.publication, result.version
+                report.check(bufs[slot], held)
+                report("seed", t0, t1, version=held, bytes=result.nbytes, sources=result.bytes_by_source,
+                       retries=retries, failures=failures)
+                report("hold", t1, t1, version=held)
+
+            hub.wait_for_version(proc.MODEL, 0, timeout=proc.WAIT_TIMEOUT_S)
+            fetch()
+            report("ready", version=held)
+            if not go.wait(proc.WAIT_TIMEOUT_S):
+                raise TimeoutError("the run did not start")
+            while not stop.is_set():
+                try:
+                    hub.wait_for_version(proc.MODEL, held + 1, timeout=NEAR_POLL_S)
+                    fetch()
+                except VersionNotFound:  # none newer yet, or the newer ones went before it got them
+                    continue
+            report("done")
