@@ -14,7 +14,12 @@ Scenarios (``recipes/bench/scenario/*.yaml``) and their metric:
   ``tensorhub``. ``update_s`` of the joining rollouts.
 * ``crossdc``: two zones joined by one slow link, the trainer in one, the
   rollouts in the other; ``broadcast`` vs ``tensorhub`` (rollouts labelled with
-  their zone). ``rollout_stall_s``.
+  their zone; the far zone's seed, a host-memory process on its own host, pulls
+  each new version across once, and the rollouts move to the newest version
+  their zone holds, ``Hub.latest_near``). ``rollout_stall_s``.
+
+Spot preemption (elastic) is a notice, then a kill at the rollout's next batch:
+on its notice a ``tensorhub`` rollout withdraws what it serves first.
 
 Output, in ``out`` (default ``bench-results/rl``): ``rl-<scenario>.json``,
 ``.md`` (the table) and ``.png`` (stall per step, version timeline). The JSON::
