@@ -35,8 +35,9 @@ from tensorhub.shard import Part
 from tensorhub.transport import NixlAgent
 
 T = TypeVar("T")
-# An unpublish call may outlive the server's drain by this much (the answer's
-# round trip), not by a whole RPC timeout: unpublish(timeout) returns within it.
+# The server's drain ends this much (at most a quarter of the timeout) before
+# unpublish's own timeout, which leaves the answer its way back: unpublish(timeout)
+# returns within its timeout, not a whole RPC timeout later.
 _UNPUBLISH_CALL_SLACK_S = 1.0
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class Holdings:
         # Filling replicas whose chunk report the server missed (it was away, or
         # had forgotten the replica): the heartbeat announces them again, bitmap included.
         self._unreported: set[str] = set()
+        # Replicas held when the server restarted: the new instance does not know
+        # the read leases the old one granted on them; those end by this time.
+        self._unknown_reads_until: dict[str, float] = {}
         # Slow housekeeping off the heartbeat thread (releasing retained copies drains readers).
         self._chores = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-chores")
         self._stop = threading.Event()
@@ -80,6 +84,9 @@ class Holdings:
                 time.sleep(0.2)
         with self._lock:
             changed = self._instance_id != instance
+            if changed and self._instance_id:  # a restart, not this agent's first registration
+                until = time.monotonic() + lease_ttl
+                self._unknown_reads_until.update(dict.fromkeys(self._publications, until))
             self._instance_id, self.lease_ttl_s = instance, lease_ttl
             pubs = [p for p in self._publications.values() if p.announced]
         if changed and pubs:
@@ -224,18 +231,23 @@ class Holdings:
         # Every wait below comes out of the caller's one ``timeout``.
         deadline = time.monotonic() + timeout
 
+        slack = min(_UNPUBLISH_CALL_SLACK_S, timeout / 4)
+
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
+        def drain_s() -> float:
+            return max(0.0, left() - slack)
+
         try:
-            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, left(), force=force,
-                                                               call_slack_s=_UNPUBLISH_CALL_SLACK_S)
+            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, drain_s(), force=force,
+                                                               call_slack_s=slack)
             if retain:
                 # The last reliable holder of a region of a retained version: keep
                 # the bytes in host memory of this process before letting go.
                 self._retain_copy(pub)
-                drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, left(),
-                                                                   call_slack_s=_UNPUBLISH_CALL_SLACK_S)
+                drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, drain_s(),
+                                                                   call_slack_s=slack)
                 if retain:
                     raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
         except (ServerUnavailable, AgentUnknown) as e:
@@ -245,6 +257,13 @@ class Holdings:
             log.warning("unpublish %r v%d: %s; waiting %.1fs for read leases to expire", pub.model, pub.version, e, wait)
             time.sleep(wait)
             drained, outstanding = wait >= self.lease_ttl_s, -1
+        with self._lock:
+            unknown_until = self._unknown_reads_until.get(pub.replica_id, 0.0)
+        if drained and unknown_until > time.monotonic():
+            # The server saw no reader, but readers leased by its previous instance
+            # may still read: they stop when their leases run out.
+            time.sleep(min(unknown_until - time.monotonic(), left()))
+            drained, outstanding = time.monotonic() >= unknown_until, -1
         if not drained:
             who = (f"{outstanding} reader(s) still held read leases" if outstanding >= 0 else
                    "the server could not say whether readers still held read leases")
@@ -254,6 +273,7 @@ class Holdings:
             )
         with self._lock, pub.lock:
             self._publications.pop(pub.replica_id, None)
+            self._unknown_reads_until.pop(pub.replica_id, None)
             pub.state = PubState.CLOSED
         self._nixl.deregister(pub.registration)
 

@@ -146,3 +146,29 @@ def test_unpublish_returns_within_its_timeout_when_the_server_dies_mid_drain(tmp
             trainer.result(timeout=30)
         assert time.monotonic() - t0 < 3.0 + 1.0
         server.start()  # so that the processes close quickly
+
+
+def test_unpublish_after_a_server_restart_waits_for_the_readers_it_cannot_know(tmp_path):
+    """Found by the campaign (4 mismatched pulls in 10 minutes, each within seconds
+    of a server restart): the new server instance does not know the read leases
+    the old one granted, so a holder's unpublish returned at once (measured: 2.5 ms)
+    while a reader was mid-pull, and the memory was overwritten under it. Now a
+    replica held across a restart is unpublished only once those leases have run out."""
+    progress = str(tmp_path / "progress")
+    with ServerProcess(lease_ttl_s=8, retain=0) as server, HubProcess(server.address, name="trainer") as trainer, \
+            HubProcess(server.address, name="reader", read_workers=1) as reader:
+        trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+        reader.send("pull", model="m", version=1, specs=SPECS, expect_seed=1, pace_s=0.5, progress_file=progress)
+        wait_for_progress(progress, at_least=1)
+        server.kill()
+        server.start()
+        time.sleep(2.5)  # the trainer's heartbeat (1 s) finds the new instance and registers its replica again
+        t0 = time.monotonic()
+        trainer.call("unpublish", model="m", version=1, timeout=20)
+        took = time.monotonic() - t0
+        trainer.call("overwrite", model="m", version=1, seed=2)  # what the optimizer does next
+        try:
+            assert reader.result(timeout=60)["mismatched"] == []
+        except RemoteError as e:  # a typed failure is allowed; wrong bytes are not
+            assert e.type_name in ("SourceLost", "TransferStalled", "AgentUnknown", "ServerUnavailable"), e
+        assert took > 2.0, f"unpublish returned after {took:.3f} s, before the old instance's leases ran out"
