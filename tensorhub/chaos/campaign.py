@@ -30,7 +30,7 @@ from tensorhub.chaos import faults
 from tensorhub.chaos.schedule import KINDS, Fault, schedule
 from tensorhub.chaos.server import Server
 from tensorhub.chaos.tally import Tally
-from tensorhub.chaos.worker import START_TIMEOUT_S, Worker, WorkerSpec
+from tensorhub.chaos.worker import START_TIMEOUT_S, WARM_OPS, Worker, WorkerSpec
 
 ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}  # no shared memory between emulated hosts
 PORT = 50151
@@ -236,7 +236,7 @@ class Campaign:
                 continue
             for key in ("registrations", "publications", "undrained"):
                 leaks["nixl_registrations" if key == "registrations" else key] += max(0, drained.get(key, 0))
-            if w.warm_threads is not None and w.ops_done >= 3:  # threads it started for good after warming up
+            if w.warm_threads is not None and w.ops_done >= 2 * WARM_OPS:  # threads started for good once warm
                 leaks["threads"] += max(0, drained["threads"] - w.warm_threads[0])
                 leaks["os_threads"] += max(0, drained["os_threads"] - w.warm_threads[1])
         for w in self.workers.values():

@@ -55,7 +55,7 @@ class Tally:
         for seconds in answer.get("unpublish_s", []):
             self.unpublishes += 1
             self.unpublish_max_s = max(self.unpublish_max_s, seconds)
-            if seconds > self.unpublish_timeout_s + 1.0:  # its own timeout, plus a second of slack
+            if seconds > self.unpublish_timeout_s + 0.5:  # its own timeout (and scheduling noise on 2 cores)
                 self.unpublish_overruns += 1
                 self.overrun_details.append({"who": who, "op": answer.get("op"), "seconds": round(seconds, 2),
                                              "errors": answer.get("unpublish_messages", [])})

@@ -28,6 +28,7 @@ from typing import Any
 
 MODEL = "chaos/policy"
 START_TIMEOUT_S = 120.0  # imports, NIXL agent, Hub.connect on a busy 2-core machine
+WARM_OPS = 5  # operations after which a process counts as warm (for the thread-leak check)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,8 +191,9 @@ def main(conn: Any, spec: WorkerSpec) -> None:
 
         netns.enter(spec.netns)
     os.environ.update(spec.env)
-    if spec.log_path:  # NIXL/UCX write their complaints to fd 2: keep them off the live line
+    if spec.log_path:  # NIXL and UCX write their complaints to fds 1 and 2: keep them off the live line
         log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
     dump = open(spec.dump_path or os.devnull, "w")  # noqa: SIM115 - lives as long as the process
@@ -241,7 +243,8 @@ class Worker:
         self.op_started = 0.0
         self.deadline = self.started + START_TIMEOUT_S
         self.ops_done = 0
-        self.warm_threads: tuple[int, int] | None = None  # (python, os) after its first operation
+        # (python, os) threads once warm: lazily started pools (lease releases, chores) are running by then
+        self.warm_threads: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -270,7 +273,7 @@ class Worker:
             self.ready = True
         else:
             self.ops_done += 1
-            if self.ops_done == 1:
+            if self.ops_done == WARM_OPS:
                 self.warm_threads = (answer.get("threads", 0), answer.get("os_threads", 0))
         answer["op"], self.op = self.op or "start", None
         return answer
