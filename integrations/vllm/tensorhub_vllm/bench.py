@@ -18,6 +18,7 @@ Every ``seconds`` is a median over repetitions; ``samples`` lists them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -60,13 +61,15 @@ def _env(cfg: VllmBenchConfig) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cores[:cfg.tp]))
 
 
-def measure(cfg: VllmBenchConfig) -> list[dict]:
-    """The rows (see the module docstring)."""
+@contextlib.contextmanager
+def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, EmbeddedServer, Path, dict]]
+    """A reference server, the random checkpoint (its directory and its tensors)
+    and an engine on it whose workers' TensorHub extension is initialised
+    (serve: true, the default: staging allocated and registered once, kept between updates)."""
     _env(cfg)
     from safetensors.torch import load_file
     from vllm import LLM
 
-    from tensorhub import Hub
     from tensorhub.server import EmbeddedServer
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer() as server:
@@ -78,28 +81,44 @@ def measure(cfg: VllmBenchConfig) -> list[dict]:
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
                   enforce_eager=True, tensor_parallel_size=cfg.tp,
                   worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
-        # serve: true (the default): staging allocated and registered once, kept between updates
         llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL},))
-        workers: list[list[dict]] = [[] for _ in range(cfg.tp)]
-        updates: list[float] = []
-        disk: list[float] = []
-        with Hub.connect(server.address, name="bench-trainer") as trainer:
-            for rep in range(cfg.reps + 1):  # the first is warm-up
-                pub = trainer.publish(MODEL, rep, state)
-                start = time.perf_counter()
-                llm.collective_rpc("tensorhub_update", args=(rep,))
-                total = time.perf_counter() - start
-                stats = llm.collective_rpc("tensorhub_stats")
-                pub.unpublish()
-                start = time.perf_counter()
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir),
-                                                             "is_checkpoint_format": True})
-                if rep:
-                    disk.append(time.perf_counter() - start)
-                    updates.append(total)
-                    for rank, s in enumerate(stats):
-                        workers[rank].append(s)
-        llm.collective_rpc("tensorhub_close")
+        try:
+            yield llm, server, model_dir, state
+        finally:
+            llm.collective_rpc("tensorhub_close")
+
+
+def one_round(llm, trainer, version: int, state: dict, model_dir: Path) -> tuple[float, float, list[dict]]:
+    """Publish ``state`` as ``version``, update the engine through TensorHub,
+    withdraw it, then reload the same weights from the file: (update seconds,
+    disk reload seconds, each worker's ``tensorhub_stats``)."""
+    pub = trainer.publish(MODEL, version, state)
+    start = time.perf_counter()
+    llm.collective_rpc("tensorhub_update", args=(version,))
+    update = time.perf_counter() - start
+    stats = llm.collective_rpc("tensorhub_stats")
+    pub.unpublish()
+    start = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir), "is_checkpoint_format": True})
+    return update, time.perf_counter() - start, stats
+
+
+def measure(cfg: VllmBenchConfig) -> list[dict]:
+    """The rows (see the module docstring)."""
+    from tensorhub import Hub
+
+    workers: list[list[dict]] = [[] for _ in range(cfg.tp)]
+    updates: list[float] = []
+    disk: list[float] = []
+    with bench_engine(cfg) as (llm, server, model_dir, state), \
+            Hub.connect(server.address, name="bench-trainer") as trainer:
+        for rep in range(cfg.reps + 1):  # the first is warm-up
+            update, reload, stats = one_round(llm, trainer, rep, state, model_dir)
+            if rep:
+                disk.append(reload)
+                updates.append(update)
+                for rank, s in enumerate(stats):
+                    workers[rank].append(s)
     rows = []
     for rank, samples in enumerate(workers):
         seconds = [s["pull_s"] + s["apply_s"] for s in samples]

@@ -13,9 +13,6 @@ descriptors posted (count, and how many are under 4 KiB).
 from __future__ import annotations
 
 import argparse
-import tempfile
-import time
-from pathlib import Path
 
 # (module, owner attribute or "", function, label)
 PHASES = (
@@ -86,49 +83,25 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    from tensorhub_vllm.bench import MODEL, VllmBenchConfig, _build_model, _env
-
-    cfg = VllmBenchConfig(tp=args.tp)
-    _env(cfg)
-    from safetensors.torch import load_file
-    from vllm import LLM
+    from tensorhub_vllm.bench import VllmBenchConfig, bench_engine, one_round
 
     from tensorhub import Hub
-    from tensorhub.server import EmbeddedServer
 
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer() as server:
-        model_dir = Path(tmp)
-        _build_model(model_dir, cfg)
-        state = {}
-        for f in sorted(model_dir.glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
-                  enforce_eager=True, tensor_parallel_size=cfg.tp,
-                  worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
-        llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL},))
+    with bench_engine(VllmBenchConfig(tp=args.tp)) as (llm, server, model_dir, state), \
+            Hub.connect(server.address, name="bench-trainer") as trainer:
         llm.collective_rpc(instrument)
-        with Hub.connect(server.address, name="bench-trainer") as trainer:
-            for rep in range(args.reps + 1):  # the first is warm-up
-                pub = trainer.publish(MODEL, rep, state)
-                start = time.perf_counter()
-                llm.collective_rpc("tensorhub_update", args=(rep,))
-                update = time.perf_counter() - start
-                stats, phases = llm.collective_rpc("tensorhub_stats"), llm.collective_rpc(collect)
-                pub.unpublish()
-                start = time.perf_counter()
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir),
-                                                             "is_checkpoint_format": True})
-                disk = time.perf_counter() - start
-                if not rep:
-                    continue
-                print(f"rep {rep}: update {update:.3f} s, disk reload {disk:.3f} s")
-                for rank, (s, p) in enumerate(zip(stats, phases)):
-                    print(f"  worker {rank}: pull {s['pull_s']:.3f} s, apply {s['apply_s']:.3f} s, "
-                          f"{s['nbytes']} of {s['checkpoint_nbytes']} bytes")
-                    for label, (value, calls) in p.items():
-                        shown = f"{value * 1e3:8.2f} ms" if isinstance(value, float) else f"{value:8d}   "
-                        print(f"    {label:52s} {shown} {calls:6d}")
-        llm.collective_rpc("tensorhub_close")
+        for rep in range(args.reps + 1):  # the first is warm-up
+            update, disk, stats = one_round(llm, trainer, rep, state, model_dir)
+            phases = llm.collective_rpc(collect)  # the disk reload calls none of the timed functions
+            if not rep:
+                continue
+            print(f"rep {rep}: update {update:.3f} s, disk reload {disk:.3f} s")
+            for rank, (s, p) in enumerate(zip(stats, phases)):
+                print(f"  worker {rank}: pull {s['pull_s']:.3f} s, apply {s['apply_s']:.3f} s, "
+                      f"{s['nbytes']} of {s['checkpoint_nbytes']} bytes")
+                for label, (value, calls) in p.items():
+                    shown = f"{value * 1e3:8.2f} ms" if isinstance(value, float) else f"{value:8d}   "
+                    print(f"    {label:52s} {shown} {calls:6d}")
 
 
 if __name__ == "__main__":
