@@ -102,6 +102,7 @@ def _bench_server(args: argparse.Namespace) -> int:
     try:
         cfg = server.ServerBenchConfig(agents=args.agents, holders=args.holders, tensors=args.tensors,
                                        seconds=args.seconds, resolve_interval_s=args.resolve_interval,
+                                       heartbeat_interval_s=args.heartbeat_interval,
                                        sweep=tuple(args.sweep or ()), generators=args.generators)
     except ValueError as e:
         print(f"tensorhub bench server: {e}", file=sys.stderr)
@@ -250,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tensors", type=int, default=200, help="tensors of the version (default 200)")
     srv.add_argument("--seconds", type=float, default=6.0, help="seconds of load per agent count (default 6)")
     srv.add_argument("--resolve-interval", type=float, default=1.0,
-                     help="seconds between one agent's resolves (default 1; heartbeats every 1 s)")
+                     help="seconds between one agent's resolves (default 1)")
+    srv.add_argument("--heartbeat-interval", type=float, default=1.0,
+                     help="seconds between one agent's heartbeats (default 1, HubConfig.heartbeat_interval_s)")
     srv.add_argument("--generators", type=int, default=2, help="load generator processes (default 2)")
     srv.add_argument("--json", help="write the results here as JSON")
     srv.set_defaults(func=_bench_server)

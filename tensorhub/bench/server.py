@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,9 @@ class Step:
     server_rss_mb: float
     bytes_per_agent: float
     bytes_per_replica: float
+    server_cpu: float  # cores the server process used during the load (1.0: one whole core)
+    generator_cpu: float  # cores the load generators used, all together (they share the machine with the server)
+    server_us_per_call: float  # server CPU per call: what one core of the server alone can answer is 1e6 / this
     extra: dict = field(default_factory=dict)
 
 
@@ -92,6 +96,12 @@ def _rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _agent_id(i: int) -> str:
@@ -182,8 +192,11 @@ async def _generate(address: str, agents: list[int], holders: int, cfg: ServerBe
         loop = asyncio.get_running_loop()
         # Wall clock to this loop's clock: every generator starts the load at the same moment.
         start = loop.time() + max(0.0, start_at - time.time())
+        await asyncio.sleep(max(0.0, start - loop.time()))
+        cpu0 = time.process_time()
         await asyncio.gather(*(_agent(stub, pb, i, i >= holders, cfg, start, start + cfg.seconds, fingerprint, out)
                                for i in agents))
+        out["cpu_s"] = [time.process_time() - cpu0]
     return out
 
 
@@ -224,25 +237,33 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
             proc.start()
             procs.append(proc)
             conns.append(parent)
-        merged: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": []}
+        merged: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": [], "cpu_s": []}
+        time.sleep(max(0.0, start_at - time.time()))
+        server_cpu0 = _cpu_s(server.proc.pid)
         deadline = start_at + cfg.seconds + 60
         for conn in conns:
             if not conn.poll(max(1.0, deadline - time.time())):
                 raise TimeoutError("a load generator did not report within a minute of the end of the load")
             for key, values in conn.recv().items():
                 merged[key].extend(values)
+        server_cpu = _cpu_s(server.proc.pid) - server_cpu0
+        wall = time.time() - start_at
         rss_end = _rss(server.proc.pid)
         for proc in procs:
             proc.join(timeout=10)
     counted = cfg.seconds - WARMUP_S
+    calls_per_s = (len(merged["resolve"]) + len(merged["heartbeat"])) / counted
     return Step(
         agents=agents, holders=holders, resolves=len(merged["resolve"]), heartbeats=len(merged["heartbeat"]),
-        calls_per_s=(len(merged["resolve"]) + len(merged["heartbeat"])) / counted,
+        calls_per_s=calls_per_s,
         resolve_ms=_ms(merged["resolve"]), heartbeat_ms=_ms(merged["heartbeat"]),
         holders_per_answer=float(np.mean(merged["holders"])) if merged["holders"] else 0.0,
         errors=len(merged["errors"]), server_rss_mb=rss_end / 2**20,
         bytes_per_agent=(rss["agents"] - rss["empty"]) / agents,
         bytes_per_replica=(rss["replicas"] - rss["agents"]) / holders,
+        server_cpu=server_cpu / wall, generator_cpu=sum(merged["cpu_s"]) / cfg.seconds,
+        # The load ran ``seconds`` at calls_per_s; the CPU was read over ``wall`` (a little longer).
+        server_us_per_call=server_cpu / max(1.0, calls_per_s * cfg.seconds) * 1e6,
         extra={"first_errors": merged["errors"][:3], "rss_bytes": {**rss, "end": rss_end}},
     )
 
@@ -257,18 +278,24 @@ def run(cfg: ServerBenchConfig, *, json_path: str | None = None, console: Consol
     table = Table(title=f"reference server under simulated agents ({cfg.tensors} tensors a version, "
                         f"resolve every {cfg.resolve_interval_s:g} s, heartbeat every {cfg.heartbeat_interval_s:g} s)")
     for col in ("agents", "holders", "calls/s", "resolve p50", "resolve p99", "max", "heartbeat p99",
-                "holders/answer", "errors", "server RSS", "per agent", "per replica"):
+                "holders/answer", "errors", "server CPU", "per call", "generators' CPU", "server RSS",
+                "per agent", "per replica"):
         table.add_column(col, justify="right")
     for s in steps:
         table.add_row(str(s.agents), str(s.holders), f"{s.calls_per_s:.0f}", f"{s.resolve_ms['p50']:.2f} ms",
                       f"{s.resolve_ms['p99']:.2f} ms", f"{s.resolve_ms['max']:.1f} ms",
                       f"{s.heartbeat_ms['p99']:.2f} ms", f"{s.holders_per_answer:.1f}", str(s.errors),
+                      f"{s.server_cpu:.2f} cores", f"{s.server_us_per_call:.0f} us", f"{s.generator_cpu:.2f} cores",
                       f"{s.server_rss_mb:.0f} MiB", f"{s.bytes_per_agent / 1024:.1f} KiB",
                       f"{s.bytes_per_replica / 1024:.1f} KiB")
     console.print(table)
     verdict = f"first passes {cfg.goal_ms:g} ms at {passes} agents" if passes else \
         f"stays within {cfg.goal_ms:g} ms up to {steps[-1].agents} agents"
     console.print(f"resolve p99 {verdict}")
+    last = steps[-1]
+    console.print(f"at {last.agents} agents the server used {last.server_cpu:.2f} cores ({last.server_us_per_call:.0f} "
+                  f"us a call: one core alone answers about {1e6 / max(last.server_us_per_call, 1):.0f} calls/s) and "
+                  f"the load generators {last.generator_cpu:.2f} cores of this machine's {os.cpu_count()}")
     report = {"config": asdict(cfg), "steps": [asdict(s) for s in steps], "goal_ms": cfg.goal_ms,
               "p99_passes_goal_at_agents": passes}
     if json_path:
