@@ -382,7 +382,13 @@ class PullJob:
         """Holders the server no longer lists are unpublishing, waiting for this
         pull's lease. If the listed holders can give everything still needed
         (e.g. the trainer's retained host copy, or peers), let the withdrawn ones
-        go at once so their unpublish returns; else keep reading them."""
+        go at once so their unpublish returns; else keep reading them.
+
+        The complete holders that take over are leased before the withdrawn ones
+        go: the trainer's retained copy of a version it just stepped past lives
+        only until its next version is published, and is then let go unless a
+        reader holds a lease on it (a pull that let the trainer go first lost
+        the version mid-way, found by ``tensorhub bench rl``)."""
         gone = [rid for rid in old if rid not in fresh and rid in self._covering and rid not in excluded]
         if not gone:
             return fresh
@@ -392,13 +398,26 @@ class PullJob:
             return fresh
         if all(self.layout.transfers(c, list(fresh.values())) is not None for c in needed):
             try:
-                self._release(set(gone), fresh)
-                return fresh
+                if self._lease_takeover(fresh):
+                    self._release(set(gone), fresh)
+                    return fresh
             except TensorHubError as e:  # keep the old leases: they expire by themselves
                 log.debug("re-lease: %s", e)
         for rid in gone:
             fresh[rid] = old[rid]
         return fresh
+
+    def _lease_takeover(self, fresh: dict[str, HolderMap]) -> bool:
+        """Lease the complete listed holders no lease of this pull covers yet;
+        False when one of them was withdrawn meanwhile (keep the old ones then)."""
+        uncovered = [rid for rid, m in fresh.items() if rid not in self._covering and m.replica.source.complete]
+        if not uncovered:
+            return True
+        lease = _Lease(self.rpc, self.agent_id, uncovered)
+        self._leases.append(lease)
+        for rid in lease.granted:
+            self._covering[rid] = lease
+        return set(uncovered) <= lease.granted
 
     def _release(self, gone: set[str], fresh: dict[str, HolderMap]) -> None:
         """Release the leases that cover ``gone``; what else they covered and is

@@ -1,0 +1,134 @@
+"""A pull whose source is withdrawn mid-way moves to the retained copy without
+losing the version.
+
+Found by ``tensorhub bench rl`` (standalone): the trainer steps while a rollout
+pulls version v from it. Its unpublish of v keeps a retained host copy (a new
+replica), and the puller, seeing the copy can give everything, let the
+trainer's replica go at once. But the retained copy lives only until version
+v+1 is published; nobody leased it yet, so it went too, and the pull failed
+with SourceLost ("v has no complete replica"). The puller now leases the
+holders that take over before it lets the withdrawn ones go.
+
+The control plane is a fake (what the server does in that order); the bytes
+move for real, with memmove, and are checked."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import time
+
+import numpy as np
+import torch
+
+from tensorhub.client.puller import PullJob
+from tensorhub.client.readlayout import ReadLayout, ReadPart
+from tensorhub.client.rpc import RemoteReplica, Resolved
+from tensorhub.errors import VersionNotFound
+from tensorhub.manifest import Manifest, itemsize
+from tensorhub.planner import Source
+from tensorhub.regions import Region
+from tensorhub.topology import Labels
+from tensorhub.transport import MemoryKind
+from tensorhub.transport.memory import regions_of
+
+CHUNK = 4096
+POST_S = 0.01  # a READ takes this long to post: the pull spans several rounds
+
+
+class SlowMemcpy:
+    """READs are memmoves, each taking ``POST_S``; counts bytes per holder."""
+
+    def __init__(self) -> None:
+        self.read: dict[str, int] = {}
+
+    def connect(self, key: str, metadata: bytes) -> str:
+        return key
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        time.sleep(POST_S)
+        for (dst, n, _), (src, _, _) in zip(local.tolist(), remote_descs.tolist()):
+            ctypes.memmove(dst, src, n)
+        self.read[remote] = self.read.get(remote, 0) + int(local[:, 1].sum())
+
+    def poll(self, pending) -> bool:
+        return True
+
+    def release(self, pending) -> None:
+        pass
+
+    def forget(self, key: str) -> None:
+        pass
+
+
+class SteppingTrainer:
+    """The server's view while the trainer steps past the version being pulled:
+    after ``switch_after`` resolves its replica is withdrawn (still readable
+    under the leases it has) and its retained copy listed instead; the retained
+    copy is let go once the trainer's own replica is released by its readers,
+    unless a reader leased the copy by then (its unpublish waits for them)."""
+
+    def __init__(self, manifest: Manifest, trainer: RemoteReplica, retained: RemoteReplica, switch_after: int):
+        self.manifest, self.trainer, self.retained = manifest, trainer, retained
+        self.switch_after, self.resolves = switch_after, 0
+        self.leases: dict[str, list[str]] = {}
+        self.retained_gone = False
+        self._ids = itertools.count()
+
+    def _listed(self) -> list[RemoteReplica]:
+        if self.resolves <= self.switch_after:
+            return [self.trainer]
+        return [] if self.retained_gone else [self.retained]
+
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+        self.resolves += 1
+        listed = self._listed()
+        if not listed:
+            raise VersionNotFound(model, version, "no complete replica")
+        return Resolved(model, 1, self.manifest, tuple(listed))
+
+    def acquire_lease(self, agent_id, replica_ids):
+        live = {r.source.replica_id for r in self._listed()}
+        granted = [rid for rid in replica_ids if rid in live]
+        lease_id = f"lease{next(self._ids)}"
+        self.leases[lease_id] = granted
+        return lease_id, granted, 60.0
+
+    def renew_lease(self, agent_id, lease_id):
+        return 60.0
+
+    def release_lease_async(self, agent_id, lease_id):
+        self.leases.pop(lease_id, None)
+        held = {rid for rids in self.leases.values() for rid in rids}
+        if self.resolves > self.switch_after and "trainer" not in held and "retained" not in held:
+            self.retained_gone = True  # version v+1 is out: the copy goes unless someone reads it
+
+    def report_lost(self, agent_id, replica_id, reason):
+        raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
+
+
+def _replica(rid: str, manifest: Manifest, tensor: torch.Tensor) -> RemoteReplica:
+    _, mem = regions_of([tensor])
+    regions = np.array([(m.addr, m.size, 0) for m in mem], np.uint64).reshape(-1, 3)
+    return RemoteReplica(Source(rid, rid, Labels("t"), origin=True), rid, MemoryKind.DRAM,
+                         ((0, Region()),), regions, b"", CHUNK)
+
+
+def test_a_pull_moves_to_the_retained_copy_and_keeps_it_leased():
+    weights = torch.arange(64 * CHUNK // 4, dtype=torch.int32)
+    copy = weights.clone()  # the retained host copy: the same bytes elsewhere
+    manifest = Manifest.of({"w": weights})
+    plane = SteppingTrainer(manifest, _replica("trainer", manifest, weights), _replica("retained", manifest, copy),
+                            switch_after=1)
+    dest = torch.zeros_like(weights)
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    transport = SlowMemcpy()
+    job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("r"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
+                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, deadline=time.monotonic() + 30)
+    job.run()
+    assert torch.equal(dest, weights)
+    assert transport.read.get("retained", 0) > 0, "the trainer's replica was never let go"
+    assert not plane.leases, "every lease is released when the pull ends"
