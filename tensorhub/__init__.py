@@ -29,14 +29,14 @@ _EXPORTS = {
     "Reliability": "tensorhub.topology",
     **{name: "tensorhub.errors" for name in (
         "AlreadyPublished", "IntegrityError", "InvalidRequest", "ManifestMismatch", "PermissionDenied", "ServerUnavailable",
-        "SourceLost", "TensorHubError", "TransferStalled", "UnpublishTimeout", "VersionNotFound",
+        "SourceLost", "TensorHubError", "TransferStalled", "TransportUnavailable", "UnpublishTimeout", "VersionNotFound",
     )},
 }
 
 __all__ = [
     "AlreadyPublished", "Hub", "HubConfig", "IntegrityError", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
     "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "SourceLost",
-    "TensorHubError", "TensorSpec", "TransferStalled", "UnpublishTimeout", "VersionNotFound", "__version__",
+    "TensorHubError", "TensorSpec", "TransferStalled", "TransportUnavailable", "UnpublishTimeout", "VersionNotFound", "__version__",
 ]
 
 
@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         SourceLost,
         TensorHubError,
         TransferStalled,
+        TransportUnavailable,
         UnpublishTimeout,
         VersionNotFound,
     )

@@ -19,6 +19,18 @@ class ServerUnavailable(TensorHubError):
         )
 
 
+class TransportUnavailable(TensorHubError):
+    """This process could not start its NIXL agent (the UCX backend found no
+    usable network device or transport). Nothing was registered or sent."""
+
+    def __init__(self, agent: str, detail: str) -> None:
+        self.agent = agent
+        super().__init__(
+            f"NIXL agent {agent!r} could not start its UCX backend ({detail}); check that the network "
+            "device in UCX_NET_DEVICES is up and UCX_TLS names a transport this host has, then connect again"
+        )
+
+
 class InvalidRequest(TensorHubError, ValueError):
     """The server rejected a request as malformed (INVALID_ARGUMENT)."""
 

@@ -100,7 +100,11 @@ class Hub:
         self.agent_id = f"{re.sub(r'[^A-Za-z0-9._:@/+-]', '_', self.name)[:80]}-{uuid.uuid4().hex[:12]}"
         self._rpc = ReferenceClient.for_hub(self.address, config)
         self._closed = False
-        self._nixl = NixlAgent(self.agent_id)
+        try:
+            self._nixl = NixlAgent(self.agent_id)
+        except BaseException:  # TransportUnavailable: no UCX backend; nothing else was started
+            self._rpc.close()
+            raise
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
         self._destinations = Destinations(self._nixl)

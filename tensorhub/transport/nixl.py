@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tensorhub.errors import TransportUnavailable
 from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of, storages_of
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def new_agent(name: str):  # type: ignore[no-untyped-def]
         bindings.nixlAgentConfig = _Config
         try:
             return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        except Exception as e:  # nixlBackendError: e.g. the device is down (a cut link), seen by tensorhub chaos
+            raise TransportUnavailable(name, f"{type(e).__name__}: {e}") from e
         finally:
             bindings.nixlAgentConfig = base
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import grpc
 import pytest
 import torch
@@ -149,3 +153,22 @@ def test_bad_requests_get_clear_statuses_and_nothing_is_lost(server, stub):
             assert reader.versions("kept") == [1]
             result = reader.pull("kept", 1)
             assert torch.equal(result.tensors["w"], keep["w"])
+
+
+def test_a_nixl_agent_that_cannot_start_raises_a_typed_error(server):
+    """Seen by tensorhub chaos: a process starting while its host's link is down got NIXL's
+    own nixlBackendError out of Hub.connect. It must be TransportUnavailable, naming the fix."""
+    code = (
+        "import sys\n"
+        "from tensorhub import Hub, TransportUnavailable\n"
+        "try:\n"
+        f"    Hub.connect({server.address!r}, name='no-device')\n"
+        "except TransportUnavailable as e:\n"
+        "    print('typed:', e)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    env = {**os.environ, "UCX_NET_DEVICES": "no-such-device", "UCX_TLS": "tcp"}
+    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "UCX_NET_DEVICES" in done.stdout
