@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -101,6 +101,11 @@ class Holdings:
         except AgentUnknown:
             self.register()
             return fn()
+
+    def control_plane(self) -> AgentBound:
+        """The server as a pull talks to it mid-way (resolve, leases, lost
+        reports): each call goes through ``with_agent``."""
+        return AgentBound(self)
 
     def start_heartbeats(self) -> None:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tensorhub-heartbeat", daemon=True)
@@ -349,3 +354,22 @@ def _same_layout_checksums(manifest: Manifest, parts: list[Part], chunk_size: in
         if r.chunk_crc32 is not None and r.chunk_size == chunk_size and r.held == held:
             return r.chunk_crc32
     return None
+
+
+class AgentBound:
+    """A ``ReferenceClient`` whose calls re-register the agent and retry once
+    when the server has forgotten it (it restarted, or the agent expired behind
+    a saturated link). Found by tensorhub chaos: ``AgentUnknown`` escaped pulls
+    whose mid-pull resolve or lease met a restarted server, although the pull
+    could go on from the holders that re-announce themselves."""
+
+    def __init__(self, holdings: Holdings) -> None:
+        self._holdings = holdings
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        call = getattr(self._holdings._rpc, name)
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return self._holdings.with_agent(lambda: call(*args, **kwargs))
+
+        return bound

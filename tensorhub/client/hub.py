@@ -217,7 +217,8 @@ class Hub:
             for p, memory in zip(parts, registration.regions)
         ]
         job = PullJob(
-            rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels, resolved=resolved,
+            rpc=self._holdings.control_plane(), nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels,
+            resolved=resolved,
             layout=ReadLayout(manifest, read_parts, chunk_size), dest_kind=registration.kind,
             in_flight=2 * max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
             seeds_per_zone=self.config.seeds_per_zone, progress=progress, verify=self.config.verify_chunks,

@@ -258,3 +258,38 @@ def test_an_idle_nixl_agent_does_not_spin_a_core():
             "t = time.process_time(); time.sleep(2); print(time.process_time() - t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert float(out.stdout.split()[-1]) < 1.0, "an idle agent used more than half a core"
+
+
+def test_a_pull_s_control_plane_re_registers_a_forgotten_agent_and_retries_once():
+    """Found by tensorhub chaos: AgentUnknown escaped pulls whose mid-pull calls met a
+    restarted server. The server is a stand-in here (it must forget the agent between
+    two calls of one pull); tests/core/test_chaos.py restarts a real one."""
+    from tensorhub.client.holdings import Holdings
+    from tensorhub.client.rpc import AgentUnknown
+
+    class ForgetfulServer:
+        def __init__(self):
+            self.registered, self.calls = 0, []
+
+        def register_agent(self, agent_id, name, labels, reliability):
+            self.registered += 1
+            return "instance-2", 5.0
+
+        def renew_lease(self, agent_id, lease_id):
+            self.calls.append(lease_id)
+            if len(self.calls) == 1:
+                raise AgentUnknown(f"agent {agent_id!r} is not registered")
+            return 5.0
+
+        def report_lost(self, agent_id, replica_id, reason):
+            raise AgentUnknown("still forgotten")
+
+    server = ForgetfulServer()
+    holdings = Holdings(rpc=server, nixl=None, agent_id="r1", name="r1", config=HubConfig())
+    plane = holdings.control_plane()
+    assert plane.renew_lease("r1", "lease-7") == 5.0
+    assert server.calls == ["lease-7", "lease-7"] and server.registered == 1
+    with pytest.raises(AgentUnknown):  # once only: a server that keeps forgetting is not retried forever
+        plane.report_lost("r1", "rep", "gone")
+    assert server.registered == 2
+    holdings._chores.shutdown()
