@@ -7,7 +7,10 @@ private functions, so it follows their names.
 
 Prints per repetition and worker: pull and apply seconds, then each phase's
 seconds and calls (a phase's time includes the phases it calls), and the READ
-descriptors posted (count, and how many are under 4 KiB).
+descriptors posted (count, and how many are under 4 KiB). With ``--profile DIR``
+one more round runs under cProfile in every worker: ``DIR/update-rank{r}.prof``
+and ``DIR/disk-rank{r}.prof`` (the update, then vLLM's disk reload), and the top
+of rank 0's profiles is printed.
 """
 
 from __future__ import annotations
@@ -78,10 +81,52 @@ def collect(worker) -> dict:
     return out
 
 
+def profile_start(worker) -> None:  # runs in each worker (collective_rpc)
+    import cProfile
+
+    import tensorhub
+
+    tensorhub._profile = cProfile.Profile()
+    tensorhub._profile.enable()
+
+
+def profile_stop(worker, path: str) -> None:
+    import torch
+
+    import tensorhub
+
+    tensorhub._profile.disable()
+    tensorhub._profile.dump_stats(path.format(rank=torch.distributed.get_rank()))
+
+
+def profiled_round(llm, trainer, version: int, state: dict, model_dir, out: str) -> None:
+    """One more update and disk reload, each under cProfile in every worker."""
+    import pstats
+    from pathlib import Path
+
+    from tensorhub_vllm.bench import MODEL
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    pub = trainer.publish(MODEL, version, state)
+    llm.collective_rpc(profile_start)
+    llm.collective_rpc("tensorhub_update", args=(version,))
+    llm.collective_rpc(profile_stop, args=(f"{out}/update-rank{{rank}}.prof",))
+    pub.unpublish()
+    llm.collective_rpc(profile_start)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir), "is_checkpoint_format": True})
+    llm.collective_rpc(profile_stop, args=(f"{out}/disk-rank{{rank}}.prof",))
+    for what in ("update", "disk"):
+        print(f"--- {what}, rank 0 (cumulative) ---")
+        pstats.Stats(f"{out}/{what}-rank0.prof").sort_stats("cumulative").print_stats(40)
+        print(f"--- {what}, rank 0 (own time) ---")
+        pstats.Stats(f"{out}/{what}-rank0.prof").sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", metavar="DIR", help="one more round under cProfile; profiles written here")
     args = parser.parse_args()
     from tensorhub_vllm.bench import VllmBenchConfig, bench_engine, one_round
 
@@ -102,6 +147,8 @@ def main() -> None:
                 for label, (value, calls) in p.items():
                     shown = f"{value * 1e3:8.2f} ms" if isinstance(value, float) else f"{value:8d}   "
                     print(f"    {label:52s} {shown} {calls:6d}")
+        if args.profile:
+            profiled_round(llm, trainer, args.reps + 1, state, model_dir, args.profile)
 
 
 if __name__ == "__main__":
