@@ -109,8 +109,14 @@ class NixlAgent:
     def __init__(self, name: str) -> None:
         self.name = name
         self._agent = new_agent(name)
-        self._lock = threading.Lock()  # guards the remote-agent table
+        self._lock = threading.Lock()  # guards the remote-agent table and the counts below
         self._remotes: dict[str, str] = {}  # metadata key -> remote agent name
+        # READs posted and not yet released, per remote agent. A remote is removed
+        # from NIXL only when none is out: removing it under a READ still in
+        # flight, then polling or releasing that READ, crashed a reader (SIGSEGV
+        # in the fault campaign, after a link cut made sources fail mid-read).
+        self._flights: dict[str, int] = {}
+        self._forgotten: set[str] = set()  # removed at the release of their last READ
 
     # ---------------------------------------------------------------- memory
 
@@ -147,17 +153,26 @@ class NixlAgent:
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 self._remotes[key] = name
+                self._forgotten.discard(name)  # in use again: not to be removed
             return name
 
     def forget(self, key: str) -> None:
-        """Drop a remote whose replica is gone (its endpoint may be dead)."""
+        """Drop a remote whose replica is gone (its endpoint may be dead); NIXL
+        lets go of it once no other key uses it and no READ to it is out."""
         with self._lock:
             name = self._remotes.pop(key, None)
             if name is not None and name not in self._remotes.values():
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception as e:  # already gone on NIXL's side
-                    log.debug("remove_remote_agent(%s): %s", name, e)
+                if self._flights.get(name):
+                    self._forgotten.add(name)
+                else:
+                    self._remove(name)
+
+    def _remove(self, name: str) -> None:  # under the lock
+        self._forgotten.discard(name)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:  # already gone on NIXL's side
+            log.debug("remove_remote_agent(%s): %s", name, e)
 
     # ---------------------------------------------------------------- reads
 
@@ -169,6 +184,8 @@ class NixlAgent:
         it. Raises TransferFailed (with nothing left to release) on a NIXL error."""
         agent = self._agent
         handle = None
+        with self._lock:
+            self._flights[remote] = self._flights.get(remote, 0) + 1
         try:
             local_list = agent.get_xfer_descs(local, local_kind.value)
             remote_list = agent.get_xfer_descs(remote_descs, remote_kind.value)
@@ -177,8 +194,7 @@ class NixlAgent:
             if state == "ERR":
                 raise TransferFailed(remote, "NIXL reported ERR")
         except Exception as e:  # nixlRemoteDisconnectError and friends
-            if handle is not None:
-                self.release(PendingRead(remote, handle))
+            self.release(PendingRead(remote, handle))
             if isinstance(e, TransferFailed):
                 raise
             raise TransferFailed(remote, f"{type(e).__name__}: {e}") from e
@@ -198,16 +214,21 @@ class NixlAgent:
         return pending.done
 
     def release(self, pending: PendingRead) -> None:
-        try:
-            self._agent.release_xfer_handle(pending.handle)
-        except Exception as e:  # a failed transfer may refuse release
-            log.debug("release_xfer_handle: %s", e)
+        """Let go of a READ's handle (once per ``post``, whatever its outcome)."""
+        if pending.handle is not None:
+            try:
+                self._agent.release_xfer_handle(pending.handle)
+            except Exception as e:  # a failed transfer may refuse release
+                log.debug("release_xfer_handle: %s", e)
+        with self._lock:
+            left = self._flights.pop(pending.remote, 1) - 1
+            if left > 0:
+                self._flights[pending.remote] = left
+            elif pending.remote in self._forgotten:
+                self._remove(pending.remote)
 
     def close(self) -> None:
         with self._lock:
-            for name in set(self._remotes.values()):
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception as e:
-                    log.debug("remove_remote_agent(%s): %s", name, e)
+            for name in set(self._remotes.values()) | self._forgotten:
+                self._remove(name)
             self._remotes.clear()

@@ -1,0 +1,72 @@
+"""A remote agent is removed from NIXL only once no READ to it is out.
+
+Found by the fault campaign: a reader died of SIGSEGV inside NIXL after link
+cuts. A source lost mid-pull was forgotten (``remove_remote_agent``) while
+other READs of the same pull to it were still in flight; polling and releasing
+those handles afterwards touched what NIXL had freed. The order of calls is
+what matters here, so NIXL's agent is replaced by a recorder (a seam: the crash
+itself needed a cut TCP link between two hosts); the bookkeeping is ours."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tensorhub.transport import MemoryKind
+from tensorhub.transport.nixl import NixlAgent
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.handles = 0
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.calls.append(("add", metadata))
+        return metadata  # the remote's name, as NIXL would read it from the metadata
+
+    def get_xfer_descs(self, descs: np.ndarray, kind: str) -> np.ndarray:
+        return descs
+
+    def initialize_xfer(self, op: str, local: object, remote: object, name: str) -> int:
+        self.handles += 1
+        return self.handles
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        return "PROC"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.calls.append(("release", handle))
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.calls.append(("remove", name))
+
+
+def test_forgetting_a_remote_under_reads_in_flight_waits_for_their_release():
+    nixl = NixlAgent("reader-under-test")
+    nixl._agent = rec = Recorder()
+    descs = np.zeros((1, 3), dtype=np.uint64)
+    name = nixl.connect("holder.1", b"holder")
+    reads = [nixl.post(name, descs, MemoryKind.DRAM, descs, MemoryKind.DRAM) for _ in range(2)]
+    nixl.forget("holder.1")  # one READ failed: the source is lost; the other is still out
+    assert not [c for c in rec.calls if c[0] == "remove"]
+    nixl.release(reads[0])
+    assert not [c for c in rec.calls if c[0] == "remove"]
+    nixl.release(reads[1])
+    assert rec.calls[-2:] == [("release", 2), ("remove", "holder")]
+
+
+def test_a_forgotten_remote_connected_again_is_kept():
+    nixl = NixlAgent("reader-under-test-2")
+    nixl._agent = rec = Recorder()
+    descs = np.zeros((1, 3), dtype=np.uint64)
+    name = nixl.connect("holder.1", b"holder")
+    read = nixl.post(name, descs, MemoryKind.DRAM, descs, MemoryKind.DRAM)
+    nixl.forget("holder.1")
+    assert nixl.connect("holder.2", b"holder") == "holder"  # its next replica, same process
+    nixl.release(read)
+    assert not [c for c in rec.calls if c[0] == "remove"]
+    nixl.forget("holder.2")  # nothing out: removed at once
+    assert rec.calls[-1] == ("remove", "holder")
