@@ -15,6 +15,7 @@ Every state change of a Publication happens here, under ``_lock``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import logging
 import threading
@@ -112,7 +113,9 @@ class Holdings:
         self._heartbeat.start()
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval_s):
+        # A few heartbeats per lease TTL: each confirms the replicas held, and
+        # the server cuts read leases on a replica one TTL after its last confirmation.
+        while not self._stop.wait(min(self.config.heartbeat_interval_s, self.lease_ttl_s / 3)):
             try:
                 self._heartbeat_once()
             except ServerUnavailable as e:
@@ -122,9 +125,13 @@ class Holdings:
 
     def _heartbeat_once(self) -> None:
         with self._lock:
-            held = [p.replica_id for p in self._publications.values() if p.announced]
-        instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, held,
-                                                                timeout=max(self.config.heartbeat_interval_s, 1.0))
+            pubs = [p for p in self._publications.values() if p.announced]
+        timeout = max(self.config.heartbeat_interval_s, 1.0)
+        with contextlib.ExitStack() as confirming:
+            for pub in pubs:
+                confirming.enter_context(pub.confirming(timeout))
+            instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, [p.replica_id for p in pubs],
+                                                                    timeout=timeout)
         if not known or instance != self._instance_id:
             self.register()  # announces every replica again, bitmaps included
             with self._lock:
@@ -164,6 +171,8 @@ class Holdings:
         """Register ``parts`` in place and announce them as a replica. A complete
         replica's chunk checksums are computed here, once, from its memory
         (unless given: a copy of a replica has its checksums)."""
+        if not retained:
+            self._finish_withdrawals(model, version)
         if chunk_crc32 is None and complete and self.config.verify_chunks:
             chunk_crc32 = _checksums(parts, chunk_size)
         registration = self._nixl.register([p.tensor for p in parts])
@@ -178,6 +187,19 @@ class Holdings:
         with self._lock:
             self._publications[pub.replica_id] = pub
         return pub
+
+    def _finish_withdrawals(self, model: str, version: int) -> None:
+        """Unpublish again this process's replicas of (model, version) whose
+        unpublish timed out (e.g. a failed serving pull's, while the server was
+        out of reach): the server allows one replica per agent and version, and
+        may still count them. UnpublishTimeout if one still cannot go."""
+        with self._lock:
+            stale = [p for p in self._publications.values()
+                     if (p.model, p.version) == (model, version) and not p.retained
+                     and p.state is PubState.WITHDRAWING]
+        for pub in stale:
+            log.info("%r v%d: finishing the unpublish of %s first", model, version, pub.replica_id)
+            self.unpublish(pub, self.lease_ttl_s + 1)
 
     def open_filling(self, model: str, version: int, manifest: Manifest, parts: list[Part],
                      chunk_size: int, sources: Sequence[RemoteReplica] = ()) -> Publication:
@@ -196,7 +218,8 @@ class Holdings:
                 if pub.state is PubState.FILLING:
                     pub.state = PubState.COMPLETE
         try:
-            self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete))
+            with pub.confirming(2 * self._rpc.timeout_s):  # with_agent may call twice
+                self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete))
         except (ServerUnavailable, ReplicaUnknown) as e:
             # The bytes are here and the bitmap says so: a server that restarted or
             # was out of reach hears it from the next heartbeat, rather than the
@@ -208,6 +231,10 @@ class Holdings:
     def _announce(self, pub: Publication) -> None:
         with pub.lock:
             bitmap, complete = bytes(pub.bitmap), pub.complete
+        with pub.confirming(self._rpc.timeout_s):
+            self._publish(pub, bitmap, complete)
+
+    def _publish(self, pub: Publication, bitmap: bytes, complete: bool) -> None:
         self._rpc.publish(
             agent_id=self.agent_id, replica_id=pub.replica_id, model=pub.model, version=pub.version,
             manifest=pub.manifest, held=[] if pub.whole_model else pub.held, chunk_size=pub.chunk_size,
@@ -257,11 +284,14 @@ class Holdings:
                     raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
         except (ServerUnavailable, AgentUnknown) as e:
             # The server cannot say who still reads. Readers stop at their
-            # lease's expiry, so waiting one lease TTL is safe (if the timeout leaves that long).
-            wait = min(self.lease_ttl_s, left())
+            # lease's expiry, and the server ends every lease on this replica one
+            # TTL after it last heard that the replica is held (nothing says so
+            # since it began withdrawing): waiting for that is safe, if the timeout leaves that long.
+            until = max(time.monotonic(), pub.confirmed_by()) + self.lease_ttl_s
+            wait = min(until - time.monotonic(), left())
             log.warning("unpublish %r v%d: %s; waiting %.1fs for read leases to expire", pub.model, pub.version, e, wait)
-            time.sleep(wait)
-            drained, outstanding = wait >= self.lease_ttl_s, -1
+            time.sleep(max(0.0, wait))
+            drained, outstanding = time.monotonic() >= until, -1
         with self._lock:
             unknown_until = self._unknown_reads_until.get(pub.replica_id, 0.0)
         if drained and unknown_until > time.monotonic():
@@ -277,6 +307,8 @@ class Holdings:
                 "but its memory must not be reused yet: call unpublish again"
             )
         with self._lock, pub.lock:
+            if pub.state is PubState.CLOSED:  # another unpublish of it (a retry) finished first
+                return
             self._publications.pop(pub.replica_id, None)
             self._unknown_reads_until.pop(pub.replica_id, None)
             pub.state = PubState.CLOSED

@@ -3,8 +3,12 @@ the destination of a pull that serves what it received."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import itertools
 import threading
+import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -62,6 +66,13 @@ class Publication:
         self.bitmap = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)
         self.state = PubState.COMPLETE if complete else PubState.FILLING
         self.lock = threading.Lock()
+        # The server lets no read lease on this replica outlive, by more than one
+        # lease TTL, the last call in which this process said it holds it. A
+        # holder cut off from the server mid-unpublish waits that long from
+        # ``confirmed_by()``: when the last such call ended, or will end at the latest.
+        self._confirmed_by = 0.0
+        self._confirming: dict[int, float] = {}  # call in flight -> its deadline
+        self._calls = itertools.count()
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +104,25 @@ class Publication:
         with self.lock:
             for c in chunks:
                 bitmap_set(self.bitmap, c)
+
+    @contextlib.contextmanager
+    def confirming(self, timeout: float) -> Iterator[None]:
+        """Around a call that tells the server this replica is held (publish,
+        chunk report, heartbeat): the server may act on it until its deadline."""
+        call = next(self._calls)
+        with self.lock:
+            self._confirming[call] = time.monotonic() + timeout
+        try:
+            yield
+        finally:
+            with self.lock:
+                del self._confirming[call]
+                self._confirmed_by = max(self._confirmed_by, time.monotonic())
+
+    def confirmed_by(self) -> float:
+        """The latest time the server may have heard that this replica is held."""
+        with self.lock:
+            return max(self._confirmed_by, *self._confirming.values(), 0.0)
 
     def unpublish(self, timeout: float = 60.0) -> None:
         """Withdraw this replica and return once no reader is reading it

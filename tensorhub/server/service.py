@@ -21,7 +21,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.server.metrics import NoMetrics
-from tensorhub.server.state import Held, Replica, State, StateError, check_held, held_bytes
+from tensorhub.server.state import Held, Lease, Replica, State, StateError, check_held, held_bytes
 from tensorhub.topology import Labels, Reliability
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,12 @@ def _require_id(value: str, what: str) -> str:
     if not _ID.match(value):
         raise Invalid(f"{what} {value!r} is missing or malformed (1-128 of [A-Za-z0-9._:@/+-])")
     return value
+
+
+def _left(lease: Lease) -> float:
+    """Seconds the lease has left: readers stop reading by then (the TTL, or
+    less when a holder it covers has gone silent: ``Replica.confirmed_at``)."""
+    return max(0.0, lease.expires_at - time.monotonic())
 
 
 def _require_model(model: str) -> str:
@@ -169,7 +175,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         async def go() -> pb.HeartbeatResponse:
             agent_id = _require_id(request.agent_id, "agent_id")
-            known = self.state.heartbeat(agent_id)
+            known = self.state.heartbeat(agent_id, request.replica_ids)
             unknown = [
                 rid for rid in request.replica_ids
                 if (r := self.state.replicas.get(rid)) is None or r.agent_id != agent_id
@@ -311,7 +317,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if request.lease:
                 pull_started = not self.state.leases_of.get(agent_id)  # not a pull's refresh
                 lease = self.state.acquire_lease(agent_id, [r.replica_id for r in sources])
-                response.lease_id, response.lease_ttl_s = lease.lease_id, self.state.lease_ttl_s
+                response.lease_id, response.lease_ttl_s = lease.lease_id, _left(lease)
+                if len(lease.replica_ids) < len(sources):  # the reader takes the answer as all leased
+                    granted = set(lease.replica_ids)
+                    sources = [r for r in sources if r.replica_id in granted]
             answer = response.SerializeToString() + wire.embedded_fields(
                 RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known) for r in sources])
             outcome = "ok"
@@ -368,14 +377,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         async def go() -> pb.AcquireReadLeaseResponse:
             ids = [_require_id(r, "replica_id") for r in request.replica_ids]
             lease = self.state.acquire_lease(_require_id(request.agent_id, "agent_id"), ids)
-            return pb.AcquireReadLeaseResponse(lease_id=lease.lease_id, granted=lease.replica_ids, ttl_s=self.state.lease_ttl_s)
+            return pb.AcquireReadLeaseResponse(lease_id=lease.lease_id, granted=lease.replica_ids, ttl_s=_left(lease))
 
         return await self._run(context, go)
 
     async def RenewReadLease(self, request: pb.RenewReadLeaseRequest, context: Any) -> pb.RenewReadLeaseResponse:
         async def go() -> pb.RenewReadLeaseResponse:
-            self.state.renew_lease(_require_id(request.agent_id, "agent_id"), _require_id(request.lease_id, "lease_id"))
-            return pb.RenewReadLeaseResponse(ttl_s=self.state.lease_ttl_s)
+            lease_id = _require_id(request.lease_id, "lease_id")
+            self.state.renew_lease(_require_id(request.agent_id, "agent_id"), lease_id)
+            return pb.RenewReadLeaseResponse(ttl_s=_left(self.state.leases[lease_id]))
 
         return await self._run(context, go)
 

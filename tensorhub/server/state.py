@@ -152,6 +152,11 @@ class Replica:
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
     chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
     source: Any = None  # cached (agent, complete, active reads, planner Source): see State.sources
+    # When its holder last said it holds it (publish, chunk report, a heartbeat
+    # listing it). No read lease on it outlives this by more than one lease TTL:
+    # a holder cut off from the server mid-unpublish stops listing it, so after
+    # one TTL it knows every reader has stopped, whatever the server renewed.
+    confirmed_at: float = 0.0
     leases: set[str] = field(default_factory=set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -212,11 +217,18 @@ class State:
         self.agents[agent_id] = agent
         self._next_expiry = min(self._next_expiry, agent.expires_at)
 
-    def heartbeat(self, agent_id: str) -> bool:
+    def heartbeat(self, agent_id: str, held: Iterable[str] = ()) -> bool:
+        """Keep the agent alive; ``held``: the replicas it still holds (each
+        confirmed: see ``Replica.confirmed_at``)."""
         agent = self.agents.get(agent_id)
         if agent is None:
             return False
-        agent.expires_at = time.monotonic() + self.agent_ttl_s
+        now = time.monotonic()
+        agent.expires_at = now + self.agent_ttl_s
+        for rid in held:
+            replica = self.replicas.get(rid)
+            if replica is not None and replica.agent_id == agent_id:
+                replica.confirmed_at = now
         return True
 
     def _agent(self, agent_id: str) -> Agent:
@@ -288,6 +300,7 @@ class State:
                 runs.setdefault(index, []).append(region.runs(manifest.tensors[index].shape))
         replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin,
                           [] if whole else list(held), chunk_size, num_chunks, whole, runs, retained)
+        replica.confirmed_at = time.monotonic()
         if existing is not None:  # idempotent re-publish keeps the reads in flight
             replica.leases = existing.leases
         if not replica.leases:
@@ -300,6 +313,7 @@ class State:
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
         replica = self._own_replica(agent_id, replica_id)
+        replica.confirmed_at = time.monotonic()
         for c in chunks:
             if not 0 <= c < replica.num_chunks:
                 raise StateError("INVALID_ARGUMENT", f"chunk {c} outside [0, {replica.num_chunks})")
@@ -499,8 +513,11 @@ class State:
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> Lease:
         self._agent(agent_id)
-        granted = [rid for rid in replica_ids if (r := self.replicas.get(rid)) is not None and self._live(r)]
-        lease = Lease(uuid.uuid4().hex, agent_id, granted, time.monotonic() + self.lease_ttl_s)
+        now = time.monotonic()
+        # A holder silent about the replica for a whole TTL is not leased: its readers must have stopped.
+        granted = [rid for rid in replica_ids if (r := self.replicas.get(rid)) is not None and self._live(r)
+                   and r.confirmed_at + self.lease_ttl_s > now]
+        lease = Lease(uuid.uuid4().hex, agent_id, granted, self._lease_expiry(granted, now))
         self.leases[lease.lease_id] = lease
         self.leases_of[agent_id] = self.leases_of.get(agent_id, 0) + 1
         self._next_expiry = min(self._next_expiry, lease.expires_at)
@@ -514,7 +531,21 @@ class State:
         lease = self.leases.get(lease_id)
         if lease is None or lease.agent_id != agent_id:
             raise StateError("NOT_FOUND", f"read lease {lease_id!r} is unknown or expired")
-        lease.expires_at = time.monotonic() + self.lease_ttl_s
+        now = time.monotonic()
+        lease.expires_at = self._lease_expiry(lease.replica_ids, now)
+        if lease.expires_at <= now:  # a holder went silent a TTL ago: its readers must have stopped
+            self.release_lease(lease_id)
+            raise StateError("NOT_FOUND", f"read lease {lease_id!r} expired: a holder it covers went silent")
+
+    def _lease_expiry(self, replica_ids: Iterable[str], now: float) -> float:
+        """One TTL from now, but never past one TTL after any covered holder
+        last confirmed its replica (``Replica.confirmed_at``)."""
+        expiry = now + self.lease_ttl_s
+        for rid in replica_ids:
+            replica = self.replicas.get(rid)
+            if replica is not None:
+                expiry = min(expiry, replica.confirmed_at + self.lease_ttl_s)
+        return expiry
 
     def release_lease(self, lease_id: str) -> None:
         lease = self.leases.pop(lease_id, None)
