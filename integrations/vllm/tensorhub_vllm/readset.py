@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # a 2-core x86 host: 3.5 us per descriptor whatever its size up to 4 KiB, and
 # 5 GB/s, so a descriptor costs about as much as 17 KB of bytes.
 MAX_GAP_BYTES = 16 << 10
+# Staging tensors start at multiples of this in their shared buffer: aligned for
+# any dtype and for vectorised copies (a cache line).
+_ALIGN = 64
 
 
 class UnsupportedLoaderOp(NotImplementedError):
@@ -132,21 +135,36 @@ class RecordSink:
 
 @dataclass
 class ReplaySink:
-    """``copy_`` during an update: copy the same view out of the pulled box."""
+    """``copy_`` during an update: copy the same view out of the pulled box.
+
+    ``plans``: where each view the loaders take lies in the pulled boxes, by
+    its geometry. The loaders take the same views at every update (and twice
+    per update: vLLM's layer-wise reload runs each loader once to count what it
+    loads), so the box arithmetic runs once per view, not per copy."""
 
     pulled: Mapping[str, list[tuple[Bounds, torch.Tensor]]]
+    plans: dict[tuple, tuple[int, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
 
     def copy(self, dest: torch.Tensor, src: ViewTensor) -> torch.Tensor:
+        v = src._view
+        key = (src._name, v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(src)
+        part, size, stride, offset = plan
+        local = self.pulled[src._name][part][1]
+        with torch._C.DisableTorchFunctionSubclass():
+            return dest.copy_(local.as_strided(size, stride, local.storage_offset() + offset))
+
+    def _plan(self, src: ViewTensor) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+        """(which pulled box, size, stride, offset in it) of the view ``src`` reads."""
         view = src.box_view()
         part = None if view is None else next(
-            ((box, t) for box, t in self.pulled.get(src._name, ()) if contains(box, view.box)), None)
+            (i for i, (box, _) in enumerate(self.pulled.get(src._name, ())) if contains(box, view.box)), None)
         if part is None:  # the loaders read differently from the dry run: refuse rather than guess
             raise RuntimeError(f"tensorhub: the loader of {src._name!r} reads a view the dry run at init did not "
                                f"record ({list(src.shape)}); re-run init_weight_transfer_engine")
-        box, local = part
-        size, stride, offset = view.local(box)
-        with torch._C.DisableTorchFunctionSubclass():
-            return dest.copy_(local.as_strided(size, stride, local.storage_offset() + offset))
+        return (part, *view.local(self.pulled[src._name][part][0]))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,6 +179,7 @@ class ReadSet:
     fallbacks: dict[str, str]
     widened: dict[str, int] = field(default_factory=dict)  # bytes read beyond the loaders' boxes, by name
     unread: list[str] = field(default_factory=list)  # no loader reads them: one element each is pulled
+    _replays: dict = field(default_factory=dict, repr=False, compare=False)  # ReplaySink.plans, kept across updates
 
     def nbytes(self) -> int:
         return sum(self._numel(n) * t.element_size() for n, t in self.layout.items())
@@ -207,21 +226,35 @@ class ReadSet:
         return sum(math.prod(b - a for a, b in box) for box in boxes)
 
     def allocate(self, device: torch.device | str) -> dict[str, torch.Tensor | list[Shard]]:
-        """Fresh staging memory for exactly this read set, as ``hub.pull(into=...)`` takes it."""
-        out: dict[str, torch.Tensor | list[Shard]] = {}
+        """Fresh staging memory for exactly this read set, as ``hub.pull(into=...)``
+        takes it: views of one buffer, so NIXL registers one region (one storage)
+        per update or per serving buffer, not one per box (hundreds)."""
+        pieces = []
         for name, t in self.layout.items():
             boxes = self.boxes.get(name)
             if boxes is None:
-                out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                pieces.append((name, t.dtype, None, list(t.shape)))
             else:
-                out[name] = [Shard(torch.empty([b - a for a, b in box], dtype=t.dtype, device=device), t.shape,
-                                   box=box) for box in boxes]
+                pieces.extend((name, t.dtype, box, [b - a for a, b in box]) for box in boxes)
+        sizes = [-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for _, dtype, _, shape in pieces]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        out: dict[str, torch.Tensor | list[Shard]] = {}
+        offset = 0
+        for (name, dtype, box, shape), size in zip(pieces, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensor = buffer[offset:offset + nbytes].view(dtype).view(shape)
+            offset += size
+            if box is None:
+                out[name] = tensor
+            else:
+                out.setdefault(name, []).append(Shard(tensor, self.layout[name].shape, box=box))
         return out
 
     def weights(self, staged: Mapping[str, torch.Tensor | list[Shard]], device: torch.device):
         """``(name, tensor)`` for ``model.load_weights``: the real tensor where it
         was pulled whole, a ViewTensor over the pulled boxes otherwise."""
-        sink = ReplaySink({n: [(s.region.box, s.tensor) for s in v] for n, v in staged.items() if isinstance(v, list)})
+        sink = ReplaySink({n: [(s.region.box, s.tensor) for s in v] for n, v in staged.items() if isinstance(v, list)},
+                          self._replays)
         for name, t in self.layout.items():
             value = staged[name]
             yield name, (ViewTensor.full(name, t, sink, device) if isinstance(value, list) else value)
