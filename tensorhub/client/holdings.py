@@ -167,10 +167,12 @@ class Holdings:
 
     def publish(self, model: str, version: int, manifest: Manifest, parts: list[Part], chunk_size: int, *,
                 origin: bool = True, complete: bool = True, retained: bool = False,
-                chunk_crc32: np.ndarray | None = None) -> Publication:
+                chunk_crc32: np.ndarray | None = None, announce: bool = True) -> Publication:
         """Register ``parts`` in place and announce them as a replica. A complete
         replica's chunk checksums are computed here, once, from its memory
-        (unless given: a copy of a replica has its checksums)."""
+        (unless given: a copy of a replica has its checksums). ``announce=False``:
+        the caller announces it (``announce``), e.g. off a pull's critical path;
+        unpublishing it before then is fine (the server counts it as drained)."""
         if not retained:
             self._finish_withdrawals(model, version)
         if chunk_crc32 is None and complete and self.config.verify_chunks:
@@ -180,13 +182,18 @@ class Holdings:
                           manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
                           origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32)
         try:
-            self.with_agent(lambda: self._announce(pub))
+            if announce:
+                self.announce(pub)
         except BaseException:
             self._nixl.deregister(registration)
             raise
         with self._lock:
             self._publications[pub.replica_id] = pub
         return pub
+
+    def announce(self, pub: Publication) -> None:
+        """Tell the server about ``pub`` (published with ``announce=False``)."""
+        self.with_agent(lambda: self._announce(pub))
 
     def _finish_withdrawals(self, model: str, version: int) -> None:
         """Unpublish again this process's replicas of (model, version) whose
@@ -202,14 +209,15 @@ class Holdings:
             self.unpublish(pub, self.lease_ttl_s + 1)
 
     def open_filling(self, model: str, version: int, manifest: Manifest, parts: list[Part],
-                     chunk_size: int, sources: Sequence[RemoteReplica] = ()) -> Publication:
+                     chunk_size: int, sources: Sequence[RemoteReplica] = (), *,
+                     announce: bool = True) -> Publication:
         """A pull's destination, served as its chunks land (see ``landed``).
         Where it holds what one of ``sources`` holds, cut the same way, it
         announces that source's checksums: they belong to the version, and its
         readers check against them what it serves (it serves only checked chunks)."""
         crcs = _same_layout_checksums(manifest, parts, chunk_size, sources) if self.config.verify_chunks else None
         return self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False,
-                            chunk_crc32=crcs)
+                            chunk_crc32=crcs, announce=announce)
 
     def landed(self, pub: Publication, chunks: list[int], complete: bool = False) -> None:
         pub.mark_landed(chunks)
