@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import re
@@ -82,6 +83,30 @@ def _check_model(model: Any) -> str:
     if not isinstance(model, str) or not model:
         raise InvalidRequest(f"model must be a non-empty string, not {model!r}")
     return model
+
+
+class _LandedReports:
+    """What a serving pull tells the server, in order, on its own thread: the
+    filling replica (announced first), then its chunks as they land. No READ
+    waits for these calls; the pull's last report (complete) waits for them."""
+
+    def __init__(self, holdings: Holdings, publication: Publication) -> None:
+        self._holdings, self._publication = holdings, publication
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-landed")
+        self._sent: list[cf.Future] = [self._pool.submit(holdings.announce, publication)]
+
+    def submit(self, chunks: list[int]) -> None:
+        self._sent.append(self._pool.submit(self._holdings.landed, self._publication, list(chunks)))
+
+    def finish(self) -> None:
+        """Wait for every report; raise what one of them raised."""
+        self._pool.shutdown(wait=True)
+        for sent in self._sent:
+            sent.result()
+
+    def abandon(self) -> None:
+        """The pull failed: let the reports in flight end (before the replica is withdrawn), drop the rest."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Hub:
@@ -201,7 +226,7 @@ class Hub:
             if serve:
                 self._destinations.uncache(parts)
                 publication = self._holdings.open_filling(model, resolved.version, manifest, parts, chunk_size,
-                                                          resolved.replicas)
+                                                          resolved.replicas, announce=False)
                 registration = publication.registration
             else:
                 registration = self._destinations.register(parts, cache=into is not None)
@@ -210,6 +235,7 @@ class Hub:
             # their unpublish for a whole TTL although no byte will be read.
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             raise
+        reports = _LandedReports(self._holdings, publication) if publication is not None else None
         index = manifest.index()
         read_parts = [
             ReadPart(p.name, index[p.name], p.full_shape, p.region.runs(p.full_shape),
@@ -223,14 +249,16 @@ class Hub:
             in_flight=2 * max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
             seeds_per_zone=self.config.seeds_per_zone, progress=progress, verify=self.config.verify_chunks,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
-            landed=(lambda chunks: self._holdings.landed(publication, chunks)) if publication else None,
+            landed=reports.submit if reports is not None else None,
         )
         try:
             stats = job.run()
             if publication is not None:
+                reports.finish()
                 self._holdings.landed(publication, [], complete=True)
         except BaseException:
             if publication is not None:
+                reports.abandon()
                 try:
                     publication.unpublish(timeout=self._holdings.lease_ttl_s + 1)
                 except TensorHubError as e:
