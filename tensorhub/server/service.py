@@ -306,7 +306,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise Invalid(f"{len(request.known_memory)} known_memory digests, more than {MAX_KNOWN_MEMORY}")
             known = frozenset(request.known_memory)
             try:
-                resolved, entry = self.state.resolve(model, version, request.group, request.group_round)
+                resolved, entry = self.state.resolve(model, version, request.group, request.group_round,
+                                                     reader=agent_id)
             except StateError as e:
                 outcome = "not_found" if e.code == "NOT_FOUND" else outcome
                 raise

@@ -456,7 +456,11 @@ class State:
 
     # ------------------------------------------------------------ readers
 
-    def resolve(self, model: str, version: int | None, group: str = "", group_round: int = 0) -> tuple[int, Version]:
+    def resolve(self, model: str, version: int | None, group: str = "", group_round: int = 0,
+                reader: str = "") -> tuple[int, Version]:
+        """The version to read (``version``, or the latest visible one) and its
+        entry. A version that is not visible is NOT_FOUND, except to ``reader``
+        in the middle of pulling it (see ``_mid_pull``)."""
         if model not in self.models:
             raise StateError("NOT_FOUND", f"model {model!r} is unknown: nothing of it was published")
         if group:
@@ -470,6 +474,8 @@ class State:
                 raise StateError("NOT_FOUND", f"model {model!r} has no complete version: no version's complete "
                                               "replicas cover every tensor")
         entry = self.models[model].get(version)
+        if entry is not None and not entry.visible and reader and self._mid_pull(entry, reader):
+            return version, entry
         if entry is None or not entry.visible:
             pullable = self.visible_versions(model) or "none"
             if entry is None or not any(r.complete and self._live(r) for r in entry.replicas.values()):
@@ -482,6 +488,22 @@ class State:
             for old in sorted(rounds)[:-GROUP_ROUNDS_KEPT]:
                 del rounds[old]
         return version, entry
+
+    def _mid_pull(self, entry: Version, reader: str) -> bool:
+        """Whether ``reader`` is in the middle of pulling ``entry``'s version: it
+        holds a read lease on one of its replicas, or fills one of its own. Such a
+        reader keeps being told who holds what of it after the version stops
+        being visible (its last complete holder withdrawn: a retained copy let go
+        once newer versions came, still read under the leases it has), so it sees
+        its peers' chunks land and reads them from them. Found by ``tensorhub
+        bench rl`` (elastic): joiners of a version the trainer stepped past were
+        answered NOT_FOUND mid-pull, stopped seeing each other's progress, and
+        read nearly all of it from the trainer, one patience timeout at a time.
+        Only on this rare path: a scan of the leases."""
+        if any(r.agent_id == reader and not r.complete and not r.withdrawn for r in entry.replicas.values()):
+            return True
+        return any(lease.agent_id == reader and any(rid in entry.replicas for rid in lease.replica_ids)
+                   for lease in self.leases.values())
 
     def sources(self, entry: Version, reader_agent_id: str, k: int = 0) -> list[Replica]:
         """The live holders a reader is told of: the ``k`` best for it (0: the

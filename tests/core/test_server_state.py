@@ -277,3 +277,27 @@ def test_expiry_waits_for_the_earliest_deadline_and_misses_none():
     s.expire(now=lease.expires_at)
     assert lease.lease_id not in s.leases
     assert "a" not in s.agents and not s.replicas and "r" in s.agents  # due by then (r heartbeat later)
+
+
+def test_a_reader_mid_pull_is_still_told_the_holders_of_a_version_no_longer_visible():
+    """Found by ``tensorhub bench rl`` (elastic): joiners pulling version v, whose
+    last complete holder (the trainer's retained copy) was let go once v+1 came,
+    got NOT_FOUND on every mid-pull resolve and lost sight of each other's chunks."""
+    s = state(retain=0)
+    trainer = publish(s, "a0", [])
+    filling = publish(s, "a1", [], complete=False)  # a joiner serving what landed so far
+    lease = s.acquire_lease("a2", [trainer.replica_id])  # another joiner, reading the trainer
+    s.withdraw("a0", trainer.replica_id)  # let go: readable only under the leases it has
+    assert not s.visible_versions("m")
+    assert "has no complete replica" in not_found(s, 1)  # to anyone not pulling it
+    with pytest.raises(StateError):
+        s.resolve("m", 1, reader="a3")
+    for reader in ("a1", "a2"):  # filling a replica of it, or holding a lease on one
+        version, entry = s.resolve("m", 1, reader=reader)
+        assert version == 1 and [r.replica_id for r in s.sources(entry, reader)] == \
+            ([] if reader == "a1" else [filling.replica_id])
+    s.release_lease(lease.lease_id)
+    with pytest.raises(StateError):
+        s.resolve("m", 1, reader="a2")
+    with pytest.raises(StateError):  # the latest is never a version that is not visible
+        s.resolve("m", None, reader="a1")
