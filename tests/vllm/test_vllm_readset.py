@@ -3,6 +3,7 @@ dry run and replay of a toy model's loaders inside vLLM's layer-wise reload."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -191,6 +192,24 @@ def test_coalesced_spends_the_overread_budget_on_the_narrowest_gaps_first():
     assert some.widened == {"narrow": 512} and some.nbytes() == exact.nbytes() + 512
     assert exact.coalesced(1.0).boxes == {"rows": [((0, 32), (0, 8))]}
     assert exact.coalesced(1.0, max_gap=16).widened == {"narrow": 512}  # a 32 B gap is over the limit
+
+
+def test_staging_is_one_buffer_of_aligned_disjoint_tensors():
+    """One storage (one NIXL registration per update), every tensor contiguous,
+    aligned and apart from the others, with the read set's shapes and dtypes."""
+    from tensorhub_vllm.readset import ReadSet
+
+    layout = {"w": torch.empty(6, 10, dtype=torch.bfloat16, device="meta"),
+              "b": torch.empty(3, dtype=torch.float32, device="meta"),
+              "s": torch.empty((), dtype=torch.int64, device="meta")}
+    staged = ReadSet(layout=layout, boxes={"w": [((0, 3), (0, 10)), ((3, 6), (5, 10))]}, fallbacks={}).allocate("cpu")
+    tensors = [s.tensor for s in staged["w"]] + [staged["b"], staged["s"]]
+    assert [tuple(t.shape) for t in tensors] == [(3, 10), (3, 5), (3,), ()]
+    assert [t.dtype for t in tensors] == [torch.bfloat16] * 2 + [torch.float32, torch.int64]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(t.is_contiguous() and t.data_ptr() % 64 == 0 for t in tensors)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 
 def test_replay_views_columns_inside_whole_rows():
