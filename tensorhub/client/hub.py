@@ -17,7 +17,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -198,7 +198,7 @@ class Hub:
     def pull(self, model: str, version: int | Literal["latest"] = "latest",
              into: Mapping[str, Entry] | None = None, *, serve: bool = False,
              group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
-             timeout: float | None = None) -> PullResult:
+             timeout: float | None = None, before_write: Callable[[], None] | None = None) -> PullResult:
         """Pull a visible version of ``model`` from whoever holds it.
 
         ``into``: destination per tensor name: a tensor (the whole tensor) or
@@ -210,6 +210,11 @@ class Hub:
         unpublish ``result.publication`` before modifying it.
         ``group``/``group_round``: all members of a group asking in the same
         round receive the same version (the first request fixes it).
+        ``before_write``: called once the version is resolved and ``into``
+        checked, before the destination is registered or written; what it
+        raises ends the pull. A serving reader that re-fills the buffer of its
+        previous version waits there for that version's withdrawal, which it
+        started before the pull: the withdrawal overlaps the resolve.
         """
         model = _check_model(model)
         wanted = None if version == "latest" else _check_version(version)
@@ -223,6 +228,8 @@ class Hub:
         publication = None
         try:
             parts = destination_parts(manifest, into, model=model, version=resolved.version)
+            if before_write is not None:
+                before_write()
             if serve:
                 self._destinations.uncache(parts)
                 publication = self._holdings.open_filling(model, resolved.version, manifest, parts, chunk_size,
