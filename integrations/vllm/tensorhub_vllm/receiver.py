@@ -6,9 +6,10 @@ Every byte of the read set lands and is checked against the model's layout
 before the first parameter changes: a failed pull (dead source, manifest
 mismatch, timeout) leaves the engine serving the weights it had.
 
-    update(v) ──▶ withdraw previous replica ──▶ pull v into staging ──▶ apply
-                  (peers' reads drained)        (serve=True: peers may   (vLLM's layer-
-                                                 read it as it fills)     wise reload)
+    update(v) ──▶ withdraw previous replica ─┐
+              └─▶ resolve v, check layout ────┴─▶ pull v into staging ──▶ apply
+                  (at once: the withdrawal         (serve=True: peers may   (vLLM's layer-
+                   drains peers' reads)             read it as it fills)     wise reload)
 
 With ``serve`` on, the staging buffer stays published as a replica of exactly
 those regions of the version the engine runs until the next update, so worker k
@@ -18,7 +19,9 @@ this one, even after the trainer withdrew its own copy.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,6 +88,7 @@ class VersionReceiver:
         self.staged: dict | None = None  # what the last receive pulled into
         self._round = 0
         self.version: int | None = None  # the version applied last
+        self._withdrawals = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-withdraw")
         self.hub = Hub.connect(info.hub, config=HubConfig.from_dict({"name": name, **info.hub_config}))
 
     def receive(self, version: int | str) -> PullResult:
@@ -96,7 +100,7 @@ class VersionReceiver:
         Shards' tensors where a name is read in parts); ``self.staged`` the
         ``into`` mapping it was pulled into."""
         self._round += 1
-        self._withdraw()
+        withdrawn = self._withdraw()
         if not self.info.serve:
             # Fresh memory each time, dropped by the caller after the apply.
             self.staged = self.read_set.allocate(self.device)
@@ -110,7 +114,7 @@ class VersionReceiver:
             self._staging = self.read_set.allocate(self.device)
         self.staged = self._staging
         result = self.hub.pull(self.info.model, version, into=self._staging, serve=True,
-                               group=self.group, group_round=self._round)
+                               group=self.group, group_round=self._round, before_write=withdrawn)
         self._publication = result.publication
         return result
 
@@ -119,14 +123,25 @@ class VersionReceiver:
         if not self.info.serve:
             self.staged = None
 
-    def _withdraw(self) -> None:
-        """Stop serving the previous version, so its memory can be re-filled."""
-        if self._publication is not None:
+    def _withdraw(self) -> Callable[[], None]:
+        """Start withdrawing the previous version, so its memory can be
+        re-filled; the returned call waits until it is (the pull calls it once
+        the next version is resolved, before it writes a byte)."""
+        pub = self._publication
+        if pub is None:
+            return lambda: None
+        pending = self._withdrawals.submit(pub.unpublish, timeout=self.info.unpublish_timeout_s)
+
+        def withdrawn() -> None:
             # On UnpublishTimeout the replica is withdrawn but may still be read:
             # keep it, so the next update waits again instead of overwriting it.
-            self._publication.unpublish(timeout=self.info.unpublish_timeout_s)
-            self._publication = None
+            pending.result()
+            if self._publication is pub:
+                self._publication = None
+
+        return withdrawn
 
     def close(self) -> None:
+        self._withdrawals.shutdown(wait=True)
         self.hub.close()
         self._publication = self._staging = self.staged = None
