@@ -7,7 +7,9 @@ private functions, so it follows their names.
 
 Prints per repetition and worker: pull and apply seconds, then each phase's
 seconds and calls (a phase's time includes the phases it calls), and the READ
-descriptors posted (count, and how many are under 4 KiB). With ``--profile DIR``
+descriptors posted (count, and how many are under 4 KiB). Calls made on a
+helper thread (announce, chunk reports, the withdrawal) are timed where they
+run: they add to no other phase's time. With ``--profile DIR``
 one more round runs under cProfile in every worker: ``DIR/update-rank{r}.prof``
 and ``DIR/disk-rank{r}.prof`` (the update, then vLLM's disk reload), and the top
 of rank 0's profiles is printed.
@@ -20,18 +22,20 @@ import argparse
 # (module, owner attribute or "", function, label)
 PHASES = (
     ("tensorhub_vllm.worker", "", "apply_checkpoint", "apply (vLLM layer-wise reload)"),
-    ("tensorhub_vllm.receiver", "VersionReceiver", "_withdraw", "withdraw the previous version"),
+    ("tensorhub_vllm.receiver", "VersionReceiver", "_withdraw", "withdraw the previous version (now: start it)"),
     ("tensorhub.client.hub", "Hub", "pull", "hub.pull"),
     ("tensorhub.client.rpc", "ReferenceClient", "resolve", "  rpc resolve"),
     ("tensorhub.client.hub", "", "destination_parts", "  check the destination"),
-    ("tensorhub.client.holdings", "Holdings", "open_filling", "  register + publish the filling replica"),
+    ("tensorhub.client.holdings", "Holdings", "open_filling", "  register (+ publish, before 2efad90) the filling replica"),
+    ("tensorhub.client.holdings", "Holdings", "announce", "  announce the filling replica (helper thread)"),
     ("tensorhub.client.readlayout", "ReadLayout", "holder_table", "  holder tables (segments)"),
     ("tensorhub.client.readlayout", "ReadLayout", "transfers", "  descriptors per chunk"),
     ("tensorhub.client.puller", "PullJob", "_read_round", "  read rounds"),
     ("nixl._api", "nixl_agent", "initialize_xfer", "    NIXL initialize_xfer"),
     ("nixl._api", "nixl_agent", "transfer", "    NIXL transfer (the READ; synchronous over CMA)"),
     ("nixl._api", "nixl_agent", "check_xfer_state", "    NIXL check_xfer_state"),
-    ("tensorhub.client.rpc", "ReferenceClient", "report_chunks", "    rpc report_chunks (landed)"),
+    ("tensorhub.client.rpc", "ReferenceClient", "report_chunks", "    rpc report_chunks (landed; helper thread)"),
+    ("tensorhub.client.rpc", "ReferenceClient", "unpublish", "  rpc unpublish (the withdrawal; overlaps the resolve)"),
 )
 
 
