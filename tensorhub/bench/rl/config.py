@@ -38,6 +38,7 @@ class RLBenchConfig:
     waves: int = 0
     replace_after_s: float = 6.0
     out: str = "bench-results/rl"
+    trace: str = ""  # a folder: per-process logs of every pull (tensorhub.bench.rl.trace); empty: off
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -89,7 +90,7 @@ class RLBenchConfig:
     def params(self) -> dict:
         """The parameters that shape a run, for the JSON rows."""
         out = asdict(self)
-        for key in ("methods", "out"):
+        for key in ("methods", "out", "trace"):
             out.pop(key)
         if self.scenario != "elastic":
             for key in ("spot", "wave", "waves", "replace_after_s"):

@@ -224,6 +224,11 @@ def run(cfg: RLBenchConfig, *, live: bool = True, console: Console | None = None
             with Live(tracker.render(), console=console, refresh_per_second=4, transient=True,
                       get_renderable=tracker.render) if live else contextlib.nullcontext():
                 events, carried = run_method(cfg, method, hosts, where, schedule, tracker)
+            if cfg.trace:  # the raw events beside the processes' logs
+                import json
+                from pathlib import Path
+
+                Path(cfg.trace, f"{method}-events.json").write_text(json.dumps(events, default=str))
             row = metrics.summarize(cfg.scenario, method, events, cfg.params(), carried)
             rows.append(row)
             console.print(outputs.one_line(row, cfg.metric))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tensorhub.bench.rl import proc
+from tensorhub.bench.rl import proc, trace
 
 RETRIES = 3
 NOTICE_S = 30.0  # a spot notice's length: the longest a preempted rollout waits for its readers
@@ -30,6 +30,7 @@ NEAR_POLL_S = 0.2  # a far rollout waiting for its zone's first version asks thi
 
 def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, stop: Any) -> None:
     proc.enter(place)
+    trace.install(cfg.trace, "tensorhub", who)
     from tensorhub import Hub
 
     with proc.reporting(events, who) as report:
@@ -93,6 +94,7 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
     """``join_at``: None for a rollout of the start (it holds version 0 before the
     run starts), else the instant a replacement starts loading the newest version."""
     proc.enter(place)
+    trace.install(cfg.trace, "tensorhub", who)
     from tensorhub import Hub
 
     far = cfg.scenario == "crossdc"  # the far zone has a seed: move to what it holds
@@ -147,6 +149,7 @@ def seed(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, sto
     rollout: it generates nothing, so it has no stall; its ``hold`` events
     show when each version reached the zone."""
     proc.enter(place)
+    trace.install(cfg.trace, "tensorhub", who)
     from tensorhub import Hub
     from tensorhub.errors import VersionNotFound
 
