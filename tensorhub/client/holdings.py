@@ -117,11 +117,25 @@ class Holdings:
         # the server cuts read leases on a replica one TTL after its last confirmation.
         while not self._stop.wait(min(self.config.heartbeat_interval_s, self.lease_ttl_s / 3)):
             try:
-                self._heartbeat_once()
+                if not self._resolve_stood_in():
+                    self._heartbeat_once()
             except ServerUnavailable as e:
                 log.debug("heartbeat: %s", e)
             except Exception:
                 log.exception("heartbeat failed")
+
+    def _resolve_stood_in(self) -> bool:
+        """True when this heartbeat may be skipped (fewer calls on a busy server):
+        a Resolve sent less than an interval ago was answered by the server
+        instance this agent registered with (a Resolve keeps its agent alive,
+        and a restart shows as a new instance id), and this process holds
+        nothing (a heartbeat lists the replicas held: it confirms them and
+        learns which ones the server forgot, which a Resolve cannot)."""
+        instance, sent = self._rpc.last_resolve
+        if instance != self._instance_id or time.monotonic() - sent >= self.config.heartbeat_interval_s:
+            return False
+        with self._lock:
+            return not self._publications and not self._unreported
 
     def _heartbeat_once(self) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ from tensorhub.client.config import HubConfig
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.publication import Publication
-from tensorhub.client.puller import ProgressFn, PullJob
+from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import ReferenceClient
 from tensorhub.errors import InvalidRequest, TensorHubError, VersionNotFound
@@ -71,6 +71,16 @@ def _address(url: str) -> str:
     if not re.match(r"^[^\s/:]+:\d+$|^\[[0-9a-fA-F:]+\]:\d+$", url):
         raise ValueError(f"hub address {url!r} is not host:port (e.g. 127.0.0.1:50051)")
     return url
+
+
+def _bytes_by_kind(stats: PullStats) -> dict[tuple[int, bool], int]:
+    """A pull's bytes by (``Labels.tier`` of the source, from an origin): what the server's metrics count."""
+    out: dict[tuple[int, bool], int] = {}
+    for name, nbytes in stats.bytes_by_source.items():
+        kind = stats.source_kinds.get(name)
+        if kind is not None:
+            out[kind] = out.get(kind, 0) + nbytes
+    return out
 
 
 def _check_version(version: Any) -> int:
@@ -273,6 +283,7 @@ class Hub:
             else:
                 self._destinations.release(registration, cached=into is not None)
             raise
+        self._rpc.report_pulled(self.agent_id, _bytes_by_kind(stats))
         if publication is None:
             self._destinations.release(registration, cached=into is not None)
         return PullResult(model=model, version=resolved.version, tensors=result_tensors(parts), nbytes=stats.nbytes,

@@ -89,6 +89,7 @@ class Resolved:
     lease_id: str = ""  # a read lease on every replica, when asked for
     lease_ttl_s: float = 0.0
     lease_sent_at: float = 0.0  # time.monotonic() before the request left
+    instance_id: str = ""  # the server's instance that answered (empty: a server older than this client)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,12 @@ class ReferenceClient:
         self._memories: dict[str, dict[bytes, _Memory]] = {}
         self._cache_lock = threading.Lock()
         self._releases: list[str] = []  # leases to release, not yet sent
+        # Bytes of finished pulls by (Labels.tier, from an origin), not yet sent:
+        # they ride on the next lease release or resolve (the server's metrics).
+        self._pulled: dict[tuple[int, bool], int] = {}
+        # The server instance that answered this client's last Resolve, and when it
+        # was sent: a Resolve refreshes the agent, so a heartbeat may be skipped.
+        self.last_resolve: tuple[str, float] = ("", -float("inf"))
 
     @classmethod
     def for_hub(cls, address: str, config: HubConfig) -> ReferenceClient:
@@ -253,7 +260,7 @@ class ReferenceClient:
         replica returned, saving a round trip on small pulls."""
         request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     known_fingerprint=self._last_fingerprint.get(model, ""),
-                                    release_leases=self._take_releases())
+                                    release_leases=self._take_releases(), pulled=self._take_pulled())
         known = self._memories.get(model, {})
         request.known_memory.extend(known)
         if version is None:
@@ -271,6 +278,8 @@ class ReferenceClient:
                 while len(self._manifests) > _MANIFESTS_CACHED:
                     self._manifests.pop(next(iter(self._manifests)))
         self._last_fingerprint[model] = resp.fingerprint
+        if resp.instance_id:
+            self.last_resolve = (resp.instance_id, sent)
         memories: dict[bytes, _Memory] = {}
         replicas = []
         for msg in resp.replicas:
@@ -283,7 +292,8 @@ class ReferenceClient:
                 memories[msg.memory_digest] = memory
             replicas.append(_replica(msg, manifest, memory))
         self._memories[model] = memories
-        return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent)
+        return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
+                        resp.instance_id)
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
         resp = self._call(self._stub.AcquireReadLease,
@@ -303,19 +313,38 @@ class ReferenceClient:
             self._releases.append(lease_id)
         self._background.submit(self._flush_releases, agent_id)
 
+    def report_pulled(self, agent_id: str, by_kind: dict[tuple[int, bool], int]) -> None:
+        """Bytes a finished pull read, by (``Labels.tier`` of the source, from an
+        origin), for the server's metrics. Sent without waiting, with the pull's
+        lease release (or the next resolve); lost if that call fails (counts only)."""
+        with self._cache_lock:
+            for kind, n in by_kind.items():
+                if n:
+                    self._pulled[kind] = self._pulled.get(kind, 0) + n
+        self._background.submit(self._flush_releases, agent_id)
+
     def _take_releases(self) -> list[str]:
         with self._cache_lock:
             taken, self._releases = self._releases, []
         return taken
 
+    def _take_pulled(self) -> list[pb.PulledBytes]:
+        with self._cache_lock:
+            taken, self._pulled = self._pulled, {}
+        return wire.pulled_to_wire(taken)
+
     def _flush_releases(self, agent_id: str) -> None:
         time.sleep(_RELEASE_DELAY_S)
-        for lease_id in self._take_releases():
+        pulled = self._take_pulled()
+        # The pulled bytes go with the first release, or alone (no lease id) when none is due.
+        for lease_id in self._take_releases() or ([""] if pulled else []):
             try:
-                self._stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=agent_id, lease_id=lease_id),
+                self._stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=agent_id, lease_id=lease_id,
+                                                                       pulled=pulled),
                                             timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as e:
                 log.debug("release lease %s: %s", lease_id, e.code())
+            pulled = []
 
     def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None:
         self._call(self._stub.ReportLost, pb.ReportLostRequest(agent_id=agent_id, replica_id=replica_id, reason=reason))

@@ -24,6 +24,14 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
     MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
     MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
+
+class SourceTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SOURCE_TIER_UNSPECIFIED: _ClassVar[SourceTier]
+    SOURCE_TIER_SAME_HOST: _ClassVar[SourceTier]
+    SOURCE_TIER_SAME_RACK: _ClassVar[SourceTier]
+    SOURCE_TIER_SAME_ZONE: _ClassVar[SourceTier]
+    SOURCE_TIER_OTHER_ZONE: _ClassVar[SourceTier]
 RELIABILITY_UNSPECIFIED: Reliability
 RELIABILITY_RELIABLE: Reliability
 RELIABILITY_SPOT: Reliability
@@ -33,6 +41,21 @@ REPLICA_STATE_COMPLETE: ReplicaState
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+SOURCE_TIER_UNSPECIFIED: SourceTier
+SOURCE_TIER_SAME_HOST: SourceTier
+SOURCE_TIER_SAME_RACK: SourceTier
+SOURCE_TIER_SAME_ZONE: SourceTier
+SOURCE_TIER_OTHER_ZONE: SourceTier
+
+class PulledBytes(_message.Message):
+    __slots__ = ("tier", "origin", "nbytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: SourceTier
+    origin: bool
+    nbytes: int
+    def __init__(self, tier: _Optional[_Union[SourceTier, str]] = ..., origin: _Optional[bool] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Labels(_message.Message):
     __slots__ = ("host", "rack", "zone")
@@ -245,7 +268,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +280,7 @@ class ResolveRequest(_message.Message):
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     MAX_SOURCES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -268,23 +292,26 @@ class ResolveRequest(_message.Message):
     release_leases: _containers.RepeatedScalarFieldContainer[str]
     max_sources: int
     known_memory: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    pulled: _containers.RepeatedCompositeFieldContainer[PulledBytes]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s")
+    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     fingerprint: str
     lease_id: str
     lease_ttl_s: float
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class AcquireReadLeaseRequest(_message.Message):
     __slots__ = ("agent_id", "replica_ids")
@@ -319,12 +346,14 @@ class RenewReadLeaseResponse(_message.Message):
     def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseReadLeaseRequest(_message.Message):
-    __slots__ = ("agent_id", "lease_id")
+    __slots__ = ("agent_id", "lease_id", "pulled")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     lease_id: str
-    def __init__(self, agent_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    pulled: _containers.RepeatedCompositeFieldContainer[PulledBytes]
+    def __init__(self, agent_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ...) -> None: ...
 
 class ReleaseReadLeaseResponse(_message.Message):
     __slots__ = ()

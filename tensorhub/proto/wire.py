@@ -3,6 +3,8 @@ and the server (``server/service.py``). Only the RPC modules import this."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.regions import Region
@@ -73,6 +75,31 @@ def region_from_wire(msg: pb.TensorRegion) -> Held:
 def whole_model(manifest: Manifest) -> list[Held]:
     """What an empty ``held`` list means: every tensor whole."""
     return [(i, Region()) for i in range(len(manifest.tensors))]
+
+
+# Source tiers by ``Labels.tier`` (0: same host .. 3: another zone), as metric label values.
+TIERS = ("same_host", "same_rack", "same_zone", "other_zone")
+MAX_PULLED_BYTES = 1 << 62  # one report's count; a larger one is a broken or hostile client
+
+
+def pulled_to_wire(by_kind: dict[tuple[int, bool], int]) -> list[pb.PulledBytes]:
+    """Bytes read, by (``Labels.tier``, from an origin) -> ``PulledBytes`` messages."""
+    return [pb.PulledBytes(tier=tier + 1, origin=origin, nbytes=n) for (tier, origin), n in sorted(by_kind.items())]
+
+
+def pulled_from_wire(msgs: Any) -> list[tuple[str, bool, int]]:
+    """(tier name, from an origin, bytes) per message; ValueError for an unknown
+    tier, a count over ``MAX_PULLED_BYTES`` or more entries than tiers x roles."""
+    if len(msgs) > 2 * len(TIERS):
+        raise ValueError(f"{len(msgs)} pulled-bytes entries, more than {2 * len(TIERS)} (tiers x origin or relay)")
+    out = []
+    for m in msgs:
+        if not 1 <= m.tier <= len(TIERS):
+            raise ValueError(f"pulled bytes of unknown source tier {m.tier}")
+        if m.nbytes > MAX_PULLED_BYTES:
+            raise ValueError(f"pulled bytes {m.nbytes} over {MAX_PULLED_BYTES}")
+        out.append((TIERS[m.tier - 1], m.origin, m.nbytes))
+    return out
 
 
 def memory_to_wire(kind: MemoryKind, regions: list[MemoryRegion], metadata: bytes) -> pb.ReplicaMemory:

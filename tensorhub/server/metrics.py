@@ -3,7 +3,9 @@
 What the server can count is what it sees on the control plane: resolves (a
 pull's plan, and its refreshes), read leases, sources reported lost (each one
 a reader failing over), unpublish drains, agents and replicas. It never sees
-the bytes. Counts only: no model name, version or agent id appears in a label,
+the bytes: the bytes by source tier are what readers report when a pull
+finishes (riding on its lease release), so a pull that fails reports none and
+a client can report what it likes (the token guards who may). Counts only: no model name, version or agent id appears in a label,
 so the unauthenticated HTTP endpoint tells a scraper nothing the token guards.
 
 The counters move on the server's event loop; the gauges are read at scrape
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from tensorhub.proto.wire import TIERS
 
 if TYPE_CHECKING:
     from tensorhub.server.state import State
@@ -42,6 +46,9 @@ class NoMetrics:
 
     def served(self) -> None:
         pass
+
+    def pulled(self, entries: list[tuple[str, bool, int]]) -> None:
+        """(tier name, from an origin, bytes) a reader reported for its finished pulls."""
 
     def stop(self) -> None:
         pass
@@ -70,6 +77,13 @@ class PrometheusMetrics(NoMetrics):
                                     "readers to finish", registry=self.registry, buckets=UNPUBLISH_BUCKETS)
         self._unpublish_timeouts = Counter("tensorhub_unpublish_timeouts", "Unpublish calls whose readers were "
                                            "still reading at the drain deadline", registry=self.registry)
+        self._pulled = Counter("tensorhub_pulled_bytes", "Bytes finished pulls read, as their readers report them, "
+                               "by source tier (same_host, same_rack, same_zone, other_zone) and source (origin: a "
+                               "publisher such as the trainer; relay: a reader serving what it pulled)",
+                               ["tier", "source"], registry=self.registry)
+        for tier in TIERS:  # every series exists from the start, at 0
+            for source in ("origin", "relay"):
+                self._pulled.labels(tier, source)
         self.registry.register(_StateCollector(state))
         self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.port: int = self._httpd.server_port
@@ -90,6 +104,10 @@ class PrometheusMetrics(NoMetrics):
 
     def served(self) -> None:
         self._served.inc()
+
+    def pulled(self, entries: list[tuple[str, bool, int]]) -> None:
+        for tier, origin, nbytes in entries:
+            self._pulled.labels(tier, "origin" if origin else "relay").inc(nbytes)
 
     def stop(self) -> None:
         self._httpd.shutdown()

@@ -84,6 +84,14 @@ def _manifest(msg: pb.Manifest) -> Manifest:
     return manifest
 
 
+def _pulled(msgs: Any) -> list[tuple[str, bool, int]]:
+    """A request's pulled-bytes report (for the metrics), checked."""
+    try:
+        return wire.pulled_from_wire(msgs)
+    except ValueError as e:
+        raise Invalid(str(e)) from None
+
+
 def _labels(msg: pb.Labels) -> Labels:
     labels = wire.labels_from_wire(msg)
     if max(len(labels.host), len(labels.rack), len(labels.zone)) > MAX_NAME:
@@ -293,7 +301,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         async def go() -> bytes:
             nonlocal outcome, pull_started
             agent_id = _require_id(request.agent_id, "agent_id")
-            self.state.heartbeat(agent_id)  # any call of a live agent shows it is alive
+            self.metrics.pulled(_pulled(request.pulled))  # of earlier pulls, whatever this answer is
+            self.state.heartbeat(agent_id)  # any call of a live agent shows it is alive: it may skip a heartbeat
             self._release_own(agent_id, request.release_leases)
             model = _require_model(request.model)
             which = request.WhichOneof("which")
@@ -312,7 +321,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 outcome = "not_found" if e.code == "NOT_FOUND" else outcome
                 raise
             sources = self.state.sources(entry, agent_id, request.max_sources)
-            response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint)
+            response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
+                                          instance_id=self.state.instance_id)
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)
             if request.lease:
@@ -392,7 +402,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
     async def ReleaseReadLease(self, request: pb.ReleaseReadLeaseRequest, context: Any) -> pb.ReleaseReadLeaseResponse:
         async def go() -> pb.ReleaseReadLeaseResponse:
-            self._release_own(_require_id(request.agent_id, "agent_id"), [request.lease_id])
+            agent_id = _require_id(request.agent_id, "agent_id")
+            pulled = _pulled(request.pulled)
+            if request.lease_id or not pulled:  # a request may only report pulled bytes
+                self._release_own(agent_id, [request.lease_id])
+            self.metrics.pulled(pulled)
             return pb.ReleaseReadLeaseResponse()
 
         return await self._run(context, go)

@@ -108,7 +108,14 @@ def test_status_shows_versions_holders_and_a_reader_in_flight(server, tmp_path, 
 
         assert reader.result(timeout=60)["version"] == 1
         trainer.call("unpublish", model="policy", version=1)
-    after = _scrape(srv.metrics_url)
+    # Bytes by source tier: the reader (zone z1) read the whole version from the
+    # trainer (zone z0), and reported it with its lease release, just after the pull.
+    key = 'tensorhub_pulled_bytes_total{source="origin",tier="other_zone"}'
+    deadline = time.monotonic() + 5
+    while (after := _scrape(srv.metrics_url))[key] < before[key] + v1["total_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert after[key] == before[key] + v1["total_bytes"]
+    assert after['tensorhub_pulled_bytes_total{source="relay",tier="same_host"}'] == 0
     assert after["tensorhub_pulls_total"] >= before["tensorhub_pulls_total"] + 1
     assert after["tensorhub_pulls_served_total"] >= 1  # the reader's replica completed
     assert after["tensorhub_resolve_seconds_count"] > before["tensorhub_resolve_seconds_count"]
@@ -151,9 +158,20 @@ def test_metrics_count_lost_sources_and_agents(server):
             state=pb.REPLICA_STATE_COMPLETE, origin=True,
             memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_DRAM, nixl_metadata=b"x",
                                     regions=[pb.MemoryRegion(addr=1 << 20, size=4096)])), timeout=10, metadata=auth)
+        instance = stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="reader"), timeout=10,
+                                      metadata=auth).instance_id
         resolved = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", latest=True, lease=True), timeout=10,
                                 metadata=auth)
         assert [r.replica_id for r in resolved.replicas] == ["holder.0"]
+        assert resolved.instance_id == instance  # a client notices a restarted server from a resolve too
+        # Pulled bytes ride on a lease release, or come alone; a bad report changes nothing.
+        stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id="reader", pulled=[
+            pb.PulledBytes(tier=pb.SOURCE_TIER_SAME_RACK, origin=False, nbytes=1000)]), timeout=10, metadata=auth)
+        for bad in (pb.PulledBytes(tier=9, nbytes=1), pb.PulledBytes(tier=1, nbytes=1 << 63)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id="reader", lease_id=resolved.lease_id,
+                                                                 pulled=[bad]), timeout=10, metadata=auth)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         mid = _scrape(srv.metrics_url)
         assert mid["tensorhub_agents"] == 2 and mid["tensorhub_read_leases"] == 1
         assert mid['tensorhub_replicas{state="complete"}'] == 1 and mid['tensorhub_versions{visible="true"}'] == 1
@@ -163,6 +181,8 @@ def test_metrics_count_lost_sources_and_agents(server):
                         metadata=auth)
     after = _scrape(srv.metrics_url)
     assert after["tensorhub_sources_lost_total"] == before["tensorhub_sources_lost_total"] + 1
+    rack_relay = 'tensorhub_pulled_bytes_total{source="relay",tier="same_rack"}'
+    assert after[rack_relay] == before[rack_relay] + 1000
     assert after['tensorhub_resolves_total{outcome="not_found"}'] == 1
     assert after['tensorhub_replicas{state="complete"}'] == 0
 
