@@ -103,7 +103,8 @@ def _bench_server(args: argparse.Namespace) -> int:
         cfg = server.ServerBenchConfig(agents=args.agents, holders=args.holders, tensors=args.tensors,
                                        seconds=args.seconds, resolve_interval_s=args.resolve_interval,
                                        heartbeat_interval_s=args.heartbeat_interval,
-                                       sweep=tuple(args.sweep or ()), generators=args.generators)
+                                       sweep=tuple(args.sweep or ()), generators=args.generators,
+                                       heartbeats_while_resolving=args.heartbeats_while_resolving)
     except ValueError as e:
         print(f"tensorhub bench server: {e}", file=sys.stderr)
         return 2
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--heartbeat-interval", type=float, default=1.0,
                      help="seconds between one agent's heartbeats (default 1, HubConfig.heartbeat_interval_s)")
     srv.add_argument("--generators", type=int, default=2, help="load generator processes (default 2)")
+    srv.add_argument("--heartbeats-while-resolving", action="store_true",
+                     help="readers heartbeat although their resolves keep them alive (the client before it skipped)")
     srv.add_argument("--json", help="write the results here as JSON")
     srv.set_defaults(func=_bench_server)
 

@@ -3,23 +3,31 @@
 For each agent count N (a sweep up to ``--agents``), a fresh ``tensorhub server``
 process gets N registered agents; ``--holders`` of them publish one version of a
 model (``--tensors`` tensors, NIXL metadata the size a real agent sends for
-them); then every agent heartbeats every second and every other agent resolves
-``latest`` every ``--resolve-interval`` seconds, as a pull does: with a read
-lease, the previous lease released on the same call, and, as ``client/rpc.py``
-asks, without the manifest and the holders' memory (NIXL metadata) it already
-has. Load generator processes (asyncio, one gRPC channel each) time every call
-from the client's side.
+them); then every other agent resolves ``latest`` every ``--resolve-interval``
+seconds, as a pull does: with a read lease, the previous lease released on the
+same call, and, as ``client/rpc.py`` asks, without the manifest and the
+holders' memory (NIXL metadata) it already has. Every agent heartbeats every
+``--heartbeat-interval`` seconds, as ``client/holdings.py`` does: a reader that
+holds nothing skips a heartbeat when its last Resolve, sent less than an
+interval ago, was answered by the same server instance (a Resolve keeps the
+agent alive on the server); ``--heartbeats-while-resolving`` sends them all, as
+the client did before. Load generator processes (asyncio, one gRPC channel
+each) time every call from the client's side.
 
 Reports, per N: resolve latency p50 / p99 / max, heartbeat p99, calls per
 second, holders per resolve answer, the server's resident memory and what each
 agent and each replica adds to it; and the first N at which resolve p99 passes
 ``--goal-ms`` (20 ms). Ratios only mean something within one run: the load
-generators share the machine with the server.
+generators share the machine with the server. So each step also reports the
+CPU the server, the load generators and everything else on the machine used
+(cores, from /proc), and the server's CPU per call: one core of its own
+answers about 1e6 / that calls a second, whatever the generators take.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -51,6 +59,7 @@ class ServerBenchConfig:
     sweep: tuple[int, ...] = ()  # agent counts; default: halvings of ``agents`` down to about 100, and agents
     generators: int = 2  # load generator processes
     goal_ms: float = 20.0
+    heartbeats_while_resolving: bool = False  # True: readers heartbeat although they resolve (the client before)
 
     def __post_init__(self) -> None:
         if min(self.agents, self.holders, self.tensors, self.generators) < 1:
@@ -85,10 +94,21 @@ class Step:
     server_cpu: float  # cores the server process used during the load (1.0: one whole core)
     generator_cpu: float  # cores the load generators used, all together (they share the machine with the server)
     server_us_per_call: float  # server CPU per call: what one core of the server alone can answer is 1e6 / this
+    other_cpu: float  # cores everything else on the machine used meanwhile (other jobs: not this benchmark)
+    heartbeats_skipped: int  # heartbeats readers left out because a Resolve stood in for them
+    # How late the load generators' agents woke for their calls: a busy generator
+    # also delays seeing an answer, which then counts as latency.
+    generator_lag_ms: dict[str, float]
     extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- the server process
+
+
+def _busy_s() -> float:
+    """CPU seconds the whole machine has been busy (every core, not idle or waiting on I/O)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss(pid: int) -> int:
@@ -113,8 +133,9 @@ def _manifest(pb: Any, tensors: int) -> Any:
                                               nbytes=2 << 20) for i in range(tensors)])
 
 
-def _populate(address: str, cfg: ServerBenchConfig, agents: int, server_pid: int) -> dict[str, int]:
-    """Register the agents, then publish the holders' replicas; the server's RSS at each stage."""
+def _populate(address: str, cfg: ServerBenchConfig, agents: int, server_pid: int) -> tuple[dict[str, int], str]:
+    """Register the agents, then publish the holders' replicas; the server's RSS
+    at each stage, and its instance id."""
     import grpc
 
     from tensorhub.proto import tensorhub_pb2 as pb
@@ -124,9 +145,10 @@ def _populate(address: str, cfg: ServerBenchConfig, agents: int, server_pid: int
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.ReferenceServiceStub(channel)
         for i in range(agents):
-            stub.RegisterAgent(pb.RegisterAgentRequest(
+            instance = stub.RegisterAgent(pb.RegisterAgentRequest(
                 agent_id=_agent_id(i), name=f"rollout-{i}",
-                labels=pb.Labels(host=f"host-{i // 8}", rack=f"rack-{i // 64}", zone=f"zone-{i // 512}")), timeout=30)
+                labels=pb.Labels(host=f"host-{i // 8}", rack=f"rack-{i // 64}", zone=f"zone-{i // 512}")),
+                timeout=30).instance_id
         rss["agents"] = _rss(server_pid)
         manifest = _manifest(pb, cfg.tensors)
         metadata = bytes(METADATA_BYTES_PER_TENSOR * cfg.tensors)
@@ -138,16 +160,17 @@ def _populate(address: str, cfg: ServerBenchConfig, agents: int, server_pid: int
                     pb.MemoryRegion(addr=(1 << 32) + k * (2 << 20), size=2 << 20) for k in range(cfg.tensors)]),
             ), timeout=30)
         rss["replicas"] = _rss(server_pid)
-    return rss
+    return rss, instance
 
 
 # ---------------------------------------------------------------- load generators
 
 
 async def _agent(stub: Any, pb: Any, agent: int, reads: bool, cfg: ServerBenchConfig, start: float, end: float,
-                 fingerprint: str, out: dict[str, list]) -> None:
+                 fingerprint: str, instance: str, out: dict[str, list]) -> None:
     agent_id = _agent_id(agent)
     lease = ""
+    resolved = ("", -float("inf"))  # (instance that answered, when sent): Holdings._resolve_stood_in
     known: list[bytes] = []  # memory digests of the last answer's holders, as client/rpc.py sends
     loop = asyncio.get_running_loop()
     next_hb = start + random.uniform(0, cfg.heartbeat_interval_s)
@@ -158,9 +181,15 @@ async def _agent(stub: Any, pb: Any, agent: int, reads: bool, cfg: ServerBenchCo
             return
         await asyncio.sleep(max(0.0, due - loop.time()))
         t0 = loop.time()
+        if t0 - start >= WARMUP_S:
+            out["lag"].append(t0 - due)  # the generator's own lateness: its loop shares the machine too
         try:
             if next_hb <= next_resolve:
                 next_hb += cfg.heartbeat_interval_s
+                if (reads and not cfg.heartbeats_while_resolving and resolved[0] == instance
+                        and t0 - resolved[1] < cfg.heartbeat_interval_s):
+                    out["skipped"].append(1)
+                    continue
                 await stub.Heartbeat(pb.HeartbeatRequest(agent_id=agent_id), timeout=10)
                 kind = "heartbeat"
             else:
@@ -169,6 +198,7 @@ async def _agent(stub: Any, pb: Any, agent: int, reads: bool, cfg: ServerBenchCo
                     agent_id=agent_id, model=MODEL, latest=True, lease=True, known_fingerprint=fingerprint,
                     release_leases=[lease] if lease else [], known_memory=known), timeout=10)
                 lease = resp.lease_id
+                resolved = (resp.instance_id, t0)
                 known = [r.memory_digest for r in resp.replicas]
                 out["holders"].append(len(resp.replicas))
                 kind = "resolve"
@@ -180,13 +210,13 @@ async def _agent(stub: Any, pb: Any, agent: int, reads: bool, cfg: ServerBenchCo
 
 
 async def _generate(address: str, agents: list[int], holders: int, cfg: ServerBenchConfig, start_at: float,
-                    fingerprint: str) -> dict[str, list]:
+                    fingerprint: str, instance: str) -> dict[str, list]:
     import grpc
 
     from tensorhub.proto import tensorhub_pb2 as pb
     from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 
-    out: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": []}
+    out: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": [], "skipped": [], "lag": []}
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         stub = pb_grpc.ReferenceServiceStub(ch)
         loop = asyncio.get_running_loop()
@@ -194,15 +224,25 @@ async def _generate(address: str, agents: list[int], holders: int, cfg: ServerBe
         start = loop.time() + max(0.0, start_at - time.time())
         await asyncio.sleep(max(0.0, start - loop.time()))
         cpu0 = time.process_time()
-        await asyncio.gather(*(_agent(stub, pb, i, i >= holders, cfg, start, start + cfg.seconds, fingerprint, out)
-                               for i in agents))
+        # No cyclic garbage collection in a generator during the load: a full
+        # collection stops its hundreds of agents at once (measured: wake-ups up to
+        # 0.3 s late at 1,000 agents), and that would count as the server's latency.
+        gc.freeze()
+        gc.disable()
+        try:
+            await asyncio.gather(*(_agent(stub, pb, i, i >= holders, cfg, start, start + cfg.seconds, fingerprint,
+                                          instance, out) for i in agents))
+        finally:
+            gc.enable()
         out["cpu_s"] = [time.process_time() - cpu0]
     return out
 
 
 def _generator_main(conn: Any, address: str, agents: list[int], holders: int, cfg: ServerBenchConfig,
-                    start_at: float, fingerprint: str) -> None:
-    conn.send(asyncio.run(_generate(address, agents, holders, cfg, start_at, fingerprint)))
+                    start_at: float, fingerprint: str, instance: str) -> None:
+    out = asyncio.run(_generate(address, agents, holders, cfg, start_at, fingerprint, instance))
+    out["skipped"] = [len(out["skipped"])]  # a count is all the parent needs
+    conn.send(out)
 
 
 # ---------------------------------------------------------------- one step, the sweep
@@ -224,7 +264,7 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
     ttl = 10 * cfg.seconds + 60  # nobody expires while the sweep sets up
     with ServerProcess(agent_ttl_s=ttl, lease_ttl_s=ttl, retain=0) as server:
         assert server.proc is not None
-        rss = _populate(server.address, cfg, agents, server.proc.pid)
+        rss, instance = _populate(server.address, cfg, agents, server.proc.pid)
         fingerprint = wire.manifest_from_wire(_manifest(pb, cfg.tensors)).fingerprint
         ctx = mp.get_context("spawn")
         start_at = time.time() + 3.0  # the generators' start-up (imports) fits in this
@@ -233,13 +273,14 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
             mine = list(range(g, agents, cfg.generators))
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_generator_main, args=(child, server.address, mine, holders, cfg, start_at,
-                                                             fingerprint), daemon=True)
+                                                             fingerprint, instance), daemon=True)
             proc.start()
             procs.append(proc)
             conns.append(parent)
-        merged: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": [], "cpu_s": []}
+        merged: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": [], "cpu_s": [],
+                                   "skipped": [], "lag": []}
         time.sleep(max(0.0, start_at - time.time()))
-        server_cpu0 = _cpu_s(server.proc.pid)
+        server_cpu0, busy0 = _cpu_s(server.proc.pid), _busy_s()
         deadline = start_at + cfg.seconds + 60
         for conn in conns:
             if not conn.poll(max(1.0, deadline - time.time())):
@@ -247,6 +288,7 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
             for key, values in conn.recv().items():
                 merged[key].extend(values)
         server_cpu = _cpu_s(server.proc.pid) - server_cpu0
+        busy = _busy_s() - busy0
         wall = time.time() - start_at
         rss_end = _rss(server.proc.pid)
         for proc in procs:
@@ -264,12 +306,15 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
         server_cpu=server_cpu / wall, generator_cpu=sum(merged["cpu_s"]) / cfg.seconds,
         # The load ran ``seconds`` at calls_per_s; the CPU was read over ``wall`` (a little longer).
         server_us_per_call=server_cpu / max(1.0, calls_per_s * cfg.seconds) * 1e6,
+        # The generators' CPU was read over ``seconds`` and the machine's over ``wall``: a rough split.
+        other_cpu=max(0.0, busy / wall - server_cpu / wall - sum(merged["cpu_s"]) / cfg.seconds),
+        heartbeats_skipped=sum(merged["skipped"]), generator_lag_ms=_ms(merged["lag"]),
         extra={"first_errors": merged["errors"][:3], "rss_bytes": {**rss, "end": rss_end}},
     )
 
 
 def run(cfg: ServerBenchConfig, *, json_path: str | None = None, console: Console | None = None) -> dict:
-    console = console or Console()
+    console = console or Console(width=200)  # the table is wide; a pipe would cut it at 80 columns
     steps = []
     for n in cfg.counts():
         console.print(f"[dim]{n} agents, {min(cfg.holders, n)} holders, {cfg.seconds:.0f} s of load...[/dim]")
@@ -278,26 +323,31 @@ def run(cfg: ServerBenchConfig, *, json_path: str | None = None, console: Consol
     table = Table(title=f"reference server under simulated agents ({cfg.tensors} tensors a version, "
                         f"resolve every {cfg.resolve_interval_s:g} s, heartbeat every {cfg.heartbeat_interval_s:g} s)")
     for col in ("agents", "holders", "calls/s", "resolve p50", "resolve p99", "max", "heartbeat p99",
-                "holders/answer", "errors", "server CPU", "per call", "generators' CPU", "server RSS",
-                "per agent", "per replica"):
+                "holders/answer", "errors", "heartbeats skipped", "generators' lag p99", "server CPU", "per call", "generators' CPU",
+                "others' CPU", "server RSS", "per agent", "per replica"):
         table.add_column(col, justify="right")
     for s in steps:
         table.add_row(str(s.agents), str(s.holders), f"{s.calls_per_s:.0f}", f"{s.resolve_ms['p50']:.2f} ms",
                       f"{s.resolve_ms['p99']:.2f} ms", f"{s.resolve_ms['max']:.1f} ms",
                       f"{s.heartbeat_ms['p99']:.2f} ms", f"{s.holders_per_answer:.1f}", str(s.errors),
-                      f"{s.server_cpu:.2f} cores", f"{s.server_us_per_call:.0f} us", f"{s.generator_cpu:.2f} cores",
-                      f"{s.server_rss_mb:.0f} MiB", f"{s.bytes_per_agent / 1024:.1f} KiB",
+                      str(s.heartbeats_skipped), f"{s.generator_lag_ms['p99']:.1f} ms", f"{s.server_cpu:.2f} cores", f"{s.server_us_per_call:.0f} us",
+                      f"{s.generator_cpu:.2f} cores", f"{s.other_cpu:.2f} cores", f"{s.server_rss_mb:.0f} MiB", f"{s.bytes_per_agent / 1024:.1f} KiB",
                       f"{s.bytes_per_replica / 1024:.1f} KiB")
     console.print(table)
     verdict = f"first passes {cfg.goal_ms:g} ms at {passes} agents" if passes else \
         f"stays within {cfg.goal_ms:g} ms up to {steps[-1].agents} agents"
     console.print(f"resolve p99 {verdict}")
     last = steps[-1]
+    # What the server could do with a core of its own: its CPU per call, at this
+    # mix of calls per agent (the load generators' share of the machine left out).
+    per_core = 1e6 / max(last.server_us_per_call, 1)
+    alone = int(per_core / (last.calls_per_s / last.agents)) if last.calls_per_s else 0
     console.print(f"at {last.agents} agents the server used {last.server_cpu:.2f} cores ({last.server_us_per_call:.0f} "
-                  f"us a call: one core alone answers about {1e6 / max(last.server_us_per_call, 1):.0f} calls/s) and "
-                  f"the load generators {last.generator_cpu:.2f} cores of this machine's {os.cpu_count()}")
+                  f"us a call: one core of its own answers about {per_core:.0f} calls/s, {alone} agents at this mix), "
+                  f"the load generators {last.generator_cpu:.2f} cores and other processes {last.other_cpu:.2f} "
+                  f"cores of this machine's {os.cpu_count()}")
     report = {"config": asdict(cfg), "steps": [asdict(s) for s in steps], "goal_ms": cfg.goal_ms,
-              "p99_passes_goal_at_agents": passes}
+              "p99_passes_goal_at_agents": passes, "server_alone_agents_per_core": alone}
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 from typing import Any
@@ -79,6 +80,10 @@ async def serve(config: ServerConfig | None = None, *, ready: asyncio.Event | No
           f"{state.instance_id[:8]}{scrape})", flush=True)
     if ready is not None:
         ready.set()
+    # What the imports made (torch, protobuf, grpc: most of the process's objects)
+    # lives as long as the process: frozen, a full collection does not scan it
+    # on the event loop, between two RPCs.
+    gc.freeze()
     expiry = asyncio.create_task(_expire_forever(state))
     try:
         await server.wait_for_termination()

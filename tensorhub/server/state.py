@@ -21,6 +21,7 @@ import functools
 import math
 import time
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,6 @@ import numpy as np
 
 from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_set
 from tensorhub.manifest import Manifest, itemsize
-from tensorhub.planner import Source, best_holders
 from tensorhub.regions import Region, Runs, describe_elements, gaps, overlap
 from tensorhub.server.config import ServerConfig
 from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
@@ -151,7 +151,7 @@ class Replica:
     wire_held: Any = None  # opaque: the service's wire form of ``held``
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
     chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
-    source: Any = None  # cached (agent, complete, active reads, planner Source): see State.sources
+    rank: Any = None  # cached (agent, its labels, spot/origin key bits, crc32 of the id, id length): State.sources
     # When its holder last said it holds it (publish, chunk report, a heartbeat
     # listing it). No read lease on it outlives this by more than one lease TTL:
     # a holder cut off from the server mid-unpublish stops listing it, so after
@@ -507,31 +507,55 @@ class State:
 
     def sources(self, entry: Version, reader_agent_id: str, k: int = 0) -> list[Replica]:
         """The live holders a reader is told of: the ``k`` best for it (0: the
-        server's ``max_sources``) plus what it takes to cover the version
-        (``planner.best_holders``), best first."""
-        live = [r for r in entry.replicas.values() if self._live(r) and r.agent_id != reader_agent_id]
+        server's ``max_sources``) plus what it takes to cover the version, best
+        first: ``planner.best_holders``, computed here without building a
+        planner ``Source`` and calling a key function per holder (every resolve
+        ranks every holder of the version: at 1,000 agents and 100 holders that
+        was 40% of a resolve's Python). ``tests/core/test_bench_server.py``
+        holds the two equal."""
+        agents = self.agents
+        live = [r for r in entry.replicas.values()
+                if not r.withdrawn and r.agent_id in agents and r.agent_id != reader_agent_id]
         k = min(k or self.config.max_sources, self.config.max_sources)
         if len(live) <= k:
             return live
-        reader = self.agents.get(reader_agent_id)
-        by_id = {r.replica_id: r for r in live}
-        candidates = []
+        reader = agents.get(reader_agent_id)
+        me = reader.labels if reader else Labels()
+        # best_holders' key, packed in one int: (tier, spot, origin, active reads,
+        # crc32(replica id, crc32(reader id + "/"))). CRC-32 is affine in its start
+        # value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z) for z = len(d)
+        # zero bytes, so a holder keeps crc32(d) and a reader costs a CRC per id length.
+        seed = zlib.crc32(f"{reader_agent_id}/".encode())
+        salts: dict[int, int] = {}
+        keys = []
         for r in live:
-            # Building a Source costs more than ranking it: keep it while its inputs hold.
-            agent, cached = self.agents[r.agent_id], r.source
-            if cached is None or cached[0] is not agent or cached[1] != r.complete or cached[2] != len(r.leases):
-                cached = r.source = (agent, r.complete, len(r.leases), Source(
-                    r.replica_id, agent.name, agent.labels, agent.reliability, r.complete, r.origin, len(r.leases)))
-            candidates.append(cached[3])
+            agent, rank = agents[r.agent_id], r.rank
+            if rank is None or rank[0] is not agent:  # a re-registered agent may have new labels
+                rid = r.replica_id.encode()
+                bits = ((agent.reliability is Reliability.SPOT) << 1 | r.origin) << 64
+                rank = r.rank = (agent, agent.labels, bits, zlib.crc32(rid), len(rid))
+            _, labels, bits, crc, n = rank
+            salt = salts.get(n)
+            if salt is None:
+                zeros = bytes(n)
+                salt = salts[n] = zlib.crc32(zeros, seed) ^ zlib.crc32(zeros)
+            keys.append(me.tier(labels) << 66 | bits | len(r.leases) << 32 | crc ^ salt)
+        order = sorted(range(len(live)), key=keys.__getitem__)
+        chosen = [live[i] for i in order[:k]]
+        complete = [r for r in chosen if r.complete]
+        if self._covers(entry, complete):
+            return chosen
+        for i in order[k:]:
+            if live[i].complete:
+                chosen.append(live[i])
+                complete.append(live[i])
+                if self._covers(entry, complete):
+                    break
+        return chosen
 
-        def covers(complete: list[Source]) -> bool:
-            holders = [by_id[s.replica_id] for s in complete]
-            return bool(holders) and next(_gaps(entry, _union(holders), range(len(entry.manifest.tensors))),
-                                          None) is None
-
-        chosen = best_holders(candidates, reader.labels if reader else Labels(), k, salt=reader_agent_id,
-                              covers=covers)
-        return [by_id[s.replica_id] for s in chosen]
+    @staticmethod
+    def _covers(entry: Version, holders: list[Replica]) -> bool:
+        return bool(holders) and next(_gaps(entry, _union(holders), range(len(entry.manifest.tensors))), None) is None
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> Lease:
         self._agent(agent_id)
