@@ -92,7 +92,6 @@ _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 class PullStats:
     nbytes: int = 0
     bytes_by_source: dict[str, int] = field(default_factory=dict)
-    source_kinds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # name -> (Labels.tier, origin)
     lost_sources: list[str] = field(default_factory=list)
     rounds: int = 0
     verified_bytes: int = 0  # checked against the publisher's chunk checksums
@@ -160,6 +159,9 @@ class PullJob:
     _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
     # READs in flight across rounds: (chunk, transfer, handle, deadline, source)
     _flying: list[tuple[int, Transfer, Any, float, RemoteReplica]] = field(default_factory=list)
+    # Per source: when a READ from it last finished. A READ queued behind others on
+    # a slow link is not stalled while its source makes progress.
+    _source_progress: dict[str, float] = field(default_factory=dict)
     _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
@@ -491,7 +493,7 @@ class PullJob:
                 failed.add(chunk)
                 return
             try:
-                deadline = min(time.monotonic() + self.chunk_timeout_s, lease.valid_until(), self.deadline)
+                deadline = self._read_deadline(transfer.replica_id, time.monotonic())
                 remote = self.nixl.connect(transfer.replica_id, replica.metadata)
                 handle = self.nixl.post(remote, transfer.local, self.dest_kind, transfer.remote, replica.kind)
             except TransferFailed as e:
@@ -521,11 +523,16 @@ class PullJob:
                 if not flying or (carry and not posting and finished_any and len(flying) <= self.in_flight // 2):
                     break
                 finished = []
-                for entry in flying:
+                for i, entry in enumerate(flying):
                     chunk, transfer, handle, deadline, replica = entry
                     try:
                         if not self.nixl.poll(handle):
-                            if time.monotonic() <= deadline:
+                            now = time.monotonic()
+                            if now <= deadline:
+                                continue
+                            deadline = self._read_deadline(transfer.replica_id, now, posted_by=deadline)
+                            if now <= deadline:  # its lease was renewed, or its source made progress
+                                flying[i] = (chunk, transfer, handle, deadline, replica)
                                 continue
                             raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
                                                  stalled=True)
@@ -535,11 +542,11 @@ class PullJob:
                         finished.append(entry)
                         continue
                     finished.append(entry)
+                    self._source_progress[transfer.replica_id] = time.monotonic()
                     if chunk in failed:
                         continue
                     by_source = got.setdefault(chunk, {})
                     name = replica.source.agent_name
-                    stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
                     by_source[name] = by_source.get(name, 0) + transfer.nbytes
                     self._arrived.setdefault(chunk, []).append(transfer)
                     pending[chunk] -= 1
@@ -584,6 +591,24 @@ class PullJob:
                 self._arrived.pop(chunk, None)
         if landed and self.landed is not None:
             self.landed(landed)
+
+    def _read_deadline(self, replica_id: str, now: float, posted_by: float = 0.0) -> float:
+        """Until when a READ from ``replica_id`` may take: ``chunk_timeout_s``
+        without any READ from that source finishing, and never past the read
+        lease (renewed here when due) or the pull's deadline. 0 when no lease
+        covers the source any more. TensorHubError if the lease cannot be renewed."""
+        lease = self._covering.get(replica_id)
+        if lease is None:
+            return 0.0
+        try:
+            leased = lease.valid_until()
+        except TensorHubError:
+            if posted_by:  # polling: the READ ends at its lease's expiry, as posted
+                self._covering.pop(replica_id, None)
+                return 0.0
+            raise
+        progress = max(now if not posted_by else 0.0, self._source_progress.get(replica_id, 0.0))
+        return min(max(progress + self.chunk_timeout_s, posted_by), leased, self.deadline)
 
     def _drop_flights(self) -> None:
         for entry in self._flying:

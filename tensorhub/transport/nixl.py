@@ -68,7 +68,12 @@ def new_agent(name: str):  # type: ignore[no-untyped-def]
     with _agent_lock:
         bindings.nixlAgentConfig = _Config
         try:
-            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            # Thread-safe: a process posts READs from a pull's thread while others
+            # register and deregister memory (publish, unpublish, retention copies).
+            # NIXL's default without a listener thread is no locking at all; the
+            # fault campaign saw heap corruption ("corrupted double-linked list").
+            config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            return api.nixl_agent(name, config)
         except Exception as e:  # nixlBackendError: e.g. the device is down (a cut link), seen by tensorhub chaos
             raise TransportUnavailable(name, f"{type(e).__name__}: {e}") from e
         finally:
@@ -157,15 +162,20 @@ class NixlAgent:
             return name
 
     def forget(self, key: str) -> None:
-        """Drop a remote whose replica is gone (its endpoint may be dead); NIXL
-        lets go of it once no other key uses it and no READ to it is out."""
+        """Drop the remote agent behind ``key``, whose replica failed: every key
+        of that agent (its connection is suspect; a later ``connect`` loads it
+        afresh). NIXL lets go of it, closing the connection so that no late bytes
+        of a READ given up on arrive, once no READ to it is out."""
         with self._lock:
             name = self._remotes.pop(key, None)
-            if name is not None and name not in self._remotes.values():
-                if self._flights.get(name):
-                    self._forgotten.add(name)
-                else:
-                    self._remove(name)
+            if name is None:
+                return
+            for other in [k for k, n in self._remotes.items() if n == name]:
+                del self._remotes[other]
+            if self._flights.get(name):
+                self._forgotten.add(name)
+            else:
+                self._remove(name)
 
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)

@@ -100,6 +100,7 @@ def test_unpublish_while_the_server_is_down_waits_its_timeout_and_says_it_cannot
         trainer.send("unpublish", model="m", version=1, timeout=0.5)  # shorter than the lease TTL
         with pytest.raises(RemoteError) as err:
             trainer.result(timeout=60)
+        trainer.kill()  # closing would wait out its other unpublishes with the server gone
     assert err.value.type_name == "UnpublishTimeout", err.value
     assert "could not say whether readers still held read leases" in str(err.value), err.value
     assert "-1" not in str(err.value)

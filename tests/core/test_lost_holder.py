@@ -132,3 +132,51 @@ def test_a_pull_moves_to_the_retained_copy_and_keeps_it_leased():
     assert torch.equal(dest, weights)
     assert transport.read.get("retained", 0) > 0, "the trainer's replica was never let go"
     assert not plane.leases, "every lease is released when the pull ends"
+
+
+class SlowLink(SlowMemcpy):
+    """A slow link's queue: READs finish one every ``STEP_S``, in the order posted."""
+
+    STEP_S = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue: list[list[bool]] = []
+        self.next_at = 0.0
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        for (dst, n, _), (src, _, _) in zip(local.tolist(), remote_descs.tolist()):
+            ctypes.memmove(dst, src, n)
+        if not self.queue:
+            self.next_at = time.monotonic() + self.STEP_S
+        handle = [False]
+        self.queue.append(handle)
+        return handle
+
+    def poll(self, pending) -> bool:
+        while self.queue and time.monotonic() >= self.next_at:
+            self.queue.pop(0)[0] = True
+            self.next_at += self.STEP_S
+        return pending[0]
+
+
+def test_a_read_queued_behind_others_on_a_slow_link_is_not_a_stall():
+    """Found by the fault campaign (IntegrityErrors next to slow readers): a READ's
+    deadline ran from when it was posted, so with 8 in flight on a slow link the
+    last ones "stalled" while the link was busy with the first; the source was
+    given up and its chunks read again while the first READs could still land.
+    Now a READ stalls only when its source finishes no READ for ``chunk_timeout_s``."""
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    manifest = Manifest.of({"w": weights})
+    plane = SteppingTrainer(manifest, _replica("trainer", manifest, weights), _replica("retained", manifest, weights),
+                            switch_after=10**6)  # report_lost fails the test
+    dest = torch.zeros_like(weights)
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    job = PullJob(rpc=plane, nixl=SlowLink(), agent_id="reader", labels=Labels("r"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
+                  dest_kind=MemoryKind.DRAM, in_flight=8, chunk_timeout_s=4 * SlowLink.STEP_S,
+                  deadline=time.monotonic() + 30)
+    stats = job.run()
+    assert torch.equal(dest, weights) and stats.lost_sources == []
