@@ -10,10 +10,10 @@ check it without asking anyone.
 Algorithm: CRC-32 (IEEE: the values of ``zlib.crc32``), computed with ISA-L
 (the ``isal`` package) at 21-25 GB/s on one core of the reference machine
 (x86-64, 1 GiB buffer; in the same run ``zlib.crc32`` 4.2, BLAKE2b 0.92,
-SHA-256 1.3 GB/s). It holds the GIL (about 1.5 ms per 32 MiB chunk). Readers
-check on a helper thread; on the 2-core reference machine that costs 6-24% of
-a 1 GiB pull's throughput (``tensorhub bench pull``, 7 runs; the spread is the
-shared machine), against a goal of 10%. CRC-32 detects accidental corruption and stale
+SHA-256 1.3 GB/s). It releases the GIL while it runs (about 1.5 ms per 32 MiB
+chunk: a Python thread beside it keeps its pace, measured). Readers check on a
+helper thread; what that costs a pull is in the README (Security and limits:
+Integrity). CRC-32 detects accidental corruption and stale
 bytes, not an adversary who can choose the bytes (that needs a keyed hash, at
 about a fifth of zlib's speed here).
 """
