@@ -22,6 +22,7 @@ Every ``seconds`` is a median over repetitions; ``samples`` lists them.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -65,6 +66,14 @@ def _env(cfg: VllmBenchConfig) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cores[:cfg.tp]))
 
 
+def _stop_when_started(started: cf.Future) -> None:
+    try:
+        server = started.result(timeout=60)
+    except (RuntimeError, OSError, cf.TimeoutError):  # it never started: nothing to stop
+        return
+    server.stop()
+
+
 @contextlib.contextmanager
 def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess, Path, dict]]
     """A reference server, the random checkpoint (its directory and its tensors)
@@ -76,7 +85,13 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
 
     from tensorhub.testing import ServerProcess
 
-    with tempfile.TemporaryDirectory() as tmp, ServerProcess() as server:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        # The server process starts (~1.3 s: a Python importing gRPC) while the
+        # checkpoint and the engine are built.
+        starting = cf.ThreadPoolExecutor(max_workers=1)
+        started = starting.submit(ServerProcess)
+        starting.shutdown(wait=False)
+        stack.callback(_stop_when_started, started)
         model_dir = Path(tmp)
         _build_model(model_dir, cfg)
         state = {}
@@ -85,6 +100,7 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
                   enforce_eager=True, tensor_parallel_size=cfg.tp,
                   worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
+        server = started.result(timeout=60)
         llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL},))
         try:
             yield llm, server, model_dir, state
