@@ -324,7 +324,7 @@ class PullJob:
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
-                else:  # every chunk left is due from a peer: let them land
+                elif not self._serve_checked(needed, excluded, stats):  # every chunk left is due from a peer
                     time.sleep(_WAIT_FOR_PEERS_S)
                 maps = self._refresh_quietly(res, excluded, maps, needed)
                 continue
@@ -369,6 +369,20 @@ class PullJob:
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed and again:  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(res, excluded, maps, needed)
+
+    def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
+        """While this reader waits for its peers' chunks, report its own chunks
+        whose checks finish meanwhile (waiting ``_WAIT_FOR_PEERS_S`` at most for
+        one); False when no check is running. Else the last chunks of each
+        reader's share stayed unserved until its patience ran out, while its
+        peers, waiting for those chunks, did the same (found by ``tensorhub
+        bench rl``, elastic: a wave of joiners stalled 1 s per round)."""
+        if not self._checks.running:
+            return False
+        settled = self._checked(needed, excluded, stats, _WAIT_FOR_PEERS_S)
+        if settled and self.landed is not None:
+            self.landed(settled)
+        return True
 
     def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap],
                          needed: set[int]) -> dict[str, HolderMap]:
