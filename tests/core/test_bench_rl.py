@@ -78,11 +78,12 @@ def test_metrics_attribute_stalls_to_steps_and_take_the_median():
               _ev("r1", "stall", 3.5, 4.5, what="join", version=1, bytes=10, sources={"trainer": 10}),
               _ev("r1", "hold", 4.5, version=1), _ev("r1", "generate", 5.6, 6.0, version=1)]
     row = metrics.summarize("elastic", "tensorhub", events, {"k": 1})
-    assert set(row) >= ROW_KEYS | {"update_s", "joins", "join_update_s"}
+    assert set(row) >= ROW_KEYS | {"update_s", "joins", "join_update_s", "join_versions_behind"}
     assert row["stall_per_step_s"] == [3.0, 1.5, 0.6]  # step 1: 1 + 2; step 2: 0.5 + 1; step 3: 0.1 + 0.5
     assert row["rollout_stall_per_step_s"] == [2.0, 1.0, 0.5]
     assert row["total_stall_s"] == 1.5 and row["rollout_stall_s"] == 1.0 and row["trainer_stall_s"] == 0.5
     assert row["update_s"] == 1.0 and row["joins"] == 1 and row["update_s_running"] == 1.25
+    assert row["join_versions_behind"] == [0]  # r1 held version 1 at 4.5; version 2 came at 5.5
     assert (row["bytes_from_trainer"], row["bytes_from_rollouts"]) == (20, 10)
     # r1's batch at 5.6 ran on version 1 while version 2 was out: one of three batches one version behind
     assert row["batches"] == 3 and row["mean_staleness"] == 0.33

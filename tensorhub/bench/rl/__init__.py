@@ -31,6 +31,7 @@ Output, in ``out`` (default ``bench-results/rl``): ``rl-<scenario>.json``,
         "total_stall_s",                  # trainer + rollout stall per step, median over steps
         "rollout_stall_s", "trainer_stall_s",        # the two parts, each a median over steps
         "update_s", "joins", "join_update_s",        # elastic only: joining rollouts' update (median, count, all)
+        "join_versions_behind",           # elastic only: per join, versions out by then that it lacks
         "update_s_running",               # median update of rollouts that were already running
         "stall_per_step_s", "rollout_stall_per_step_s",  # per step, in order
         "steps_s",                        # seconds from the start until the trainer's last step ended

@@ -8,7 +8,8 @@ counts in the window where it starts.
 * ``total_stall_s`` (standalone): trainer stall + every rollout's stall in a
   step, median over the steps;
 * ``update_s`` (elastic): seconds from a joining rollout's first request until
-  it holds the newest version, median over the joins;
+  it holds the newest version, median over the joins (``join_versions_behind``:
+  how many versions the trainer had made available meanwhile that it lacks);
 * ``rollout_stall_s`` (crossdc): the rollouts' stall in a step, median.
 """
 
@@ -70,8 +71,10 @@ def summarize(scenario: str, method: str, events: list[dict], params: dict, carr
     trainer = [t - r for t, r in zip(total, rollout)]
     stalls = [e for e in events if e["kind"] == "stall" and e["who"] != "trainer"]
     joins = [e["end"] - e["start"] for e in stalls if e.get("what") == "join"]
-    updates = [e["end"] - e["start"] for e in stalls if e.get("what") == "update"]
     published = {e["version"]: e["end"] for e in events if e["who"] == "trainer" and e["kind"] == "publish"}
+    # How far behind the trainer each join's version was once it held it (p2p: never; the trainer waits).
+    behind = [_lag(published, {"start": e["end"], "version": e["version"]}) for e in stalls if e.get("what") == "join"]
+    updates = [e["end"] - e["start"] for e in stalls if e.get("what") == "update"]
     staleness = [_lag(published, e) for e in events if e["kind"] == "generate" and e["start"] >= t0]
     moved: dict[str, int] = defaultdict(int)  # broadcast: gloo does not say who sent what
     for e in (e for e in stalls if e["start"] >= t0):
@@ -91,6 +94,7 @@ def summarize(scenario: str, method: str, events: list[dict], params: dict, carr
         "stall_per_step_s": [round(x, 3) for x in total],
         "rollout_stall_per_step_s": [round(x, 3) for x in rollout],
         "join_update_s": [round(x, 3) for x in joins],
+        "join_versions_behind": behind,
         "steps_s": round(windows[-1][1] - t0, 3) if windows else 0.0,
         "batches": len(staleness),
         "mean_staleness": round(statistics.fmean(staleness), 2) if staleness else 0.0,
@@ -103,7 +107,7 @@ def summarize(scenario: str, method: str, events: list[dict], params: dict, carr
         "params": params,
     }
     if scenario != "elastic":
-        for key in ("update_s", "joins", "join_update_s"):
+        for key in ("update_s", "joins", "join_update_s", "join_versions_behind"):
             row.pop(key)
     return row
 
