@@ -92,6 +92,7 @@ _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 class PullStats:
     nbytes: int = 0
     bytes_by_source: dict[str, int] = field(default_factory=dict)
+    source_kinds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # name -> (Labels.tier, origin)
     lost_sources: list[str] = field(default_factory=list)
     rounds: int = 0
     verified_bytes: int = 0  # checked against the publisher's chunk checksums
@@ -561,6 +562,7 @@ class PullJob:
                         continue
                     by_source = got.setdefault(chunk, {})
                     name = replica.source.agent_name
+                    stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
                     by_source[name] = by_source.get(name, 0) + transfer.nbytes
                     self._arrived.setdefault(chunk, []).append(transfer)
                     pending[chunk] -= 1
