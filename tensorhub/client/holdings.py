@@ -64,6 +64,10 @@ class Holdings:
         # Replicas held when the server restarted: the new instance does not know
         # the read leases the old one granted on them; those end by this time.
         self._unknown_reads_until: dict[str, float] = {}
+        # Replicas unpublished while the server was out of reach (closed after one
+        # lease TTL): the server still lists them until told. Sent after the next
+        # heartbeat gets through, and before this process publishes again.
+        self._withdraw_notices: set[str] = set()
         # Slow housekeeping off the heartbeat thread (releasing retained copies drains readers).
         self._chores = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-chores")
         self._stop = threading.Event()
@@ -150,7 +154,9 @@ class Holdings:
             self.register()  # announces every replica again, bitmaps included
             with self._lock:
                 self._unreported.clear()
+                self._withdraw_notices.clear()  # a new instance never heard of them
             return
+        self._send_withdraw_notices()
         with self._lock:
             unreported, self._unreported = self._unreported, set()
         for rid in unreported:
@@ -188,6 +194,7 @@ class Holdings:
         the caller announces it (``announce``), e.g. off a pull's critical path;
         unpublishing it before then is fine (the server counts it as drained)."""
         if not retained:
+            self._send_withdraw_notices()
             self._finish_withdrawals(model, version)
         if chunk_crc32 is None and complete and self.config.verify_chunks:
             chunk_crc32 = _checksums(parts, chunk_size)
@@ -208,6 +215,23 @@ class Holdings:
     def announce(self, pub: Publication) -> None:
         """Tell the server about ``pub`` (published with ``announce=False``)."""
         self.with_agent(lambda: self._announce(pub))
+
+    def _send_withdraw_notices(self) -> None:
+        """Tell the server of replicas this process let go while it could not
+        reach it; else it keeps listing them (unleasable, their holder silent)
+        and refuses this agent another replica of the same version."""
+        with self._lock:
+            notices = list(self._withdraw_notices)
+        for rid in notices:
+            try:
+                self._rpc.unpublish(self.agent_id, rid, 0.0, force=True)
+            except (ServerUnavailable, AgentUnknown) as e:  # the next heartbeat tries again
+                log.debug("withdraw notice for %s: %s", rid, e)
+                return
+            except TensorHubError as e:  # the server no longer has it: nothing to tell
+                log.debug("withdraw notice for %s: %s", rid, e)
+            with self._lock:
+                self._withdraw_notices.discard(rid)
 
     def _finish_withdrawals(self, model: str, version: int) -> None:
         """Unpublish again this process's replicas of (model, version) whose
@@ -314,6 +338,9 @@ class Holdings:
             log.warning("unpublish %r v%d: %s; waiting %.1fs for read leases to expire", pub.model, pub.version, e, wait)
             time.sleep(max(0.0, wait))
             drained, outstanding = time.monotonic() >= until, -1
+            if drained:
+                with self._lock:
+                    self._withdraw_notices.add(pub.replica_id)
         with self._lock:
             unknown_until = self._unknown_reads_until.get(pub.replica_id, 0.0)
         if drained and unknown_until > time.monotonic():

@@ -178,3 +178,24 @@ def test_a_replica_whose_unpublish_timed_out_is_unpublished_before_the_version_i
                     time.sleep(0.5)
             trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
             assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)["mismatched"] == []
+
+
+def test_a_replica_let_go_while_the_server_was_out_of_reach_is_withdrawn_once_it_is_back():
+    """Found by the fault campaign (AlreadyPublished again, after the fix above):
+    an unpublish that waited out the lease TTL behind a cut link closed the
+    replica, but the server, never told, kept listing it while the agent lived."""
+    with ServerProcess(lease_ttl_s=2, agent_ttl_s=60) as server:
+        proxy = Proxy(server.address)
+        with contextlib.closing(proxy), HubProcess(proxy.address, name="trainer") as trainer, \
+                HubProcess(server.address, name="reader") as reader:
+            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+            proxy.cut()
+            trainer.call("unpublish", model="m", version=1, timeout=10)  # waits one TTL, then lets go
+            assert reader.call("versions", model="m") == [1]  # the server was not told
+            proxy.restore()
+            deadline = time.monotonic() + 20
+            while reader.call("versions", model="m") != []:  # told once a heartbeat gets through
+                assert time.monotonic() < deadline, "the server still lists the replica the trainer let go"
+                time.sleep(0.5)
+            trainer.call("publish", model="m", version=1, specs=SPECS, seed=2, chunk_size=CHUNK)
+            assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=2)["mismatched"] == []
