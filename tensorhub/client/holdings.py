@@ -133,13 +133,15 @@ class Holdings:
         a Resolve sent less than an interval ago was answered by the server
         instance this agent registered with (a Resolve keeps its agent alive,
         and a restart shows as a new instance id), and this process holds
-        nothing (a heartbeat lists the replicas held: it confirms them and
-        learns which ones the server forgot, which a Resolve cannot)."""
+        nothing and owes the server no word (a heartbeat lists the replicas
+        held: it confirms them and learns which ones the server forgot, which a
+        Resolve cannot; and it sends the withdraw notices of replicas let go
+        while the server was out of reach)."""
         instance, sent = self._rpc.last_resolve
         if instance != self._instance_id or time.monotonic() - sent >= self.config.heartbeat_interval_s:
             return False
         with self._lock:
-            return not self._publications and not self._unreported
+            return not self._publications and not self._unreported and not self._withdraw_notices
 
     def _heartbeat_once(self) -> None:
         with self._lock:
