@@ -84,6 +84,7 @@ _REFRESH_IDLE_S = 0.2  # a round posts READs this long, then the pull asks again
 _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
+_DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish
 _POLL_MAX_S = 2e-3
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 
@@ -627,7 +628,19 @@ class PullJob:
         return min(max(progress + self.chunk_timeout_s, posted_by), leased, self.deadline)
 
     def _drop_flights(self) -> None:
+        """Let go of the READs still out when the pull ends early. Each first
+        gets a short while to finish (its lease is still held): released
+        unfinished, a READ on a slow link can still land bytes in the
+        destination after the caller reused that memory (the fault campaign
+        saw a failed pull's late bytes land in the next pull's new tensors,
+        allocated at the same addresses)."""
+        until = time.monotonic() + min(self.chunk_timeout_s, _DRAIN_S)
         for entry in self._flying:
+            try:
+                while not self.nixl.poll(entry[2]) and time.monotonic() < until:
+                    time.sleep(_POLL_MAX_S)
+            except TransferFailed:  # failed: nothing more will land
+                pass
             self.nixl.release(entry[2])
         self._flying.clear()
 

@@ -130,27 +130,35 @@ class Proxy:
         self._listener.close()
 
 
-def test_a_holder_cut_off_from_the_server_is_never_read_after_its_unpublish(tmp_path):
-    progress = str(tmp_path / "progress")
-    with ServerProcess(lease_ttl_s=3, agent_ttl_s=60) as server:
+@contextlib.contextmanager
+def trainer_behind_a_proxy(lease_ttl_s: float, **reader_config):
+    """A server, a trainer that reaches it through a ``Proxy`` (and has
+    published version 1, seed 1) and a reader that reaches it directly."""
+    with ServerProcess(lease_ttl_s=lease_ttl_s, agent_ttl_s=60) as server:
         proxy = Proxy(server.address)
         with contextlib.closing(proxy), HubProcess(proxy.address, name="trainer") as trainer, \
-                HubProcess(server.address, name="reader", read_workers=1) as reader:
+                HubProcess(server.address, name="reader", **reader_config) as reader:
             trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            reader.send("pull", model="m", version=1, specs=SPECS, expect_seed=1, pace_s=2.0,
-                        progress_file=progress, timeout=30)
-            wait_for_progress(progress, at_least=1)
-            proxy.cut()
-            took = trainer.call("unpublish", model="m", version=1, timeout=10)
-            trainer.call("overwrite", model="m", version=1, seed=2)  # what the optimizer does next
-            try:
-                got = reader.result(timeout=60)
-            except RemoteError as e:  # the only holder went away: a typed failure, never wrong bytes
-                assert e.type_name != "IntegrityError", e
-                assert e.type_name in ("SourceLost", "TransferStalled", "VersionNotFound"), e
-            else:
-                assert got["mismatched"] == []
-            assert took["end"] - took["start"] >= 2.5  # it waited for the reader's lease to end
+            yield proxy, trainer, reader
+
+
+def test_a_holder_cut_off_from_the_server_is_never_read_after_its_unpublish(tmp_path):
+    progress = str(tmp_path / "progress")
+    with trainer_behind_a_proxy(3, read_workers=1) as (proxy, trainer, reader):
+        reader.send("pull", model="m", version=1, specs=SPECS, expect_seed=1, pace_s=2.0,
+                    progress_file=progress, timeout=30)
+        wait_for_progress(progress, at_least=1)
+        proxy.cut()
+        took = trainer.call("unpublish", model="m", version=1, timeout=10)
+        trainer.call("overwrite", model="m", version=1, seed=2)  # what the optimizer does next
+        try:
+            got = reader.result(timeout=60)
+        except RemoteError as e:  # the only holder went away: a typed failure, never wrong bytes
+            assert e.type_name != "IntegrityError", e
+            assert e.type_name in ("SourceLost", "TransferStalled", "VersionNotFound"), e
+        else:
+            assert got["mismatched"] == []
+        assert took["end"] - took["start"] >= 2.5  # it waited for the reader's lease to end
 
 
 def test_a_replica_whose_unpublish_timed_out_is_unpublished_before_the_version_is_published_again():
@@ -158,44 +166,36 @@ def test_a_replica_whose_unpublish_timed_out_is_unpublished_before_the_version_i
     pull failed while the server was out of reach, and the unpublish of its
     partial replica timed out; the server still counted that replica, so the
     next serving pull of the same version was refused ("unpublish it first")."""
-    with ServerProcess(lease_ttl_s=2, agent_ttl_s=60) as server:
-        proxy = Proxy(server.address)
-        with contextlib.closing(proxy), HubProcess(proxy.address, name="trainer") as trainer, \
-                HubProcess(server.address, name="reader") as reader:
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            proxy.cut()
-            trainer.send("unpublish", model="m", version=1, timeout=0.5)
-            with pytest.raises(RemoteError, match="UnpublishTimeout"):
-                trainer.result(timeout=30)
-            proxy.restore()
-            deadline = time.monotonic() + 20
-            while True:  # until the trainer's channel has reconnected
-                try:
-                    trainer.call("versions", model="m")
-                    break
-                except RemoteError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.5)
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)["mismatched"] == []
+    with trainer_behind_a_proxy(2) as (proxy, trainer, reader):
+        proxy.cut()
+        trainer.send("unpublish", model="m", version=1, timeout=0.5)
+        with pytest.raises(RemoteError, match="UnpublishTimeout"):
+            trainer.result(timeout=30)
+        proxy.restore()
+        deadline = time.monotonic() + 20
+        while True:  # until the trainer's channel has reconnected
+            try:
+                trainer.call("versions", model="m")
+                break
+            except RemoteError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
+        assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)["mismatched"] == []
 
 
 def test_a_replica_let_go_while_the_server_was_out_of_reach_is_withdrawn_once_it_is_back():
     """Found by the fault campaign (AlreadyPublished again, after the fix above):
     an unpublish that waited out the lease TTL behind a cut link closed the
     replica, but the server, never told, kept listing it while the agent lived."""
-    with ServerProcess(lease_ttl_s=2, agent_ttl_s=60) as server:
-        proxy = Proxy(server.address)
-        with contextlib.closing(proxy), HubProcess(proxy.address, name="trainer") as trainer, \
-                HubProcess(server.address, name="reader") as reader:
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=1, chunk_size=CHUNK)
-            proxy.cut()
-            trainer.call("unpublish", model="m", version=1, timeout=10)  # waits one TTL, then lets go
-            assert reader.call("versions", model="m") == [1]  # the server was not told
-            proxy.restore()
-            deadline = time.monotonic() + 20
-            while reader.call("versions", model="m") != []:  # told once a heartbeat gets through
-                assert time.monotonic() < deadline, "the server still lists the replica the trainer let go"
-                time.sleep(0.5)
-            trainer.call("publish", model="m", version=1, specs=SPECS, seed=2, chunk_size=CHUNK)
-            assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=2)["mismatched"] == []
+    with trainer_behind_a_proxy(2) as (proxy, trainer, reader):
+        proxy.cut()
+        trainer.call("unpublish", model="m", version=1, timeout=10)  # waits one TTL, then lets go
+        assert reader.call("versions", model="m") == [1]  # the server was not told
+        proxy.restore()
+        deadline = time.monotonic() + 20
+        while reader.call("versions", model="m") != []:  # told once a heartbeat gets through
+            assert time.monotonic() < deadline, "the server still lists the replica the trainer let go"
+            time.sleep(0.5)
+        trainer.call("publish", model="m", version=1, specs=SPECS, seed=2, chunk_size=CHUNK)
+        assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=2)["mismatched"] == []

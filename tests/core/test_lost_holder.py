@@ -19,6 +19,7 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from tensorhub.client.puller import PullJob
@@ -180,3 +181,31 @@ def test_a_read_queued_behind_others_on_a_slow_link_is_not_a_stall():
                   deadline=time.monotonic() + 30)
     stats = job.run()
     assert torch.equal(dest, weights) and stats.lost_sources == []
+
+
+def test_a_failed_pull_lets_its_reads_still_out_finish_before_it_returns():
+    """Found by the fault campaign (1 mismatch in 504 pulls): a slow reader's pull
+    failed with READs still on the wire and released them unfinished; the next
+    pull's new tensors, allocated at the same addresses, took their late bytes."""
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    manifest = Manifest.of({"w": weights})
+    plane = SteppingTrainer(manifest, _replica("trainer", manifest, weights), _replica("retained", manifest, weights),
+                            switch_after=10**6)
+    dest = torch.zeros_like(weights)
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    link = SlowLink()
+    released_unfinished = []
+    link.release = lambda pending: released_unfinished.append(not pending[0]) if not pending[0] else None
+
+    def fail(done: int, total: int) -> None:
+        raise KeyboardInterrupt  # the caller gives up mid-pull
+
+    job = PullJob(rpc=plane, nixl=link, agent_id="reader", labels=Labels("r"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
+                  dest_kind=MemoryKind.DRAM, in_flight=8, chunk_timeout_s=2.0, progress=fail,
+                  deadline=time.monotonic() + 30)
+    with pytest.raises(KeyboardInterrupt):
+        job.run()
+    assert released_unfinished == [], f"{len(released_unfinished)} READs released while still on the wire"
