@@ -152,6 +152,12 @@ class NixlAgent:
         with self._lock:
             name = self._remotes.get(key)
             if name is None:
+                # A replica id is "<agent id>.<n>" and the agent id names its NIXL agent.
+                # Loading more metadata of an agent whose removal waits for READs
+                # still out fails half-way (NIXL_ERR_INVALID_PARAM in the fault
+                # campaign, the reader crashing later): not until those end.
+                if key.rpartition(".")[0] in self._forgotten:
+                    raise TransferFailed(key, "its process's connection is closing: READs to it are still out")
                 try:
                     raw = self._agent.add_remote_agent(metadata)
                 except Exception as e:  # its endpoint is gone (process died, link cut)
