@@ -192,9 +192,11 @@ class ReadLayout:
         return None
 
     def missing(self, chunks: list[int], maps: list[HolderMap], limit: int = 4) -> str:
-        """What no holder in ``maps`` has of ``chunks``, in the manifest's terms."""
-        found: list[str] = []
-        for chunk in chunks:
+        """What no holder in ``maps`` has of ``chunks``, in the manifest's terms:
+        gaps of neighbouring chunks joined (a lost shard is one region, not a
+        list of its chunks), the first ``limit`` of them."""
+        gaps: list[tuple[int, int]] = []
+        for chunk in sorted(chunks):
             lo = chunk * self.chunk_size
             hi = lo + self.chunk_bytes(chunk)
             have = _no_ranges()
@@ -202,10 +204,17 @@ class ReadLayout:
                 rows = m.rows(chunk)
                 have = _union(have, m.cols["r_off"][rows], m.cols["length"][rows])
             for a, b in _gaps(lo, hi, have):
-                found.append(self._describe(a, b))
-                if len(found) >= limit:
-                    return "; ".join(found) + " (and more)"
-        return "; ".join(dict.fromkeys(found)) or "nothing"
+                if gaps and gaps[-1][1] == a and self._part(a) == self._part(gaps[-1][0]):
+                    gaps[-1] = (gaps[-1][0], b)
+                else:
+                    gaps.append((a, b))
+        found = list(dict.fromkeys(self._describe(a, b) for a, b in gaps[: limit + 1]))
+        if len(found) > limit:
+            return "; ".join(found[:limit]) + " (and more)"
+        return "; ".join(found) or "nothing"
+
+    def _part(self, offset: int) -> int:
+        return int(np.searchsorted(self.part_base, offset, side="right")) - 1
 
     def _describe(self, a: int, b: int) -> str:
         """Reader bytes [a, b) as a range of the full tensor where one run holds them."""
