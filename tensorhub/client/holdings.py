@@ -29,7 +29,7 @@ import torch
 from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.rpc import AgentUnknown, ReferenceClient, RemoteReplica, ReplicaUnknown
-from tensorhub.errors import ServerUnavailable, TensorHubError, UnpublishTimeout
+from tensorhub.errors import AlreadyPublished, ServerUnavailable, TensorHubError, UnpublishTimeout
 from tensorhub.integrity import chunk_checksums
 from tensorhub.manifest import Manifest
 from tensorhub.shard import Part
@@ -218,22 +218,26 @@ class Holdings:
         """Tell the server about ``pub`` (published with ``announce=False``)."""
         self.with_agent(lambda: self._announce(pub))
 
-    def _send_withdraw_notices(self) -> None:
+    def _send_withdraw_notices(self) -> bool:
         """Tell the server of replicas this process let go while it could not
         reach it; else it keeps listing them (unleasable, their holder silent)
-        and refuses this agent another replica of the same version."""
+        and refuses this agent another replica of the same version. True if
+        a notice was delivered."""
         with self._lock:
             notices = list(self._withdraw_notices)
+        delivered = False
         for rid in notices:
             try:
                 self._rpc.unpublish(self.agent_id, rid, 0.0, force=True)
+                delivered = True
             except (ServerUnavailable, AgentUnknown) as e:  # the next heartbeat tries again
                 log.debug("withdraw notice for %s: %s", rid, e)
-                return
+                return delivered
             except TensorHubError as e:  # the server no longer has it: nothing to tell
                 log.debug("withdraw notice for %s: %s", rid, e)
             with self._lock:
                 self._withdraw_notices.discard(rid)
+        return delivered
 
     def _finish_withdrawals(self, model: str, version: int) -> None:
         """Unpublish again this process's replicas of (model, version) whose
@@ -279,8 +283,18 @@ class Holdings:
     def _announce(self, pub: Publication) -> None:
         with pub.lock:
             bitmap, complete = bytes(pub.bitmap), pub.complete
-        with pub.confirming(self._rpc.timeout_s):
-            self._publish(pub, bitmap, complete)
+        try:
+            with pub.confirming(self._rpc.timeout_s):
+                self._publish(pub, bitmap, complete)
+        except AlreadyPublished:
+            # publish() sends pending withdraw notices first, but the server may
+            # have been out of reach then and back by now (a serving pull
+            # announces later, on its reports thread): the replica it still
+            # lists may be one this process let go. Tell it, try once more.
+            if not self._send_withdraw_notices():
+                raise
+            with pub.confirming(self._rpc.timeout_s):
+                self._publish(pub, bitmap, complete)
 
     def _publish(self, pub: Publication, bitmap: bytes, complete: bool) -> None:
         self._rpc.publish(

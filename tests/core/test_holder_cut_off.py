@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.server.config import ServerConfig
@@ -199,3 +200,28 @@ def test_a_replica_let_go_while_the_server_was_out_of_reach_is_withdrawn_once_it
             time.sleep(0.5)
         trainer.call("publish", model="m", version=1, specs=SPECS, seed=2, chunk_size=CHUNK)
         assert reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=2)["mismatched"] == []
+
+
+def test_a_late_announce_first_tells_the_server_of_a_replica_let_go_behind_a_cut():
+    """Found by the fault campaign (7 AlreadyPublished per 10 minutes, each a
+    serving pull seconds after the server's link came back): the pull's
+    publish could not deliver the withdraw notice of its failed predecessor's
+    replica (server still out of reach), its announce on the reports thread
+    got through a moment later, and the server refused a second replica of
+    the version. In this process, with heartbeats paused, so only the
+    announce can deliver the notice."""
+    from tensorhub import Hub
+
+    with ServerProcess(lease_ttl_s=1, agent_ttl_s=60) as server:
+        proxy = Proxy(server.address)
+        with contextlib.closing(proxy), Hub.connect(proxy.address, name="reader", rpc_timeout_s=2) as hub:
+            holdings = hub._holdings
+            holdings._heartbeat_once = lambda: None
+            first = hub.publish("m", 1, {"w": torch.arange(1 << 18, dtype=torch.float32)}, chunk_size=CHUNK)
+            proxy.cut()
+            first.unpublish(timeout=10)  # waits one TTL behind the cut, lets go: a withdraw notice is due
+            late = holdings.publish("m", 1, first.manifest, first.parts, CHUNK, origin=False, announce=False)
+            proxy.restore()
+            holdings.announce(late)  # AlreadyPublished before the fix
+            assert [p.replica_id for p in holdings.publications()] == [late.replica_id]
+            late.unpublish(timeout=5)
