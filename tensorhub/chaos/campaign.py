@@ -129,7 +129,7 @@ class Campaign:
                 worker.process.join(timeout=5)
                 self.tally.crash_details.append(f"{name} died during {worker.op or 'start'} "
                                                 f"(exit code {worker.process.exitcode}); its stderr ends: "
-                                                f"{worker.stderr_tail()}")
+                                                f"{worker.stderr_tail(8000)}")
                 self.kill_and_replace(name)
             elif answer.get("op") == "start" and "error" in answer:
                 self.tally.failure(name, answer)  # e.g. its link was cut while it connected

@@ -198,6 +198,7 @@ def main(conn: Any, spec: WorkerSpec) -> None:
         os.close(log_fd)
     dump = open(spec.dump_path or os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV in NIXL/UCX) leaves its Python stacks in the log
     import torch
 
     torch.set_num_threads(1)

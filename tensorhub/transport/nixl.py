@@ -161,6 +161,11 @@ class NixlAgent:
                 try:
                     raw = self._agent.add_remote_agent(metadata)
                 except Exception as e:  # its endpoint is gone (process died, link cut)
+                    # A failed load may leave the agent half-known to NIXL, and then
+                    # every later load of it fails alike (the fault campaign's reader
+                    # failed one live holder's metadata for minutes, then crashed):
+                    # let go of all of it, so that the next connect starts afresh.
+                    self._drop_agent(key.rpartition(".")[0])
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 self._remotes[key] = name
@@ -174,14 +179,16 @@ class NixlAgent:
         of a READ given up on arrive, once no READ to it is out."""
         with self._lock:
             name = self._remotes.pop(key, None)
-            if name is None:
-                return
-            for other in [k for k, n in self._remotes.items() if n == name]:
-                del self._remotes[other]
-            if self._flights.get(name):
-                self._forgotten.add(name)
-            else:
-                self._remove(name)
+            if name is not None:
+                self._drop_agent(name)
+
+    def _drop_agent(self, name: str) -> None:  # under the lock
+        for key in [k for k, n in self._remotes.items() if n == name]:
+            del self._remotes[key]
+        if self._flights.get(name):
+            self._forgotten.add(name)
+        else:
+            self._remove(name)
 
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)

@@ -75,3 +75,44 @@ def test_a_closing_remote_is_not_loaded_again_until_its_reads_end():
     assert rec.calls[-1] == ("remove", "holder")
     assert nixl.connect("holder.2", b"holder") == "holder"  # loaded afresh
     assert rec.calls[-1] == ("add", b"holder")
+
+
+class FailsOnce(Recorder):
+    """NIXL refusing a load half-way (NIXL_ERR_INVALID_PARAM), once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = True
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        if self.refuse:
+            self.refuse = False
+            self.calls.append(("add failed", metadata))
+            raise RuntimeError("nixlInvalidParamError: NIXL_ERR_INVALID_PARAM")
+        return super().add_remote_agent(metadata)
+
+
+def test_a_failed_load_lets_go_of_the_whole_agent_so_the_next_starts_afresh():
+    """Found by the fault campaign: after one failed load, every later load of
+    the same live holder failed alike for minutes (NIXL kept it half-known),
+    and the reader crashed. Now a failed load removes the agent (after the
+    READs still out to it), and the next connect loads it from scratch."""
+    nixl = NixlAgent("reader-under-test-3")
+    nixl._agent = rec = FailsOnce()
+    rec.refuse = False
+    descs = np.zeros((1, 3), dtype=np.uint64)
+    name = nixl.connect("holder.1", b"holder")
+    read = nixl.post(name, descs, MemoryKind.DRAM, descs, MemoryKind.DRAM)
+    rec.refuse = True
+    with pytest.raises(TransferFailed, match="cannot connect"):
+        nixl.connect("holder.2", b"holder")  # its next replica's metadata
+    assert not [c for c in rec.calls if c[0] == "remove"]  # a READ to it is still out
+    nixl.release(read)
+    assert rec.calls[-1] == ("remove", "holder")
+    assert nixl.connect("holder.1", b"holder") == "holder"  # its first replica too is loaded afresh
+    assert rec.calls[-1] == ("add", b"holder")
+
+    rec.refuse = True  # no READ out: removed at once
+    with pytest.raises(TransferFailed):
+        nixl.connect("holder.3", b"holder")
+    assert rec.calls[-1] == ("remove", "holder")
