@@ -144,6 +144,25 @@ def _check_memory(manifest: Manifest, held: list[Held], mem: pb.ReplicaMemory, w
     return sizes
 
 
+def _changing(replica: Replica) -> bytes:
+    """The serialized ReplicaInfo fields of a replica that change while it is
+    published. A complete replica's depend on its reads in flight alone: kept
+    per count (a few bytes each), not built for every holder of every answer."""
+    if replica.complete:
+        reads = len(replica.leases)
+        tail = _COMPLETE_TAILS.get(reads)
+        if tail is None:
+            tail = pb.ReplicaInfo(state=pb.REPLICA_STATE_COMPLETE, active_reads=reads).SerializeToString()
+            if reads < 4096:
+                _COMPLETE_TAILS[reads] = tail
+        return tail
+    return pb.ReplicaInfo(state=pb.REPLICA_STATE_FILLING, chunk_bitmap=bytes(replica.bitmap),
+                          active_reads=len(replica.leases)).SerializeToString()
+
+
+_COMPLETE_TAILS: dict[int, bytes] = {}
+
+
 class ReferenceService(pb_grpc.ReferenceServiceServicer):
     def __init__(self, state: State, metrics: NoMetrics | None = None) -> None:
         self.state = state
@@ -378,11 +397,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             full = lean.SerializeToString() + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
             cached = replica.wire_info = (agent, digest, lean.SerializeToString(), full)
         _, digest, lean_bytes, full_bytes = cached
-        return (lean_bytes if digest in known_memory else full_bytes) + pb.ReplicaInfo(
-            state=pb.REPLICA_STATE_COMPLETE if replica.complete else pb.REPLICA_STATE_FILLING,
-            chunk_bitmap=b"" if replica.complete else bytes(replica.bitmap),
-            active_reads=len(replica.leases),
-        ).SerializeToString()
+        return (lean_bytes if digest in known_memory else full_bytes) + _changing(replica)
 
     async def AcquireReadLease(self, request: pb.AcquireReadLeaseRequest, context: Any) -> pb.AcquireReadLeaseResponse:
         async def go() -> pb.AcquireReadLeaseResponse:

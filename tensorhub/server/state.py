@@ -151,7 +151,6 @@ class Replica:
     wire_held: Any = None  # opaque: the service's wire form of ``held``
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
     chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
-    rank: Any = None  # cached (agent, its labels, spot/origin key bits, crc32 of the id, id length): State.sources
     # When its holder last said it holds it (publish, chunk report, a heartbeat
     # listing it). No read lease on it outlives this by more than one lease TTL:
     # a holder cut off from the server mid-unpublish stops listing it, so after
@@ -170,6 +169,9 @@ class Version:
     missing: list[tuple[int, int, int]] = field(default_factory=list)  # first (tensor, a, b) nobody complete holds
     missing_count: int = 0
     wire_manifest: Any = None  # cached protobuf form, filled in by the service
+    # Reader agent id -> (live holders, their fixed keys) as of State._holders_changed == ranked_at: State._ranking.
+    ranked: dict[str, tuple[list[Replica], list[int]]] = field(default_factory=dict)
+    ranked_at: int = -1
 
     def describe_missing(self) -> str:
         if not self.missing_count:
@@ -209,12 +211,17 @@ class State:
         # No agent or lease expires before this (a lower bound: renewals only push
         # expiry later), so expire() on every RPC costs one comparison until then.
         self._next_expiry = -math.inf
+        # Bumped whenever who is a live holder may have changed (a replica
+        # published, withdrawn or removed; an agent registered, perhaps with new
+        # labels, or expired): ``sources`` keeps each reader's ranking until then.
+        self._holders_changed = 0
 
     # ------------------------------------------------------------ agents
 
     def register_agent(self, agent_id: str, name: str, labels: Labels, reliability: Reliability) -> None:
         agent = Agent(agent_id, name, labels, reliability, time.monotonic() + self.agent_ttl_s)
         self.agents[agent_id] = agent
+        self._holders_changed += 1
         self._next_expiry = min(self._next_expiry, agent.expires_at)
 
     def heartbeat(self, agent_id: str, held: Iterable[str] = ()) -> bool:
@@ -307,6 +314,7 @@ class State:
             replica.drained.set()
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
+        self._holders_changed += 1
         if complete or existing is not None:  # a replaced replica may have held more
             self._refresh(entry, added=existing is None)
         return replica
@@ -380,6 +388,7 @@ class State:
         """Stop handing the replica out; in-flight leases may still read it."""
         replica = self._own_replica(agent_id, replica_id)
         replica.withdrawn = True
+        self._holders_changed += 1
         if not replica.leases:
             replica.drained.set()
         self._refresh(self.models[replica.model][replica.version])
@@ -389,6 +398,7 @@ class State:
         replica = self.replicas.pop(replica_id, None)
         if replica is None:
             return
+        self._holders_changed += 1
         versions = self.models.get(replica.model, {})
         entry = versions.get(replica.version)
         if entry is not None:
@@ -513,33 +523,12 @@ class State:
         ranks every holder of the version: at 1,000 agents and 100 holders that
         was 40% of a resolve's Python). ``tests/core/test_bench_server.py``
         holds the two equal."""
-        agents = self.agents
-        live = [r for r in entry.replicas.values()
-                if not r.withdrawn and r.agent_id in agents and r.agent_id != reader_agent_id]
         k = min(k or self.config.max_sources, self.config.max_sources)
-        if len(live) <= k:
-            return live
-        reader = agents.get(reader_agent_id)
-        me = reader.labels if reader else Labels()
-        # best_holders' key, packed in one int: (tier, spot, origin, active reads,
-        # crc32(replica id, crc32(reader id + "/"))). CRC-32 is affine in its start
-        # value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z) for z = len(d)
-        # zero bytes, so a holder keeps crc32(d) and a reader costs a CRC per id length.
-        seed = zlib.crc32(f"{reader_agent_id}/".encode())
-        salts: dict[int, int] = {}
-        keys = []
-        for r in live:
-            agent, rank = agents[r.agent_id], r.rank
-            if rank is None or rank[0] is not agent:  # a re-registered agent may have new labels
-                rid = r.replica_id.encode()
-                bits = ((agent.reliability is Reliability.SPOT) << 1 | r.origin) << 64
-                rank = r.rank = (agent, agent.labels, bits, zlib.crc32(rid), len(rid))
-            _, labels, bits, crc, n = rank
-            salt = salts.get(n)
-            if salt is None:
-                zeros = bytes(n)
-                salt = salts[n] = zlib.crc32(zeros, seed) ^ zlib.crc32(zeros)
-            keys.append(me.tier(labels) << 66 | bits | len(r.leases) << 32 | crc ^ salt)
+        live, fixed = self._ranking(entry, reader_agent_id, k)
+        if fixed is None or len(live) <= k:
+            return list(live)
+        # The one part of the key that changes between two resolves: the holder's reads in flight.
+        keys = [key | len(r.leases) << 32 for key, r in zip(fixed, live)]
         order = sorted(range(len(live)), key=keys.__getitem__)
         chosen = [live[i] for i in order[:k]]
         complete = [r for r in chosen if r.complete]
@@ -552,6 +541,47 @@ class State:
                 if self._covers(entry, complete):
                     break
         return chosen
+
+    def _ranking(self, entry: Version, reader_agent_id: str, k: int) -> tuple[list[Replica], list[int] | None]:
+        """The version's live holders other than the reader (None for the keys
+        when they are ``k`` or fewer: all of them are returned), and the part of
+        ``best_holders``' key for each that stays put while nobody publishes,
+        withdraws, registers or expires (``_holders_changed``), packed in one
+        int: (tier, spot, origin, -, crc32(replica id, crc32(reader id + "/"))),
+        with bits 32-63 left for the holder's reads in flight. Kept per reader
+        of a version with more holders than a resolve returns (a list of
+        holders and one of ints: about 5 KiB a reader at 100 holders), so
+        most resolves only add the reads in flight and sort."""
+        if entry.ranked_at != self._holders_changed:
+            entry.ranked.clear()  # every reader's ranking is stale
+            entry.ranked_at = self._holders_changed
+        cached = entry.ranked.get(reader_agent_id)
+        if cached is not None:
+            return cached
+        agents = self.agents
+        live = [r for r in entry.replicas.values()
+                if not r.withdrawn and r.agent_id in agents and r.agent_id != reader_agent_id]
+        if len(live) <= k:
+            return live, None
+        reader = agents.get(reader_agent_id)
+        me = reader.labels if reader else Labels()
+        # CRC-32 is affine in its start value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z)
+        # for z = len(d) zero bytes, so a holder keeps crc32(d) and a reader costs a CRC per id length.
+        seed = zlib.crc32(f"{reader_agent_id}/".encode())
+        salts: dict[int, int] = {}
+        fixed = []
+        for r in live:
+            rid = r.replica_id.encode()
+            n = len(rid)
+            salt = salts.get(n)
+            if salt is None:
+                zeros = bytes(n)
+                salt = salts[n] = zlib.crc32(zeros, seed) ^ zlib.crc32(zeros)
+            agent = agents[r.agent_id]
+            spot_origin = (agent.reliability is Reliability.SPOT) << 1 | r.origin
+            fixed.append(me.tier(agent.labels) << 66 | spot_origin << 64 | zlib.crc32(rid) ^ salt)
+        entry.ranked[reader_agent_id] = (live, fixed)
+        return live, fixed
 
     @staticmethod
     def _covers(entry: Version, holders: list[Replica]) -> bool:
@@ -630,6 +660,7 @@ class State:
             self.release_lease(lease.lease_id)
         for agent in [a for a in self.agents.values() if a.expires_at <= now]:
             del self.agents[agent.agent_id]
+            self._holders_changed += 1
             for replica in [r for r in self.replicas.values() if r.agent_id == agent.agent_id]:
                 self.report_lost(replica.replica_id)  # refreshes the version's visibility
             for lease in [l for l in self.leases.values() if l.agent_id == agent.agent_id]:

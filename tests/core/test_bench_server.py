@@ -92,17 +92,33 @@ def test_the_servers_holder_ranking_is_the_planners():
                       manifest=manifest, held=held, chunk_size=4096, memory=None, complete=i % 5 != 0,
                       bitmap=b"", origin=i % 7 == 0)
     entry = state.models["m"][1]
+
+    def check() -> None:
+        for i in range(40, 60):
+            reader = f"agent-{i}"
+            live = [r for r in entry.replicas.values()
+                    if r.agent_id != reader and not r.withdrawn and r.agent_id in state.agents]
+            sources = [Source(r.replica_id, r.agent_id, state.agents[r.agent_id].labels,
+                              state.agents[r.agent_id].reliability, r.complete, r.origin, len(r.leases)) for r in live]
+            by_id = {r.replica_id: r for r in live}
+
+            def covers(complete: list[Source], by_id: dict = by_id) -> bool:
+                return bool(complete) and state._covers(entry, [by_id[s.replica_id] for s in complete])
+
+            me = state.agents[reader].labels
+            want = best_holders(sources, me, 5, salt=reader, covers=covers)
+            assert [r.replica_id for r in state.sources(entry, reader)] == [s.replica_id for s in want]
+
     for i in range(40, 60):  # readers, each with a lease on a few holders
         state.acquire_lease(f"agent-{i}", rng.sample(list(entry.replicas), 3))
-    for i in range(40, 60):
-        reader = f"agent-{i}"
-        live = [r for r in entry.replicas.values() if r.agent_id != reader]
-        sources = [Source(r.replica_id, r.agent_id, state.agents[r.agent_id].labels,
-                          state.agents[r.agent_id].reliability, r.complete, r.origin, len(r.leases)) for r in live]
-        by_id = {r.replica_id: r for r in live}
-
-        def covers(complete: list[Source], by_id: dict = by_id) -> bool:
-            return bool(complete) and state._covers(entry, [by_id[s.replica_id] for s in complete])
-
-        want = best_holders(sources, labels[i], 5, salt=reader, covers=covers)
-        assert [r.replica_id for r in state.sources(entry, reader)] == [s.replica_id for s in want]
+    check()
+    # Each reader's ranking is kept between resolves: what changes must show.
+    for i in range(40, 60):  # reads in flight
+        state.acquire_lease(f"agent-{i}", rng.sample(list(entry.replicas), 5))
+    check()
+    state.withdraw("agent-1", "agent-1.x")  # a holder withdrawn
+    state.register_agent("agent-2", "n2", Labels(host="elsewhere"), Reliability.SPOT)  # new labels
+    state.register_agent("agent-41", "n41", labels[3], Reliability.RELIABLE)  # a reader moved
+    check()
+    state.expire(now=time.monotonic() + 1e6)  # everybody gone: nothing left to rank
+    assert state.sources(entry, "agent-50") == []
