@@ -104,7 +104,8 @@ def _bench_server(args: argparse.Namespace) -> int:
                                        seconds=args.seconds, resolve_interval_s=args.resolve_interval,
                                        heartbeat_interval_s=args.heartbeat_interval,
                                        sweep=tuple(args.sweep or ()), generators=args.generators,
-                                       heartbeats_while_resolving=args.heartbeats_while_resolving)
+                                       heartbeats_while_resolving=args.heartbeats_while_resolving,
+                                       pin=not args.no_pin)
     except ValueError as e:
         print(f"tensorhub bench server: {e}", file=sys.stderr)
         return 2
@@ -258,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--generators", type=int, default=2, help="load generator processes (default 2)")
     srv.add_argument("--heartbeats-while-resolving", action="store_true",
                      help="readers heartbeat although their resolves keep them alive (the client before it skipped)")
+    srv.add_argument("--no-pin", action="store_true",
+                     help="let the OS place the server and the load generators (default: the server on a core of "
+                          "its own, the generators on the others)")
     srv.add_argument("--json", help="write the results here as JSON")
     srv.set_defaults(func=_bench_server)
 

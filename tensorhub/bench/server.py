@@ -18,10 +18,14 @@ Reports, per N: resolve latency p50 / p99 / max, heartbeat p99, calls per
 second, holders per resolve answer, the server's resident memory and what each
 agent and each replica adds to it; and the first N at which resolve p99 passes
 ``--goal-ms`` (20 ms). Ratios only mean something within one run: the load
-generators share the machine with the server. So each step also reports the
-CPU the server, the load generators and everything else on the machine used
-(cores, from /proc), and the server's CPU per call: one core of its own
-answers about 1e6 / that calls a second, whatever the generators take.
+generators share the machine with the server. On a machine with two or more
+CPUs the server gets one of its own and the generators the others (every
+thread pinned; ``--no-pin``: the OS places them), so a generator's turn on
+the CPU does not count as the server's latency; the generators' own lateness
+is reported beside it. Each step also reports the CPU the server, the load
+generators and everything else on the machine used (cores, from /proc), and
+the server's CPU per call: one core of its own answers about 1e6 / that calls
+a second.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ class ServerBenchConfig:
     generators: int = 2  # load generator processes
     goal_ms: float = 20.0
     heartbeats_while_resolving: bool = False  # True: readers heartbeat although they resolve (the client before)
+    # The server on a core of its own and the load generators on the others (on
+    # a machine with at least two): else they preempt each other and a late
+    # generator counts as server latency. False: the OS places them all.
+    pin: bool = True
 
     def __post_init__(self) -> None:
         if min(self.agents, self.holders, self.tensors, self.generators) < 1:
@@ -122,6 +130,25 @@ def _cpu_s(pid: int) -> float:
     """User + system CPU seconds the process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _placement(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """CPUs for the server and for the load generators; (None, None): wherever the OS puts them."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return {cpus[0]}, set(cpus[1:])
+
+
+def _pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of the process (grpc starts its own) onto ``cpus``."""
+    if cpus is None:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def _agent_id(i: int) -> str:
@@ -239,7 +266,8 @@ async def _generate(address: str, agents: list[int], holders: int, cfg: ServerBe
 
 
 def _generator_main(conn: Any, address: str, agents: list[int], holders: int, cfg: ServerBenchConfig,
-                    start_at: float, fingerprint: str, instance: str) -> None:
+                    start_at: float, fingerprint: str, instance: str, cpus: set[int] | None) -> None:
+    _pin(os.getpid(), cpus)  # before grpc starts its threads: they inherit it
     out = asyncio.run(_generate(address, agents, holders, cfg, start_at, fingerprint, instance))
     out["skipped"] = [len(out["skipped"])]  # a count is all the parent needs
     conn.send(out)
@@ -262,8 +290,10 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
 
     holders = min(cfg.holders, agents)
     ttl = 10 * cfg.seconds + 60  # nobody expires while the sweep sets up
+    server_cpus, generator_cpus = _placement(cfg.pin)
     with ServerProcess(agent_ttl_s=ttl, lease_ttl_s=ttl, retain=0) as server:
         assert server.proc is not None
+        _pin(server.proc.pid, server_cpus)
         rss, instance = _populate(server.address, cfg, agents, server.proc.pid)
         fingerprint = wire.manifest_from_wire(_manifest(pb, cfg.tensors)).fingerprint
         ctx = mp.get_context("spawn")
@@ -273,7 +303,7 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
             mine = list(range(g, agents, cfg.generators))
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_generator_main, args=(child, server.address, mine, holders, cfg, start_at,
-                                                             fingerprint, instance), daemon=True)
+                                                             fingerprint, instance, generator_cpus), daemon=True)
             proc.start()
             procs.append(proc)
             conns.append(parent)
@@ -346,8 +376,13 @@ def run(cfg: ServerBenchConfig, *, json_path: str | None = None, console: Consol
                   f"us a call: one core of its own answers about {per_core:.0f} calls/s, {alone} agents at this mix), "
                   f"the load generators {last.generator_cpu:.2f} cores and other processes {last.other_cpu:.2f} "
                   f"cores of this machine's {os.cpu_count()}")
+    server_cpus, generator_cpus = _placement(cfg.pin)
+    where = (f"the server pinned to CPU {sorted(server_cpus)}, the load generators to {sorted(generator_cpus)}"
+             if server_cpus and generator_cpus else "the server and the load generators placed by the OS")
+    console.print(where)
     report = {"config": asdict(cfg), "steps": [asdict(s) for s in steps], "goal_ms": cfg.goal_ms,
-              "p99_passes_goal_at_agents": passes, "server_alone_agents_per_core": alone}
+              "p99_passes_goal_at_agents": passes, "server_alone_agents_per_core": alone,
+              "placement": {"server": sorted(server_cpus or ()), "generators": sorted(generator_cpus or ())}}
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report
