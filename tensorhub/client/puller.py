@@ -173,7 +173,7 @@ class PullJob:
         res = self.resolved
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
-        self._checks = ChunkVerifier(self.verify)
+        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM)  # checks read host memory
         maps = self._maps(res.replicas, set())
         self._upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
@@ -342,7 +342,7 @@ class PullJob:
                     if ranked:
                         unavailable.append(chunk)
                 else:
-                    transfers[chunk] = planned
+                    transfers[chunk] = self._checks.pieces(planned)  # checked READs: cut to be checked in cache
             if unavailable:
                 self._drop_upfront()  # the holders it leased cannot fill this round
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
@@ -536,6 +536,8 @@ class PullJob:
                         failed.add(chunk)  # stays needed: the next round re-plans it
                         continue
                     post(chunk, transfer)
+                    if self._checks.enabled and flying and self.nixl.poll(flying[-1][2]):
+                        break  # landed when posted (shared memory): its check starts now, while it is in cache
                 if not flying or (carry and not posting and finished_any and len(flying) <= self.in_flight // 2):
                     break
                 finished = []
@@ -566,6 +568,7 @@ class PullJob:
                     stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
                     by_source[name] = by_source.get(name, 0) + transfer.nbytes
                     self._arrived.setdefault(chunk, []).append(transfer)
+                    self._checks.arrived(transfer)  # its CRC now, while its bytes are in cache
                     pending[chunk] -= 1
                     if pending[chunk] == 0:
                         # Counted once the whole chunk is in: a chunk that failed

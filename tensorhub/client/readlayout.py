@@ -229,6 +229,30 @@ class ReadLayout:
         return f"{part.name} (elements {ea}:{eb} of the requested region)"
 
 
+def split(transfer: Transfer, max_bytes: int) -> list[Transfer]:
+    """``transfer`` as READs of at most ``max_bytes`` each, in its order; a
+    descriptor that crosses a multiple of ``max_bytes`` (counted from the
+    transfer's first byte) is cut there. The pieces move the same bytes."""
+    if transfer.nbytes <= max_bytes:
+        return [transfer]
+    lengths = transfer.local[:, 1].astype(np.int64)
+    h_off = transfer.h_off if transfer.h_off is not None else np.zeros(len(lengths), np.int64)
+    cols = _cut({"r_off": np.cumsum(lengths) - lengths, "h_off": h_off, "length": lengths,
+                 "local": transfer.local[:, 0].astype(np.int64), "remote": transfer.remote[:, 0].astype(np.int64),
+                 "local_dev": transfer.local[:, 2].astype(np.int64),
+                 "remote_dev": transfer.remote[:, 2].astype(np.int64)}, "r_off", max_bytes)
+    piece = cols["r_off"] // max_bytes
+    bounds = np.searchsorted(piece, np.arange(int(piece[-1]) + 2))
+    out = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        rows = slice(lo, hi)
+        local = np.stack([cols["local"][rows], cols["length"][rows], cols["local_dev"][rows]], axis=1)
+        remote = np.stack([cols["remote"][rows], cols["length"][rows], cols["remote_dev"][rows]], axis=1)
+        out.append(Transfer(transfer.replica_id, local.astype(np.uint64), remote.astype(np.uint64),
+                            int(cols["length"][rows].sum()), cols["h_off"][rows] if transfer.h_off is not None else None))
+    return out
+
+
 def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.ndarray]:
     """Cut segments where ``cols[key]`` crosses a multiple of ``period``."""
     x, n = cols[key], cols["length"]

@@ -8,8 +8,9 @@ chunk may be spread over several reader chunks (or reader tensors).
     reader chunk lands ──▶ its READs' pieces, filed by (holder, holder chunk)
                                 │ every byte of a holder chunk landed from that holder
                                 ▼
-                      CRC-32 of the destination pieces in the holder's order
-                      (on a helper thread, while the next READs fly)
+                      CRC-32 of the destination pieces in the holder's order:
+                      each piece's CRC taken on a helper thread the moment its
+                      READ landed, then joined (crc32_combine)
                                 │
               ok: reader chunks waiting only on checked holder chunks are settled
               bad: the holder is reported and excluded; the reader chunks that took
@@ -20,6 +21,13 @@ once every holder chunk it read from is checked, or cannot be: a holder chunk
 the read set does not cover whole (a TP slice reads part of it), one whose
 bytes came from two holders, or a source without checksums. Those bytes are
 counted as unverified. Checks need the destination in host memory (DRAM).
+
+Why each READ is checksummed as it lands, not each holder chunk once complete:
+the check reads every landed byte once more, and from memory it competes with
+the copy itself for bandwidth (on the reference machine a 32 MiB chunk's check
+cost a pull ~20% of its throughput; the copy and the CRC shared ~12 GB/s). A
+checked pull cuts its READs to ``READ_PIECE_BYTES`` (``pieces``) and each
+piece is checked while it is still in the cache it was just copied through.
 """
 
 from __future__ import annotations
@@ -31,14 +39,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from isal.isal_zlib import crc32_combine  # the CRC of a + b from those of a and b, in O(log |b|)
 
-from tensorhub.client.readlayout import Transfer
+from tensorhub.client.readlayout import Transfer, split
 from tensorhub.client.rpc import RemoteReplica
 from tensorhub.integrity import crc32
 
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, int]  # (replica id, holder chunk)
+
+# The most bytes one READ of a checked pull moves: small enough that its bytes
+# are still in cache when its CRC runs (the reference machine: 32 MiB L3,
+# 1 MiB L2 per core), large enough that NIXL's cost per READ stays small.
+# Measured there (1 GiB over NIXL shared memory, a READ per piece, its CRC on
+# a helper thread, paired against no CRC, 8 reps): see the README, Integrity.
+READ_PIECE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +106,8 @@ class ChunkVerifier:
         self._checked: set[_Key] = set()
         self._bad: set[_Key] = set()
         self._running: dict[_Key, cf.Future] = {}
+        # CRCs taken as READs landed: (replica id, holder offset) -> (local addr, bytes, job, index in its result)
+        self._early: dict[tuple[str, int], tuple[int, int, cf.Future, int]] = {}
         self.verified_bytes = 0
         self.unverified_bytes = 0
         self.mismatches: list[Mismatch] = []
@@ -98,6 +116,38 @@ class ChunkVerifier:
     def add_holder(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> None:
         if self.enabled:
             self._holders[replica.source.replica_id] = _Holder(replica, table)
+
+    def pieces(self, transfers: list[Transfer]) -> list[Transfer]:
+        """The READs to post for ``transfers``: those from a holder with checksums
+        cut to ``READ_PIECE_BYTES``, so that each is checked as it lands."""
+        if not self.enabled:
+            return transfers
+        out: list[Transfer] = []
+        for t in transfers:
+            holder = self._holders.get(t.replica_id)
+            checked = holder is not None and holder.crcs is not None and t.h_off is not None
+            out.extend(split(t, READ_PIECE_BYTES) if checked else [t])
+        return out
+
+    def arrived(self, transfer: Transfer) -> None:
+        """One READ has landed: take the CRC of its bytes of checkable holder
+        chunks now, on the helper thread, while they are still in cache.
+        ``landed`` joins these CRCs once a holder chunk is whole."""
+        holder = self._holders.get(transfer.replica_id)
+        if holder is None or holder.crcs is None or transfer.h_off is None:
+            return
+        rid = transfer.replica_id
+        own = transfer.h_off // holder.chunk_size
+        rows = holder.checkable[own]
+        for bad in [j for r, j in self._bad if r == rid]:  # known bad: its bytes are read again elsewhere
+            rows &= own != bad
+        if not rows.any():
+            return
+        h_off, addr, nbytes = (transfer.h_off[rows].tolist(), transfer.local[rows, 0].tolist(),
+                               transfer.local[rows, 1].tolist())
+        job = self._executor().submit(_crcs, addr, nbytes)
+        for i, (h, a, n) in enumerate(zip(h_off, addr, nbytes)):
+            self._early[(rid, int(h))] = (int(a), int(n), job, i)  # a piece landed again replaces the old CRC
 
     @property
     def busy(self) -> bool:
@@ -133,11 +183,23 @@ class ChunkVerifier:
         self._waits[chunk] = waits
         return []
 
-    def _submit(self, key: _Key, holder: _Holder) -> None:
+    def _executor(self) -> cf.ThreadPoolExecutor:
+        # One worker: jobs run in the order submitted, so a holder chunk's join
+        # (``_join``) finds the CRCs of its pieces, submitted before it, done.
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-verify")
-        pieces = [self._pieces[key][h] for h in sorted(self._pieces[key])]
-        self._running[key] = self._pool.submit(_crc, pieces)
+        return self._pool
+
+    def _submit(self, key: _Key, holder: _Holder) -> None:
+        parts: list[tuple[int, int, cf.Future | None, int]] = []
+        for h in sorted(self._pieces[key]):
+            addr, n = self._pieces[key][h]
+            early = self._early.pop((key[0], h), None)
+            if early is not None and early[:2] == (addr, n):
+                parts.append(early)
+            else:  # not taken as it landed (cut otherwise): read it now
+                parts.append((addr, n, None, 0))
+        self._running[key] = self._executor().submit(_join, parts)
 
     def poll(self, wait_s: float = 0.0) -> tuple[list[int], list[Mismatch]]:
         """Finished checks: reader chunks settled, and mismatches (their reader
@@ -195,14 +257,25 @@ class ChunkVerifier:
         return bool(self._running)
 
     def close(self) -> None:
+        self._early.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
 
-def _crc(pieces: list[tuple[int, int]]) -> int:
-    """CRC-32 of host memory pieces (address, length) back to back, read in place."""
+def _crcs(addrs: list[int], nbytes: list[int]) -> list[int]:
+    """The CRC-32 of each host memory range (address, length), read in place."""
+    return [crc32((ctypes.c_char * n).from_address(a)) for a, n in zip(addrs, nbytes)]
+
+
+def _join(parts: list[tuple[int, int, cf.Future | None, int]]) -> int:
+    """CRC-32 of host memory ranges back to back: (address, length, the job
+    that took its CRC as it landed and the index in its result, or None: read
+    it now). Runs on the helper thread after those jobs (one worker, in order)."""
     value = 0
-    for addr, n in pieces:
-        value = crc32((ctypes.c_char * n).from_address(addr), value)
+    for addr, n, early, i in parts:
+        if early is None:
+            value = crc32((ctypes.c_char * n).from_address(addr), value)
+        else:
+            value = crc32_combine(value, early.result()[i], n)
     return value

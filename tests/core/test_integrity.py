@@ -6,6 +6,7 @@ return its bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import zlib
@@ -13,10 +14,14 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from test_regions import MemcpyTransport, _pull, _remote
 
-from tensorhub import Hub, VersionNotFound
+from tensorhub import Hub, Manifest, VersionNotFound
+from tensorhub.client import verify
 from tensorhub.integrity import checksum, chunk_checksums, mismatched_chunks
+from tensorhub.regions import Region
 from tensorhub.testing import RemoteError, make_tensors, mixed_specs
+from tensorhub.topology import Labels
 
 
 def _reference(tensors, chunk_size):
@@ -53,6 +58,32 @@ def test_what_cannot_be_checked_is_refused():
         chunk_checksums([torch.randn(8)], 0)
     with pytest.raises(ValueError, match="3 checksums for 1 chunks"):
         mismatched_chunks([torch.randn(8)], 4096, np.zeros(3, np.uint32))
+
+
+def test_reads_cut_into_pieces_are_checked_as_each_lands_and_a_bad_one_is_read_elsewhere(monkeypatch):
+    """The pull logic in this process (the seam is NIXL: a memmove transport,
+    done when posted as over shared memory), with READs cut far below a chunk
+    and across descriptors: each piece's CRC, taken as it landed, joined per
+    holder chunk, must equal the publisher's; a flipped byte in the nearer
+    holder is found and its chunk read from the other one."""
+    monkeypatch.setattr(verify, "READ_PIECE_BYTES", 5000)
+    tensors = make_tensors(SPECS, 1)
+    manifest = Manifest.of(tensors)
+    crcs = chunk_checksums(list(tensors.values()), CHUNK)
+    held = {name: {n: t.clone() for n, t in tensors.items()} for name in ("bad", "good")}
+    held["bad"][BAD_TENSOR].view(-1).view(torch.uint8)[100] ^= 1
+    replicas = [dataclasses.replace(_remote(name, manifest, [(n, Region(), t) for n, t in held[name].items()]),
+                                    chunk_size=CHUNK, chunk_crc32=crcs) for name in held]
+    far = replicas[1].source
+    replicas[1] = dataclasses.replace(replicas[1], source=dataclasses.replace(far, labels=Labels("h1")))
+    transport = MemcpyTransport()
+    stats, dests, plane = _pull(manifest, replicas, [(n, Region()) for n in tensors], chunk_size=CHUNK,
+                                transport=transport)
+    assert all(torch.equal(d, t.reshape(-1)) for d, t in zip(dests, tensors.values()))
+    assert max(n for _, n in transport.reads) <= 5000  # cut: a chunk is 64 KiB
+    assert stats.corrupt_sources == ["bad"] and plane.lost == ["bad"]
+    assert stats.verified_bytes == stats.nbytes and stats.unverified_bytes == 0
+    assert 0 < stats.bytes_by_source["good"] < stats.nbytes
 
 
 # ---------------------------------------------------------------- end to end
