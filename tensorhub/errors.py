@@ -11,8 +11,11 @@ class TensorHubError(Exception):
 class ServerUnavailable(TensorHubError):
     """The reference server could not be reached before the deadline."""
 
-    def __init__(self, address: str, detail: str = "") -> None:
+    def __init__(self, address: str, detail: str = "", *, maybe_applied: bool = True) -> None:
         self.address = address
+        # False when the request never left this process (no connection): the
+        # server cannot have acted on it. Otherwise only the answer may be lost.
+        self.maybe_applied = maybe_applied
         super().__init__(
             f"reference server at {address} is unavailable ({detail or 'no answer'}); "
             "check that `tensorhub server` runs there and the address is right"

@@ -207,12 +207,34 @@ class Holdings:
         try:
             if announce:
                 self.announce(pub)
+        except ServerUnavailable as e:
+            if e.maybe_applied:
+                self._withdraw_unanswered(pub, e)
+            else:
+                self._nixl.deregister(registration)
+            raise
         except BaseException:
             self._nixl.deregister(registration)
             raise
         with self._lock:
             self._publications[pub.replica_id] = pub
         return pub
+
+    def _withdraw_unanswered(self, pub: Publication, error: ServerUnavailable) -> None:
+        """A publish whose answer was lost may still have been taken: the server
+        may list the replica and lease it to readers, who then read memory the
+        caller reuses once the publish has failed (the fault campaign's readers
+        caught a trainer's next version in a replica whose publish had timed out,
+        by its checksums). So withdraw it as any replica before raising: with
+        the server back, its readers drain; else its leases run out first. Held
+        here (memory alive) until that unpublish succeeds."""
+        with self._lock:
+            self._publications[pub.replica_id] = pub
+        log.warning("publish %r v%d: %s; withdrawing it in case the server took it", pub.model, pub.version, error)
+        try:
+            self.unpublish(pub, self.lease_ttl_s + 1, force=True)  # failed: nothing of it to retain
+        except TensorHubError as e:  # kept as withdrawing: finished before the version is published again
+            log.warning("publish %r v%d: withdrawing the unanswered replica: %s", pub.model, pub.version, e)
 
     def announce(self, pub: Publication) -> None:
         """Tell the server about ``pub`` (published with ``announce=False``)."""

@@ -168,7 +168,9 @@ class ReferenceClient:
     def _translate(self, e: grpc.RpcError, not_found: Callable[[str], Exception] | None) -> Exception:
         code, detail = e.code(), e.details() or ""
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return ServerUnavailable(self.address, f"{code.name}: {detail}")
+            # gRPC's wording when no connection could be made: the request was never sent.
+            never_sent = code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in detail
+            return ServerUnavailable(self.address, f"{code.name}: {detail}", maybe_applied=not never_sent)
         if code == grpc.StatusCode.NOT_FOUND and not_found is not None:
             return not_found(detail)
         if code == grpc.StatusCode.UNAUTHENTICATED:

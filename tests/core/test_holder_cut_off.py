@@ -225,3 +225,41 @@ def test_a_late_announce_first_tells_the_server_of_a_replica_let_go_behind_a_cut
             holdings.announce(late)  # AlreadyPublished before the fix
             assert [p.replica_id for p in holdings.publications()] == [late.replica_id]
             late.unpublish(timeout=5)
+
+
+def test_a_publish_whose_answer_was_lost_is_withdrawn_before_it_fails():
+    """Found by the fault campaign (IntegrityErrors seconds after a server's
+    link was cut): a trainer's publish timed out, but the server had taken it
+    and leased the replica to readers; the trainer, told the publish failed,
+    freed the memory and its next version landed there. The readers' checksums
+    caught it. Now a publish whose answer was lost withdraws the replica (as
+    an unpublish would: readers drain, or their leases run out) before it
+    raises; a request that never left (no connection) fails at once. The
+    server, in this process, takes the first publish but answers it late."""
+    from tensorhub import Hub, ServerUnavailable
+    from tensorhub.server import EmbeddedServer
+
+    with EmbeddedServer(lease_ttl_s=1.0) as server:
+        publish = server.state.publish
+        slow = [True]
+
+        def takes_then_stalls(**kwargs):
+            out = publish(**kwargs)
+            if slow and slow.pop():
+                time.sleep(1.5)  # past the client's deadline: its answer is lost
+            return out
+
+        server.state.publish = takes_then_stalls
+        with Hub.connect(server.address, name="trainer", rpc_timeout_s=1) as hub:
+            with pytest.raises(ServerUnavailable, match="DEADLINE_EXCEEDED"):
+                hub.publish("m", 1, {"w": torch.ones(1 << 16)}, chunk_size=CHUNK)
+            assert not server.state.replicas  # taken, then withdrawn before the publish failed
+
+        proxy = Proxy(server.address)
+        with contextlib.closing(proxy), Hub.connect(proxy.address, name="cut", rpc_timeout_s=1) as hub:
+            proxy.cut()  # no connection at all: nothing was sent, nothing to withdraw
+            t0 = time.monotonic()
+            with pytest.raises(ServerUnavailable, match="failed to connect"):
+                hub.publish("m", 2, {"w": torch.ones(1 << 16)}, chunk_size=CHUNK)
+            assert time.monotonic() - t0 < 1.5
+            proxy.restore()
