@@ -122,6 +122,7 @@ class NixlAgent:
         # in the fault campaign, after a link cut made sources fail mid-read).
         self._flights: dict[str, int] = {}
         self._forgotten: set[str] = set()  # removed at the release of their last READ
+        self._unloadable: set[str] = set()  # agents NIXL refuses to load again (see connect)
 
     # ---------------------------------------------------------------- memory
 
@@ -156,16 +157,23 @@ class NixlAgent:
                 # Loading more metadata of an agent whose removal waits for READs
                 # still out fails half-way (NIXL_ERR_INVALID_PARAM in the fault
                 # campaign, the reader crashing later): not until those end.
-                if key.rpartition(".")[0] in self._forgotten:
+                agent = key.rpartition(".")[0]
+                if agent in self._forgotten:
                     raise TransferFailed(key, "its process's connection is closing: READs to it are still out")
+                if agent in self._unloadable:
+                    raise TransferFailed(key, "NIXL can no longer load its process's metadata in this process "
+                                              "(a load failed half-way earlier; other holders serve instead)")
                 try:
                     raw = self._agent.add_remote_agent(metadata)
                 except Exception as e:  # its endpoint is gone (process died, link cut)
-                    # A failed load may leave the agent half-known to NIXL, and then
-                    # every later load of it fails alike (the fault campaign's reader
-                    # failed one live holder's metadata for minutes, then crashed):
-                    # let go of all of it, so that the next connect starts afresh.
-                    self._drop_agent(key.rpartition(".")[0])
+                    if "INVALID_PARAM" in str(e):
+                        # NIXL 1.5: a load whose memory sections fail (REMOTE_DISCONNECT,
+                        # a link cut as it loaded) drops the agent's connection info but
+                        # not the UCX backend's endpoint; every later load of that agent
+                        # then fails so, and remove_remote_agent finds nothing to clear.
+                        # The fault campaign's readers that kept calling into NIXL for
+                        # it crashed later (SIGSEGV): never call again for that agent.
+                        self._unloadable.add(agent)
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 self._remotes[key] = name
