@@ -29,8 +29,8 @@ from tensorhub.client.holdings import Holdings
 from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
-from tensorhub.client.rpc import ReferenceClient
-from tensorhub.errors import InvalidRequest, TensorHubError, VersionNotFound
+from tensorhub.client.rpc import ReferenceClient, Resolved
+from tensorhub.errors import AlreadyPublished, InvalidRequest, TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
@@ -231,6 +231,8 @@ class Hub:
         start = time.perf_counter()
         resolved = self._holdings.with_agent(
             lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True))
+        if serve:
+            self._refuse_second_replica(model, resolved)
         manifest = resolved.manifest
         # Chunks as the publishers cut theirs: a serving reader's chunk i then
         # lines up with its sources', and the pull is paced as they chose.
@@ -290,6 +292,19 @@ class Hub:
                           seconds=time.perf_counter() - start, bytes_by_source=stats.bytes_by_source,
                           lost_sources=stats.lost_sources, publication=publication,
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes)
+
+    def _refuse_second_replica(self, model: str, resolved: Resolved) -> None:
+        """The server takes one replica per process and version: a serving pull
+        of a version this process already serves would move every byte, then
+        be refused (the fault campaign's readers pulled 'latest' just as newer
+        versions stopped being visible). Refused before any READ instead."""
+        serving = [p for p in self._holdings.find(model, resolved.version) if p.announced]
+        if serving:
+            self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
+            raise AlreadyPublished(
+                f"this process already serves {model!r} version {resolved.version} (replica "
+                f"{serving[0].replica_id}): a serving pull of it would be a second replica; nothing was read. "
+                "Unpublish it first, or pull another version")
 
     # ---------------------------------------------------------------- queries
 

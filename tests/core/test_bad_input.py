@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -172,3 +173,24 @@ def test_a_nixl_agent_that_cannot_start_raises_a_typed_error(server):
     done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "UCX_NET_DEVICES" in done.stdout
+
+
+def test_a_serving_pull_of_a_version_this_process_serves_is_refused_before_any_read(server):
+    """Found by the fault campaign (AlreadyPublished after a whole pull): a
+    reader serving version 1 pulled 'latest' with serve=True just as newer
+    versions stopped being visible; the server refuses a second replica of
+    one version per process, but only once every byte had moved."""
+    from tensorhub import AlreadyPublished
+
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="reader") as reader:
+        trainer.publish("m", 1, {"w": torch.arange(4096, dtype=torch.float32)})
+        first = reader.pull("m", "latest", serve=True)
+        with pytest.raises(AlreadyPublished, match="nothing was read"):
+            reader.pull("m", "latest", serve=True)
+        deadline = time.monotonic() + 5
+        while server.state.leases:  # its lease is let go (asynchronously)
+            assert time.monotonic() < deadline, "the refused pull's read lease was kept"
+            time.sleep(0.05)
+        first.publication.unpublish(timeout=5)
+        again = reader.pull("m", 1, serve=True)  # once unpublished, it may serve it again
+        assert torch.equal(again.tensors["w"], torch.arange(4096, dtype=torch.float32))
