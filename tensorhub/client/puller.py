@@ -549,7 +549,7 @@ class PullJob:
                         failed.add(chunk)  # stays needed: the next round re-plans it
                         continue
                     post(chunk, transfer)
-                    if self._checks.enabled and flying and self.nixl.poll(flying[-1][2]):
+                    if self._checks.enabled and flying and self._landed_at_once(flying[-1][2]):
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
                 if not flying or (carry and not posting and finished_any and len(flying) <= self.in_flight // 2):
                     break
@@ -624,6 +624,15 @@ class PullJob:
                 self._arrived.pop(chunk, None)
         if landed and self.landed is not None:
             self.landed(landed)
+
+    def _landed_at_once(self, handle: Any) -> bool:
+        """Whether a READ just posted has already finished. A failed one counts
+        as finished: the polling loop meets its failure and fails its source over
+        (the fault campaign saw NIXL_ERR_REMOTE_DISCONNECT escape from here untyped)."""
+        try:
+            return self.nixl.poll(handle)
+        except TransferFailed:
+            return True
 
     def _read_deadline(self, replica_id: str, now: float, posted_by: float = 0.0) -> float:
         """Until when a READ from ``replica_id`` may take: ``chunk_timeout_s``

@@ -32,6 +32,7 @@ from tensorhub.regions import Region
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import regions_of
+from tensorhub.transport.nixl import TransferFailed
 
 CHUNK = 4096
 POST_S = 0.01  # a READ takes this long to post: the pull spans several rounds
@@ -209,3 +210,62 @@ def test_a_failed_pull_lets_its_reads_still_out_finish_before_it_returns():
     with pytest.raises(KeyboardInterrupt):
         job.run()
     assert released_unfinished == [], f"{len(released_unfinished)} READs released while still on the wire"
+
+
+class DisconnectsOnPoll(SlowMemcpy):
+    """A source whose link broke as its READ was posted: the post succeeds,
+    polling it raises (NIXL_ERR_REMOTE_DISCONNECT); nothing of it lands."""
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        if remote == "broken":
+            return "broken-read"
+        super().post(remote, local, local_kind, remote_descs, remote_kind)
+        return "read"
+
+    def poll(self, pending) -> bool:
+        if pending == "broken-read":
+            raise TransferFailed("broken", "nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT")
+        return True
+
+
+class TwoHolders:
+    def __init__(self, manifest: Manifest, replicas: list[RemoteReplica]) -> None:
+        self.manifest, self.replicas, self.lost = manifest, replicas, []
+
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+        live = [r for r in self.replicas if r.source.replica_id not in self.lost]
+        return Resolved(model, 1, self.manifest, tuple(live))
+
+    def acquire_lease(self, agent_id, replica_ids):
+        return "lease", list(replica_ids), 60.0
+
+    def renew_lease(self, agent_id, lease_id):
+        return 60.0
+
+    def release_lease_async(self, agent_id, lease_id):
+        pass  # nothing to hold: this fake grants every lease
+
+    def report_lost(self, agent_id, replica_id, reason):
+        self.lost.append(replica_id)
+
+
+def test_a_read_that_fails_as_soon_as_it_is_posted_fails_its_source_over():
+    """Found by the fault campaign (one untyped failure in 10 minutes): with
+    checks on, the puller polls each READ right after posting it (landed at
+    once over shared memory: checked while in cache); a READ whose source had
+    just disconnected raised from that poll, out of the pull, untyped."""
+    weights = torch.arange(64 * CHUNK // 4, dtype=torch.int32)
+    copy = weights.clone()
+    manifest = Manifest.of({"w": weights})
+    plane = TwoHolders(manifest, [_replica("broken", manifest, weights), _replica("good", manifest, copy)])
+    dest = torch.zeros_like(weights)
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    job = PullJob(rpc=plane, nixl=DisconnectsOnPoll(), agent_id="reader", labels=Labels("r"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
+                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, verify=True,
+                  deadline=time.monotonic() + 30)
+    stats = job.run()
+    assert torch.equal(dest, weights)
+    assert plane.lost == ["broken"] and stats.lost_sources == ["broken"]
