@@ -572,6 +572,15 @@ class PullJob:
                         failed.add(chunk)
                         finished.append(entry)
                         continue
+                    if not self._still_leased(transfer.replica_id):
+                        # Its bytes may come from memory the holder reused: read
+                        # again, under a new lease (refused if the holder is gone).
+                        log.info("chunk %d from %s finished only after its read lease ran out: read again",
+                                 chunk, transfer.replica_id)
+                        self._covering.pop(transfer.replica_id, None)
+                        failed.add(chunk)
+                        finished.append(entry)
+                        continue
                     finished.append(entry)
                     self._source_progress[transfer.replica_id] = time.monotonic()
                     if chunk in failed:
@@ -624,6 +633,24 @@ class PullJob:
                 self._arrived.pop(chunk, None)
         if landed and self.landed is not None:
             self.landed(landed)
+
+    def _still_leased(self, replica_id: str) -> bool:
+        """Whether the read lease on ``replica_id`` is still good now, renewing
+        it if due. A READ seen finished only after its lease ran out may have
+        been served from memory its holder reused meanwhile: on a slow link the
+        bytes leave the holder as the link takes them (the fault campaign's
+        slow readers caught a trainer's next version this way, by checksums;
+        a relay without checksums would have handed the bytes on)."""
+        lease = self._covering.get(replica_id)
+        if lease is None:
+            return False
+        seen = time.monotonic()  # the READ finished before this
+        try:
+            # A renewal the server grants now proves the lease held when the READ finished.
+            until = lease.valid_until()
+        except TensorHubError:  # the server cannot say: the lease as last known
+            until = lease.expiry
+        return until > seen
 
     def _landed_at_once(self, handle: Any) -> bool:
         """Whether a READ just posted has already finished. A failed one counts

@@ -25,7 +25,7 @@ import torch
 from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
-from tensorhub.errors import VersionNotFound
+from tensorhub.errors import TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source
 from tensorhub.regions import Region
@@ -269,3 +269,61 @@ def test_a_read_that_fails_as_soon_as_it_is_posted_fails_its_source_over():
     stats = job.run()
     assert torch.equal(dest, weights)
     assert plane.lost == ["broken"] and stats.lost_sources == ["broken"]
+
+
+class FinishesLate(SlowMemcpy):
+    """The slow holder's READs finish ``LATE_S`` after they were posted, and
+    the reader's thread is off the CPU meanwhile (a loaded 2-core machine): the
+    first poll of one returns only then, finished. The other holder's at once."""
+
+    LATE_S = 1.2
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        super().post(remote, local, local_kind, remote_descs, remote_kind)
+        return (remote, time.monotonic())
+
+    def poll(self, pending) -> bool:
+        remote, posted = pending
+        if remote == "slow":
+            time.sleep(max(0.0, posted + self.LATE_S - time.monotonic()))
+        return True
+
+
+class ShortLeases(TwoHolders):
+    """Leases of 1 s that cannot be renewed: "slow" is withdrawing (no new
+    lease covers it after the first)."""
+
+    def acquire_lease(self, agent_id, replica_ids):
+        granted = [rid for rid in replica_ids if rid != "slow" or not self.lost]
+        self.lost.append("slow")  # what the server answers from now on
+        return "lease", granted, 1.0
+
+    def renew_lease(self, agent_id, lease_id):
+        raise TensorHubError("lease gone: its holder stopped confirming it")
+
+
+def test_a_read_seen_finished_only_after_its_lease_ran_out_is_not_taken():
+    """Found by the fault campaign (2 IntegrityErrors in 10 minutes, each on a
+    reader capped at 16 Mbit/s): on a slow link a READ's bytes leave the holder
+    as the link takes them, so a READ that finished after its read lease ran
+    out may carry memory the holder had already reused (here: the trainer's
+    next version). The checksums caught it; a relay without checksums would
+    not have. Such a READ is now read again, under a new lease (which a
+    withdrawn holder does not get)."""
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    copy = weights.clone()
+    manifest = Manifest.of({"w": weights})
+    plane = ShortLeases(manifest, [_replica("slow", manifest, weights), _replica("good", manifest, copy)])
+    weights.add_(1)  # the slow holder reused its memory: whatever it sends now is wrong
+    dest = torch.zeros_like(weights)
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    transport = FinishesLate()
+    job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("r"),
+                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
+                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, verify=False,
+                  deadline=time.monotonic() + 30)
+    job.run()
+    assert torch.equal(dest, copy)
+    assert transport.read.get("good", 0) >= dest.nbytes // 2  # what came late from "slow" was read again here
