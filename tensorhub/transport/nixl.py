@@ -96,6 +96,7 @@ class PendingRead:
     remote: str
     handle: object
     done: bool = False
+    failed: TransferFailed | None = None  # once failed, failed for good (see poll)
 
 
 @dataclass(slots=True)
@@ -232,15 +233,21 @@ class NixlAgent:
         return PendingRead(remote, handle, done=state == "DONE")
 
     def poll(self, pending: PendingRead) -> bool:
-        """Whether the READ finished; TransferFailed if it failed (release it still)."""
+        """Whether the READ finished; TransferFailed if it failed (release it
+        still), and again at every later poll: NIXL need not say it twice (its
+        failed requests are gone, and a handle with none left can read as done)."""
+        if pending.failed is not None:
+            raise pending.failed
         if pending.done:
             return True
         try:
             state = self._agent.check_xfer_state(pending.handle)
         except Exception as e:
-            raise TransferFailed(pending.remote, f"{type(e).__name__}: {e}") from e
+            pending.failed = TransferFailed(pending.remote, f"{type(e).__name__}: {e}")
+            raise pending.failed from e
         if state == "ERR":
-            raise TransferFailed(pending.remote, "NIXL reported ERR")
+            pending.failed = TransferFailed(pending.remote, "NIXL reported ERR")
+            raise pending.failed
         pending.done = state == "DONE"
         return pending.done
 

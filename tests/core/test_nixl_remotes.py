@@ -101,3 +101,32 @@ def test_an_agent_nixl_refuses_to_load_again_is_not_asked_for_again():
     assert rec.calls == [("add failed", b"holder")]
     nixl._agent = Recorder()
     assert nixl.connect("other.1", b"other") == "other"
+
+
+class FailsThenForgets(Recorder):
+    """A READ whose source disconnected: NIXL says so once; asked again, its
+    handle has no request left and reads as done."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told = False
+
+    def check_xfer_state(self, handle: int) -> str:
+        if not self.told:
+            self.told = True
+            raise RuntimeError("nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT")
+        return "DONE"
+
+
+def test_a_failed_read_stays_failed_at_every_poll():
+    """The puller may poll a READ again after a failure (the check-in-cache
+    poll right after posting, then its polling loop): a READ that failed must
+    never turn into one that finished, or its missing bytes would be taken."""
+    nixl = NixlAgent("reader-under-test-4")
+    nixl._agent = FailsThenForgets()
+    descs = np.zeros((1, 3), dtype=np.uint64)
+    read = nixl.post(nixl.connect("holder.1", b"holder"), descs, MemoryKind.DRAM, descs, MemoryKind.DRAM)
+    for _ in range(2):
+        with pytest.raises(TransferFailed, match="REMOTE_DISCONNECT"):
+            nixl.poll(read)
+    nixl.release(read)
