@@ -116,6 +116,17 @@ def _replica(rid: str, manifest: Manifest, tensor: torch.Tensor) -> RemoteReplic
                          ((0, Region()),), regions, b"", CHUNK)
 
 
+def _job(plane, transport, manifest: Manifest, dest: torch.Tensor, **options) -> PullJob:
+    """One pull of version 1 of tensor "w" into ``dest``, as a reader does it."""
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    return PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("r"),
+                   resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
+                   dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, deadline=time.monotonic() + 30,
+                   **options)
+
+
 def test_a_pull_moves_to_the_retained_copy_and_keeps_it_leased():
     weights = torch.arange(64 * CHUNK // 4, dtype=torch.int32)
     copy = weights.clone()  # the retained host copy: the same bytes elsewhere
@@ -123,14 +134,8 @@ def test_a_pull_moves_to_the_retained_copy_and_keeps_it_leased():
     plane = SteppingTrainer(manifest, _replica("trainer", manifest, weights), _replica("retained", manifest, copy),
                             switch_after=1)
     dest = torch.zeros_like(weights)
-    _, mem = regions_of([dest])
-    spec = manifest.tensors[0]
-    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
     transport = SlowMemcpy()
-    job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("r"),
-                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
-                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, deadline=time.monotonic() + 30)
-    job.run()
+    _job(plane, transport, manifest, dest).run()
     assert torch.equal(dest, weights)
     assert transport.read.get("retained", 0) > 0, "the trainer's replica was never let go"
     assert not plane.leases, "every lease is released when the pull ends"
@@ -259,14 +264,7 @@ def test_a_read_that_fails_as_soon_as_it_is_posted_fails_its_source_over():
     manifest = Manifest.of({"w": weights})
     plane = TwoHolders(manifest, [_replica("broken", manifest, weights), _replica("good", manifest, copy)])
     dest = torch.zeros_like(weights)
-    _, mem = regions_of([dest])
-    spec = manifest.tensors[0]
-    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
-    job = PullJob(rpc=plane, nixl=DisconnectsOnPoll(), agent_id="reader", labels=Labels("r"),
-                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
-                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, verify=True,
-                  deadline=time.monotonic() + 30)
-    stats = job.run()
+    stats = _job(plane, DisconnectsOnPoll(), manifest, dest, verify=True).run()
     assert torch.equal(dest, weights)
     assert plane.lost == ["broken"] and stats.lost_sources == ["broken"]
 
@@ -316,14 +314,7 @@ def test_a_read_seen_finished_only_after_its_lease_ran_out_is_not_taken():
     plane = ShortLeases(manifest, [_replica("slow", manifest, weights), _replica("good", manifest, copy)])
     weights.add_(1)  # the slow holder reused its memory: whatever it sends now is wrong
     dest = torch.zeros_like(weights)
-    _, mem = regions_of([dest])
-    spec = manifest.tensors[0]
-    parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
     transport = FinishesLate()
-    job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("r"),
-                  resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
-                  dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, verify=False,
-                  deadline=time.monotonic() + 30)
-    job.run()
+    _job(plane, transport, manifest, dest, verify=False).run()
     assert torch.equal(dest, copy)
     assert transport.read.get("good", 0) >= dest.nbytes // 2  # what came late from "slow" was read again here
