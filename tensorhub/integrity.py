@@ -5,7 +5,11 @@ source is detected instead of yielding wrong bytes.
 The unit is the replica's own chunk (its held regions back to back, cut every
 ``chunk_size`` bytes: the same unit as its chunk bitmap), so a holder computes
 them from its memory alone and a reader that read a holder's whole chunk can
-check it without asking anyone.
+check it without asking anyone. A relay (a reader serving what it pulled)
+cut like one of its sources announces that source's checksums; one cut like
+none of them (a whole-model reader of sharded trainers) computes its own, per
+chunk as the chunk lands, from bytes checked against their sources where the
+read allowed (``some_chunk_checksums``), and reports each with its chunk.
 
 Algorithm: CRC-32 (IEEE: the values of ``zlib.crc32``), computed with ISA-L
 (the ``isal`` package) at 21-25 GB/s on one core of the reference machine
@@ -60,6 +64,30 @@ def chunk_checksums(tensors: Sequence[torch.Tensor], chunk_size: int) -> np.ndar
     out = np.zeros(-(-total // chunk_size), dtype=np.uint32)
     for chunk, piece in _pieces(buffers, chunk_size):
         out[chunk] = crc32(piece, int(out[chunk]))  # a chunk spanning tensors continues the CRC
+    return out
+
+
+def some_chunk_checksums(tensors: Sequence[torch.Tensor], chunk_size: int, chunks: Sequence[int]) -> list[int]:
+    """CRC-32 of the given chunks only (same unit as ``chunk_checksums``): what a
+    relay computes for the chunks it reports as they land."""
+    buffers = [_bytes(t) for t in tensors]
+    starts = np.cumsum([0] + [len(b) for b in buffers])
+    total = int(starts[-1])
+    out = []
+    for c in chunks:
+        lo, hi = c * chunk_size, min((c + 1) * chunk_size, total)
+        if not 0 <= lo < hi:
+            raise ValueError(f"chunk {c} is outside the {total} bytes")
+        value = 0
+        i = int(np.searchsorted(starts, lo, side="right")) - 1
+        while lo < hi:
+            take = min(hi, int(starts[i + 1])) - lo
+            if take > 0:
+                at = lo - int(starts[i])
+                value = crc32(buffers[i][at:at + take], value)
+                lo += take
+            i += 1
+        out.append(value)
     return out
 
 

@@ -30,7 +30,7 @@ from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.rpc import AgentUnknown, ReferenceClient, RemoteReplica, ReplicaUnknown
 from tensorhub.errors import AlreadyPublished, ServerUnavailable, TensorHubError, UnpublishTimeout
-from tensorhub.integrity import chunk_checksums
+from tensorhub.integrity import chunk_checksums, some_chunk_checksums
 from tensorhub.manifest import Manifest
 from tensorhub.shard import Part
 from tensorhub.transport import NixlAgent
@@ -281,11 +281,28 @@ class Holdings:
         Where it holds what one of ``sources`` holds, cut the same way, it
         announces that source's checksums: they belong to the version, and its
         readers check against them what it serves (it serves only checked chunks)."""
-        crcs = _same_layout_checksums(manifest, parts, chunk_size, sources) if self.config.verify_chunks else None
-        return self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False,
-                            chunk_crc32=crcs, announce=announce)
+        crcs, derive = None, False
+        if self.config.verify_chunks:
+            crcs = _same_layout_checksums(manifest, parts, chunk_size, sources)
+            # No source is cut like this: its own checksums, each computed as its
+            # chunk lands (from the bytes checked against their sources where
+            # they could be), so that what it serves is checkable by its readers
+            # and bytes that change in its memory later do not travel on.
+            derive = crcs is None and all(p.tensor.device.type == "cpu" and p.tensor.is_contiguous() for p in parts)
+            if derive:
+                crcs = np.zeros(-(-sum(p.nbytes for p in parts) // chunk_size), np.uint32)
+        pub = self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False,
+                           chunk_crc32=crcs, announce=announce)
+        pub.derives_crc32 = derive
+        return pub
 
     def landed(self, pub: Publication, chunks: list[int], complete: bool = False) -> None:
+        crcs = None
+        if pub.derives_crc32 and chunks:
+            # Before the bitmap: an announce sends the bitmap it read first and
+            # these after, so every chunk the server lists comes with its checksum.
+            crcs = some_chunk_checksums([p.tensor for p in pub.parts], pub.chunk_size, chunks)
+            pub.chunk_crc32[chunks] = crcs
         pub.mark_landed(chunks)
         if complete:
             with pub.lock:
@@ -293,7 +310,8 @@ class Holdings:
                     pub.state = PubState.COMPLETE
         try:
             with pub.confirming(2 * self._rpc.timeout_s):  # with_agent may call twice
-                self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete))
+                self.with_agent(lambda: self._rpc.report_chunks(self.agent_id, pub.replica_id, chunks, complete,
+                                                                crcs))
         except (ServerUnavailable, ReplicaUnknown) as e:
             # The bytes are here and the bitmap says so: a server that restarted or
             # was out of reach hears it from the next heartbeat, rather than the
@@ -469,8 +487,8 @@ def _same_layout_checksums(manifest: Manifest, parts: list[Part], chunk_size: in
     (the same regions in the same order, the same chunk size), if one has them."""
     index = manifest.index()
     held = tuple((index[p.name], p.region) for p in parts)
-    for r in sources:
-        if r.chunk_crc32 is not None and r.chunk_size == chunk_size and r.held == held:
+    for r in sources:  # a filling source's table is not whole yet (see open_filling)
+        if r.chunk_crc32 is not None and r.source.complete and r.chunk_size == chunk_size and r.held == held:
             return r.chunk_crc32
     return None
 

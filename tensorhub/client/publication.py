@@ -60,6 +60,10 @@ class Publication:
         # CRC-32 per chunk (tensorhub.integrity), announced with every publish so
         # readers can check what they read; None: readers cannot check this replica.
         self.chunk_crc32 = chunk_crc32
+        # True: a filling replica whose checksums no source had (a relay whose
+        # layout is its own): it computes each chunk's as the chunk lands and
+        # reports it with the chunk; ``chunk_crc32`` is zero for chunks not landed.
+        self.derives_crc32 = False
         index = manifest.index()
         self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
         num_chunks = -(-self.nbytes // chunk_size)

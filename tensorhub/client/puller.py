@@ -213,6 +213,8 @@ class PullJob:
             if table is None:
                 table = self._tables[rid] = self.layout.holder_table(r)
                 self._checks.add_holder(r, table)
+            else:
+                self._checks.refresh(r)
             if len(table["r_off"]):
                 m = self.layout.holder_map(r, table)
                 if len(m.chunk):

@@ -231,9 +231,13 @@ class ReferenceClient:
             chunk_crc32=[] if chunk_crc32 is None else chunk_crc32.tolist(),
         ), not_found=lambda d: VersionNotFound(model, version, d))
 
-    def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
+    def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
+                      chunk_crc32: list[int] | None = None) -> None:
+        """``chunk_crc32``: the CRC-32 of each of ``chunks``, for a replica that
+        computes its checksums as it fills."""
         self._call(self._stub.ReportChunks, pb.ReportChunksRequest(
-            agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete),
+            agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete,
+            chunk_crc32=chunk_crc32 or []),
             not_found=lambda d: ReplicaUnknown(d))
 
     def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float, *,

@@ -117,6 +117,14 @@ class ChunkVerifier:
         if self.enabled:
             self._holders[replica.source.replica_id] = _Holder(replica, table)
 
+    def refresh(self, replica: RemoteReplica) -> None:
+        """A newer resolve's view of a holder: a filling relay that computes its
+        checksums as it fills lists more of them now (one per chunk it lists)."""
+        holder = self._holders.get(replica.source.replica_id)
+        crcs = replica.chunk_crc32
+        if holder is not None and holder.crcs is not None and crcs is not None and len(crcs) == len(holder.crcs):
+            holder.crcs = crcs
+
     def pieces(self, transfers: list[Transfer]) -> list[Transfer]:
         """The READs to post for ``transfers``: those from a holder with checksums
         cut to ``READ_PIECE_BYTES``, so that each is checked as it lands."""

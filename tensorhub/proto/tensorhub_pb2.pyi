@@ -230,16 +230,18 @@ class PublishResponse(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
 
 class ReportChunksRequest(_message.Message):
-    __slots__ = ("agent_id", "replica_id", "chunks", "complete")
+    __slots__ = ("agent_id", "replica_id", "chunks", "complete", "chunk_crc32")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     replica_id: str
     chunks: _containers.RepeatedScalarFieldContainer[int]
     complete: bool
-    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ...) -> None: ...
+    chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ..., chunk_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportChunksResponse(_message.Message):
     __slots__ = ()

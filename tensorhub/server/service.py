@@ -264,12 +264,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if replica is not None and len(request.chunks) > replica.num_chunks:
                 raise Invalid(f"{len(request.chunks)} chunks reported; replica {request.replica_id} has "
                               f"{replica.num_chunks}")
+            if request.chunk_crc32 and len(request.chunk_crc32) != len(request.chunks):
+                raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for {len(request.chunks)} chunks reported")
             was_complete = replica is not None and replica.complete
             self.state.report_chunks(
                 _require_id(request.agent_id, "agent_id"),
                 _require_id(request.replica_id, "replica_id"),
                 list(request.chunks),
                 request.complete,
+                list(request.chunk_crc32),
             )
             if replica is not None and replica.complete and not was_complete and not replica.origin:
                 self.metrics.served()

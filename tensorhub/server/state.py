@@ -319,12 +319,24 @@ class State:
             self._refresh(entry, added=existing is None)
         return replica
 
-    def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool) -> None:
+    def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
+                      chunk_crc32: list[int] | None = None) -> None:
+        """``chunk_crc32``: one per chunk, for a replica that computes its
+        checksums as it fills (it announced a table of them, zeros for the
+        chunks it has not landed); set together with the bitmap, so a reader
+        never sees a chunk without its checksum."""
         replica = self._own_replica(agent_id, replica_id)
+        if chunk_crc32 and len(replica.chunk_crc32 or ()) != replica.num_chunks:
+            raise StateError("FAILED_PRECONDITION", f"replica {replica_id} announced no checksums to update")
+        if any(not 0 <= c < replica.num_chunks for c in chunks):
+            bad = next(c for c in chunks if not 0 <= c < replica.num_chunks)
+            raise StateError("INVALID_ARGUMENT", f"chunk {bad} outside [0, {replica.num_chunks})")
         replica.confirmed_at = time.monotonic()
+        if chunk_crc32:
+            for c, crc in zip(chunks, chunk_crc32):
+                replica.chunk_crc32[c] = crc
+            replica.wire_info = None  # the service's cached wire form carries them
         for c in chunks:
-            if not 0 <= c < replica.num_chunks:
-                raise StateError("INVALID_ARGUMENT", f"chunk {c} outside [0, {replica.num_chunks})")
             bitmap_set(replica.bitmap, c)
         if complete and not replica.complete:
             if bitmap_count(replica.bitmap) != replica.num_chunks:

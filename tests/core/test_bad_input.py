@@ -123,6 +123,8 @@ def test_bad_requests_get_clear_statuses_and_nothing_is_lost(server, stub):
              grpc.StatusCode.INVALID_ARGUMENT, "manifest is missing"),
             (s.ReportChunks, pb.ReportChunksRequest(agent_id="a1", replica_id="a1.0", chunks=[99]),
              grpc.StatusCode.INVALID_ARGUMENT, "chunk 99"),
+            (s.ReportChunks, pb.ReportChunksRequest(agent_id="a1", replica_id="a1.0", chunks=[0], chunk_crc32=[7, 8]),
+             grpc.StatusCode.INVALID_ARGUMENT, "2 chunk checksums for 1 chunks"),
             (s.Unpublish, pb.UnpublishRequest(agent_id="a1", replica_id="a1.0", drain_timeout_s=-1),
              grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s"),
             (s.Unpublish, pb.UnpublishRequest(agent_id="a1", replica_id=holder.publications()[0].replica_id),

@@ -70,7 +70,7 @@ def _strategies(victim_agent: str, victim_replica: str):
                   chunk_bitmap=st.binary(max_size=8), origin=st.booleans(), retained=st.booleans(),
                   held=st.lists(regions, max_size=3)),
         st.builds(pb.ReportChunksRequest, agent_id=ids, replica_id=replica_ids, complete=st.booleans(),
-                  chunks=st.lists(U32, max_size=6)),
+                  chunks=st.lists(U32, max_size=6), chunk_crc32=st.lists(U32, max_size=6)),
         st.builds(pb.UnpublishRequest, agent_id=ids, replica_id=replica_ids, drain_timeout_s=FLOATS.filter(
             lambda x: not 0.05 < x), force=st.booleans()),
         st.builds(pb.ResolveRequest, agent_id=ids, model=models | st.just("victim-model"), version=I64,

@@ -171,3 +171,25 @@ def test_shards_are_checked_and_slices_of_their_chunks_are_counted_unchecked(hub
     tp = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1, read=("tp", 0, 2))
     assert tp["mismatched"] == [] and tp["unverified"] > 0
     assert tp["verified"] + tp["unverified"] == tp["nbytes"]
+
+
+def test_a_relay_of_sharded_trainers_computes_its_own_checksums(hubs):
+    """No source is cut like a whole-model relay of row-sharded ranks, so it has
+    no checksums to copy: it computes its own as its chunks land and reports
+    them with them. A byte that changes in its memory afterwards is caught by
+    its readers and read from the ranks (before, it reached them: the fault
+    campaign's wrong bytes all came whole from such relays)."""
+    ranks = [_holder(hubs, f"rank{r}", "far") for r in range(2)]
+    for r, h in enumerate(ranks):
+        h.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=r, world=2)
+    relay = _holder(hubs, "relay", "near")
+    got = relay.call("pull", model="m", version=1, specs=SPECS, expect_seed=1, serve=True)
+    assert got["mismatched"] == [] and got["verified"] == got["nbytes"]
+    reader = _holder(hubs, "reader", "near")  # the relay is nearer: read first
+    clean = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
+    assert clean["mismatched"] == [] and clean["sources"] == {"relay": clean["nbytes"]}
+    assert clean["verified"] == clean["nbytes"]  # its own checksums, not the ranks'
+    relay.call("corrupt", model="m", version=1, tensor=BAD_TENSOR, byte=5)
+    got = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
+    assert got["mismatched"] == [] and got["lost"] == ["relay"]
+    assert 0 < got["sources"].get("rank0", 0) + got["sources"].get("rank1", 0) < got["nbytes"]

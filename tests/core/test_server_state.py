@@ -104,6 +104,21 @@ def test_filling_replicas_count_only_once_complete():
     assert s.visible_versions("m") == [1]
 
 
+def test_chunk_reports_fill_in_checksums_only_where_a_table_was_announced():
+    s = state()
+    r = publish(s, "a3", [rows(750, 1000)], complete=False)
+    with pytest.raises(StateError, match="announced no checksums") as err:
+        s.report_chunks("a3", r.replica_id, [0], complete=False, chunk_crc32=[7])
+    assert err.value.code == "FAILED_PRECONDITION" and r.chunk_crc32 is None
+    r.chunk_crc32 = [0] * r.num_chunks  # what the service stores from the publish
+    r.wire_info = "cached"
+    with pytest.raises(StateError, match="outside"):  # nothing changes: not the checksum, not the bitmap
+        s.report_chunks("a3", r.replica_id, [1, r.num_chunks], complete=False, chunk_crc32=[5, 6])
+    assert r.chunk_crc32[1] == 0 and r.wire_info == "cached" and not any(r.bitmap)
+    s.report_chunks("a3", r.replica_id, [1, 0], complete=False, chunk_crc32=[5, 6])
+    assert r.chunk_crc32[:2] == [6, 5] and r.wire_info is None  # the cached wire form is rebuilt
+
+
 def test_withdraw_or_loss_of_a_shard_hides_the_version_again():
     s = state(retain=0)
     four_shards(s)
