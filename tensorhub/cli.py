@@ -130,7 +130,8 @@ def _chaos(args: argparse.Namespace) -> int:
         return 2
     tally = run(cfg, json_path=args.json)
     print(tally.line())
-    clean = not (tally.mismatches or tally.hangs or tally.untyped_count or tally.leaked or tally.crashes)
+    clean = not (tally.mismatches or tally.served_changed or tally.hangs or tally.untyped_count or tally.leaked
+                 or tally.crashes)
     return 0 if clean else 1
 
 

@@ -2,6 +2,7 @@
 
     {"faults": {kind: n}, "skipped": {kind: n}, "pulls_ok": n, "idle_pulls": n,
      "failures": {ErrorType: n}, "untyped": [...], "mismatches": n, "mismatch_details": [...],
+     "served_changed": n, "served_changed_details": [{"who", "version", "tensors", "after_s"}],
      "hangs": n, "hang_details": [{"who", "op", "seconds", "stacks"}], "crashes": n,
      "unpublishes": n, "unpublish_overruns": n, "unpublish_max_s": s, "late_ops": n,
      "versions": n, "leaks": {...}, "seed": s, "minutes": m, "seconds": s, "phases": {...},
@@ -34,6 +35,10 @@ class Tally:
     overrun_details: list[dict] = field(default_factory=list)
     mismatches: int = 0
     mismatch_details: list[dict] = field(default_factory=list)
+    # A reader's replica whose bytes were right when its pull ended and wrong when
+    # it stopped serving them: written after the pull (a defect, like a mismatch).
+    served_changed: int = 0
+    served_changed_details: list[dict] = field(default_factory=list)
     hangs: int = 0
     hang_details: list[dict] = field(default_factory=list)
     crashes: int = 0
@@ -64,6 +69,9 @@ class Tally:
             self.examples.setdefault(name, message)
         if elapsed_s > allowed_s:
             self.late_ops += 1
+        if answer.get("changed_while_served"):
+            self.served_changed += 1
+            self.served_changed_details.append({"who": who, **answer["changed_while_served"]})
         if "error" in answer:
             self.failure(who, answer)
         elif answer.get("idle"):
@@ -102,14 +110,16 @@ class Tally:
         fails = sum(self.failures.values())
         return (f"{self.seconds:5.0f} s  faults {sum(self.faults.values())} ({faults})  v{self.versions}  "
                 f"pulls ok {self.pulls_ok}  failed {fails} (untyped {self.untyped_count})  "
-                f"mismatches {self.mismatches}  hangs {self.hangs}  crashes {self.crashes}  "
+                f"mismatches {self.mismatches}{f' (served changed {self.served_changed})' if self.served_changed else ''}  hangs {self.hangs}  crashes {self.crashes}  "
                 f"unpublish max {self.unpublish_max_s:.1f} s")
 
     def to_json(self) -> dict[str, Any]:
         return {"faults": dict(self.faults), "skipped": dict(self.skipped), "pulls_ok": self.pulls_ok,
                 "idle_pulls": self.idle_pulls, "failures": dict(self.failures), "untyped": self.untyped,
                 "failure_examples": self.examples, "overrun_details": self.overrun_details[:20],
-                "mismatches": self.mismatches, "mismatch_details": self.mismatch_details[:20], "hangs": self.hangs,
+                "mismatches": self.mismatches, "mismatch_details": self.mismatch_details[:20],
+                "served_changed": self.served_changed, "served_changed_details": self.served_changed_details[:20],
+                "hangs": self.hangs,
                 "hang_details": self.hang_details, "crashes": self.crashes, "crash_details": self.crash_details[:20],
                 "unpublishes": self.unpublishes, "unpublish_overruns": self.unpublish_overruns,
                 "unpublish_max_s": round(self.unpublish_max_s, 3), "late_ops": self.late_ops,

@@ -102,6 +102,7 @@ class _Process:
         self.held_version = -1
         self.pending: list[Any] = []  # publications whose unpublish timed out
         self.unpublish_timeout = float(spec.hub.get("_unpublish_timeout_s", 8.0))
+        self.checked_at: float | None = None  # when the bytes of ``current`` (a pull's) were found right
 
     def _unpublish(self, pub: Any, out: dict) -> None:
         """Unpublish with its timeout, timing it; a timeout keeps the memory for a retry."""
@@ -160,8 +161,24 @@ class _Process:
         out["mismatched"] = mismatched(result.tensors, result.version, self.spec.seed, self.spec.scale)
         old, self.current, self.held_version = self.current, result.publication, result.version
         if old is not None:
+            self._check_served(old, out)
             self._unpublish(old, out)
+        self.checked_at = None if out["mismatched"] else time.monotonic()
         return out
+
+    def _check_served(self, pub: Any, out: dict) -> None:
+        """Its bytes were right when its pull ended; are they still, now that it
+        stops serving them? Bytes that changed meanwhile were written by
+        something after the pull (nothing may write a served replica)."""
+        from tensorhub.chaos.payload import mismatched
+        from tensorhub.client.publication import PubState
+
+        if self.checked_at is None or pub.state is not PubState.COMPLETE:
+            return
+        changed = mismatched(pub.tensors, pub.version, self.spec.seed, self.spec.scale)
+        if changed:
+            out["changed_while_served"] = {"version": pub.version, "tensors": changed,
+                                           "after_s": round(time.monotonic() - self.checked_at, 2)}
 
     def stall(self, seconds: float) -> dict:
         """Do nothing for a while: how a test sees the driver's watchdog catch a hang."""
