@@ -205,8 +205,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             known = self.state.heartbeat(agent_id, request.replica_ids)
             unknown = [
                 rid for rid in request.replica_ids
-                if (r := self.state.replicas.get(rid)) is None or r.agent_id != agent_id
-            ]
+                if (r := self.state.replicas.get(rid)) is None or r.agent_id != agent_id or r.lost
+            ]  # a replica reported lost is announced again by a holder that is fine
             return pb.HeartbeatResponse(instance_id=self.state.instance_id, agent_known=known, unknown_replicas=unknown,
                                         release_replicas=self.state.releasable(agent_id) if known else [])
 

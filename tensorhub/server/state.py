@@ -148,6 +148,9 @@ class Replica:
     runs: dict[int, list[Runs]]  # per tensor index, for coverage; empty when whole
     retained: bool = False  # a copy kept only to keep a retained version pullable
     withdrawn: bool = False
+    # A reader reported it failed while its holder is alive and others lease it:
+    # hidden like a withdrawn replica, its leases kept until they end (see report_lost).
+    lost: bool = False
     wire_held: Any = None  # opaque: the service's wire form of ``held``
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
     chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
@@ -648,19 +651,37 @@ class State:
                 replica.leases.discard(lease_id)
                 if not replica.leases:
                     replica.drained.set()
+                    if replica.lost:
+                        self.remove_replica(rid)
 
     def report_lost(self, replica_id: str) -> None:
-        """A reader saw the source fail. Drop the replica; if its agent is
-        alive it will notice at its next publish or heartbeat."""
+        """A reader saw the source fail. No reader is sent to it any more; if
+        its agent is alive it will notice at its next publish or heartbeat
+        (and announce it again).
+
+        While its agent is alive and leases on it are out, it stays, hidden,
+        until they end: its holder's unpublish waits for them. A READ given up
+        on (a stalled link) can still be served later (NIXL 1.5 closes a
+        remote's UCX endpoint without cancelling what it has in flight), and
+        the holder must not have reused the memory by then. Before, one
+        reader's report let the holder's unpublish return at once, under
+        every other reader's lease too."""
         replica = self.replicas.get(replica_id)
-        if replica is not None:
-            for lease_id in list(replica.leases):
-                lease = self.leases.get(lease_id)
-                if lease is not None and replica_id in lease.replica_ids:
-                    lease.replica_ids.remove(replica_id)
-            replica.leases.clear()
-            replica.drained.set()
-            self.remove_replica(replica_id)
+        if replica is None:
+            return
+        if replica.leases and replica.agent_id in self.agents:
+            if not replica.lost:
+                replica.lost = replica.withdrawn = True
+                self._holders_changed += 1
+                self._refresh(self.models[replica.model][replica.version])
+            return
+        for lease_id in list(replica.leases):
+            lease = self.leases.get(lease_id)
+            if lease is not None and replica_id in lease.replica_ids:
+                lease.replica_ids.remove(replica_id)
+        replica.leases.clear()
+        replica.drained.set()
+        self.remove_replica(replica_id)
 
     # ------------------------------------------------------------ expiry
 

@@ -104,6 +104,32 @@ def test_filling_replicas_count_only_once_complete():
     assert s.visible_versions("m") == [1]
 
 
+def test_a_replica_reported_lost_stays_hidden_under_its_leases_until_they_end():
+    """A live holder reported lost by one reader: no reader is sent to it, but
+    its unpublish still waits for the leases out on it (a READ given up on can
+    still be served); once they end it is gone. A dead holder's goes at once."""
+    s = state(retain=0)
+    four_shards(s)
+    reader = s.acquire_lease("spot", ["a1.1"])
+    other = s.acquire_lease("a0", ["a1.1"])
+    s.report_lost("a1.1")
+    replica = s.replicas["a1.1"]
+    assert replica.lost and "rows 250:500" in not_found(s, 1)
+    assert not replica.drained.is_set() and replica.leases == {reader.lease_id, other.lease_id}
+    assert s.acquire_lease("a2", ["a1.1"]).replica_ids == []  # hidden: no new lease
+    s.withdraw("a1", "a1.1")  # its holder's unpublish waits for the two readers
+    assert not replica.drained.is_set()
+    s.release_lease(reader.lease_id)
+    assert "a1.1" in s.replicas and not replica.drained.is_set()
+    s.release_lease(other.lease_id)
+    assert replica.drained.is_set() and "a1.1" not in s.replicas
+    # Its agent gone (expired): dropped at once, leases or not.
+    s.acquire_lease("spot", ["a2.1"])
+    del s.agents["a2"]
+    s.report_lost("a2.1")
+    assert "a2.1" not in s.replicas
+
+
 def test_chunk_reports_fill_in_checksums_only_where_a_table_was_announced():
     s = state()
     r = publish(s, "a3", [rows(750, 1000)], complete=False)
