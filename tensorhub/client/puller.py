@@ -161,6 +161,10 @@ class PullJob:
     _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
     # READs in flight across rounds: (chunk, transfer, handle, deadline, source)
     _flying: list[tuple[int, Transfer, Any, float, RemoteReplica]] = field(default_factory=list)
+    # READs given up on (stalled) but not finished: NIXL 1.5 cannot cancel them
+    # (a released one may still land), so they are polled until they end and the
+    # pull's leases, which keep their sources' memory as it was, outlive them.
+    _given_up: list[Any] = field(default_factory=list)
     # Per source: when a READ from it last finished. A READ queued behind others on
     # a slow link is not stalled while its source makes progress.
     _source_progress: dict[str, float] = field(default_factory=dict)
@@ -560,6 +564,8 @@ class PullJob:
                         lost(replica, e)
                         failed.add(chunk)
                         finished.append(entry)
+                        if e.stalled:
+                            self._given_up.append(handle)
                         continue
                     if not self._still_leased(transfer.replica_id):
                         # Its bytes may come from memory the holder reused: read
@@ -594,7 +600,9 @@ class PullJob:
                 landed.extend(self._checked(needed, excluded, stats))
                 for entry in finished:
                     flying.remove(entry)
-                    self.nixl.release(entry[2])
+                    if entry[2] not in self._given_up:
+                        self.nixl.release(entry[2])
+                self._reap_given_up()
                 if finished:
                     finished_any = True
                     pause = _POLL_MIN_S
@@ -668,22 +676,35 @@ class PullJob:
         progress = max(now if not posted_by else 0.0, self._source_progress.get(replica_id, 0.0))
         return min(max(progress + self.chunk_timeout_s, posted_by), leased, self.deadline)
 
-    def _drop_flights(self) -> None:
-        """Let go of the READs still out when the pull ends early. Each first
-        gets a short while to finish (its lease is still held): released
-        unfinished, a READ on a slow link can still land bytes in the
-        destination after the caller reused that memory (the fault campaign
-        saw a failed pull's late bytes land in the next pull's new tensors,
-        allocated at the same addresses)."""
-        until = time.monotonic() + min(self.chunk_timeout_s, _DRAIN_S)
-        for entry in self._flying:
+    def _reap_given_up(self) -> None:
+        """Release the given-up READs that have ended (done or failed)."""
+        for handle in list(self._given_up):
             try:
-                while not self.nixl.poll(entry[2]) and time.monotonic() < until:
+                ended = self.nixl.poll(handle)
+            except TransferFailed:
+                ended = True
+            if ended:
+                self._given_up.remove(handle)
+                self.nixl.release(handle)
+
+    def _drop_flights(self) -> None:
+        """Let go of the READs still out when the pull ends (in flight, or given
+        up on earlier). Each first gets a short while to finish (its lease is
+        still held): released unfinished, a READ on a slow link can still land
+        bytes in the destination after the caller reused that memory (the fault
+        campaign saw a failed pull's late bytes land in the next pull's new
+        tensors, allocated at the same addresses), and bytes its holder wrote
+        after the lease ended."""
+        until = time.monotonic() + min(self.chunk_timeout_s, _DRAIN_S)
+        for handle in [entry[2] for entry in self._flying] + self._given_up:
+            try:
+                while not self.nixl.poll(handle) and time.monotonic() < until:
                     time.sleep(_POLL_MAX_S)
             except TransferFailed:  # failed: nothing more will land
                 pass
-            self.nixl.release(entry[2])
+            self.nixl.release(handle)
         self._flying.clear()
+        self._given_up.clear()
 
     def _checked(self, needed: set[int], excluded: set[str], stats: PullStats, wait_s: float = 0.0) -> list[int]:
         """Collect finished checks: the chunks now settled. A source whose bytes

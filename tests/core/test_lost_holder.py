@@ -121,10 +121,10 @@ def _job(plane, transport, manifest: Manifest, dest: torch.Tensor, **options) ->
     _, mem = regions_of([dest])
     spec = manifest.tensors[0]
     parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), itemsize(spec.dtype), mem[0])]
+    options = {"chunk_timeout_s": 5, **options}
     return PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("r"),
                    resolved=plane.resolve("reader", "m", 1), layout=ReadLayout(manifest, parts, CHUNK),
-                   dest_kind=MemoryKind.DRAM, in_flight=4, chunk_timeout_s=5, deadline=time.monotonic() + 30,
-                   **options)
+                   dest_kind=MemoryKind.DRAM, in_flight=4, deadline=time.monotonic() + 30, **options)
 
 
 def test_a_pull_moves_to_the_retained_copy_and_keeps_it_leased():
@@ -318,3 +318,64 @@ def test_a_read_seen_finished_only_after_its_lease_ran_out_is_not_taken():
     _job(plane, transport, manifest, dest, verify=False).run()
     assert torch.equal(dest, copy)
     assert transport.read.get("good", 0) >= dest.nbytes // 2  # what came late from "slow" was read again here
+
+
+class StallsThenLands(SlowMemcpy):
+    """The "stuck" holder's READs finish ``LAND_S`` after posting, long past the
+    reader's chunk timeout (a link cut, then restored): their bytes land then.
+    Records READs released while unfinished, and when the late ones landed."""
+
+    LAND_S = 0.8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released_unfinished: list[str] = []
+        self.landed_late: list[float] = []
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        if remote == "stuck":
+            return ["stuck", time.monotonic() + self.LAND_S, local, remote_descs]
+        super().post(remote, local, local_kind, remote_descs, remote_kind)
+        return ["ok"]
+
+    def poll(self, pending) -> bool:
+        if pending[0] == "stuck" and len(pending) == 4:
+            if time.monotonic() < pending[1]:
+                return False
+            for (dst, n, _), (src, _, _) in zip(pending[2].tolist(), pending[3].tolist()):
+                ctypes.memmove(dst, src, n)
+            self.landed_late.append(time.monotonic())
+            del pending[2:]
+        return True
+
+    def release(self, pending) -> None:
+        if len(pending) == 4:
+            self.released_unfinished.append(pending[0])
+
+
+class RecordsReleases(TwoHolders):
+    def __init__(self, manifest: Manifest, replicas: list[RemoteReplica]) -> None:
+        super().__init__(manifest, replicas)
+        self.released_at: list[float] = []
+
+    def release_lease_async(self, agent_id, lease_id):
+        self.released_at.append(time.monotonic())
+
+
+def test_a_read_given_up_on_is_polled_until_it_ends_under_the_pulls_leases():
+    """A stalled READ cannot be cancelled (NIXL 1.5 releases it, UCX may still
+    complete it: a link cut, then restored). Released at once, its bytes could
+    land later, read from memory its holder reused after the pull's lease
+    went. Now it is kept and polled, and the pull's leases are released only
+    after it ended (here within the pull's drain time)."""
+    weights = torch.arange(32 * CHUNK // 4, dtype=torch.int32)
+    copy = weights.clone()
+    manifest = Manifest.of({"w": weights})
+    plane = RecordsReleases(manifest, [_replica("stuck", manifest, weights), _replica("good", manifest, copy)])
+    dest = torch.zeros_like(weights)
+    transport = StallsThenLands()
+    stats = _job(plane, transport, manifest, dest, verify=False, chunk_timeout_s=0.6).run()
+    assert torch.equal(dest, copy) and stats.lost_sources == ["stuck"]
+    assert transport.released_unfinished == [], "a READ was released while it could still land"
+    assert transport.landed_late and plane.released_at
+    assert min(plane.released_at) >= max(transport.landed_late), "a lease went before a READ under it ended"
