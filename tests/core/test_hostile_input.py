@@ -190,6 +190,8 @@ def test_one_agent_cannot_release_or_drop_what_another_reads_or_holds(hub_server
     assert not replica.leases
     lease = s.AcquireReadLease(pb.AcquireReadLeaseRequest(agent_id="reader", replica_ids=["holder.0"]), timeout=10)
     s.ReportLost(pb.ReportLostRequest(agent_id="reader", replica_id="holder.0", reason="READ failed"), timeout=10)
+    assert replica.lost and replica.withdrawn  # hidden; kept while the reader's lease is out (its holder is alive)
+    s.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id="reader", lease_id=lease.lease_id), timeout=10)
     assert "holder.0" not in hub_server.state.replicas
 
 
