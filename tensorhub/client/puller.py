@@ -613,7 +613,7 @@ class PullJob:
                 landed.extend(self._checked(needed, excluded, stats))
                 for entry in finished:
                     flying.remove(entry)
-                    if entry[2] not in self._given_up:
+                    if not any(entry[2] is h for h in self._given_up):
                         self.nixl.release(entry[2])
                 self._reap_given_up()
                 if finished:
@@ -691,14 +691,17 @@ class PullJob:
 
     def _reap_given_up(self) -> None:
         """Release the given-up READs that have ended (done or failed)."""
-        for handle in list(self._given_up):
+        left = []
+        for handle in self._given_up:
             try:
                 ended = self.nixl.poll(handle)
             except TransferFailed:
                 ended = True
             if ended:
-                self._given_up.remove(handle)
                 self.nixl.release(handle)
+            else:
+                left.append(handle)
+        self._given_up = left
 
     def _drop_flights(self) -> None:
         """Let go of the READs still out when the pull ends (in flight, or given
