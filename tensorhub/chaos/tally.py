@@ -80,7 +80,8 @@ class Tally:
             if answer.get("mismatched"):
                 self.mismatches += 1
                 self.mismatch_details.append({"who": who, "version": answer.get("version"),
-                                              "tensors": answer["mismatched"], "sources": answer.get("sources")})
+                                              "tensors": answer["mismatched"], "sources": answer.get("sources"),
+                                              "unverified": answer.get("unverified"), "lost": answer.get("lost")})
             else:
                 self.pulls_ok += 1
                 self.bytes_pulled += answer.get("nbytes", 0)
