@@ -177,7 +177,8 @@ class PullJob:
         res = self.resolved
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
-        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM)  # checks read host memory
+        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
+                                     self.layout)
         maps = self._maps(res.replicas, set())
         self._upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
@@ -715,7 +716,16 @@ class PullJob:
         the bad chunk are needed again (read from another holder)."""
         settled, bad = self._checks.poll(wait_s)
         for m in bad:
-            self._reject(m, excluded, stats)
+            if m.whole:  # which of its holders gave the wrong bytes is not known: read it again
+                log.warning("chunk %d failed its check against %s's checksum: read again", m.chunk,
+                            m.replica.source.agent_name)
+                if self._checks.failed_whole(m.chunk):
+                    res = self.resolved
+                    raise IntegrityError(res.model, res.version, stats.corrupt_sources,
+                                         f"chunk {m.chunk} failed its check against {m.replica.source.agent_name}'s "
+                                         f"checksum each time it was read")
+            else:
+                self._reject(m, excluded, stats)
             needed |= m.rereads
         return settled
 

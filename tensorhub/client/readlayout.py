@@ -117,6 +117,27 @@ class ReadLayout:
     def chunk_bytes(self, chunk: int) -> int:
         return min(self.chunk_size, self.total_bytes - chunk * self.chunk_size)
 
+    def chunk_memory(self, chunk: int) -> list[tuple[int, int]]:
+        """The local memory of reader ``chunk``, in order: (address, bytes) per part it spans."""
+        a = chunk * self.chunk_size
+        b = a + self.chunk_bytes(chunk)
+        out = []
+        p = self._part(a)
+        while a < b:
+            end = min(b, int(self.part_base[p + 1]))
+            if end > a:
+                out.append((int(self._part_addr[p]) + a - int(self.part_base[p]), end - a))
+                a = end
+            p += 1
+        return out
+
+    def same_cut(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> bool:
+        """Whether ``replica``'s chunks are this read set's chunks, byte for byte
+        (it holds exactly these parts in this order, cut at the same size)."""
+        return (replica.chunk_size == self.chunk_size and int(table["length"].sum()) == self.total_bytes
+                and int(replica.regions[:, 1].sum()) == self.total_bytes
+                and bool(np.array_equal(table["r_off"], table["h_off"])))
+
     # ------------------------------------------------------------ holders
 
     def holder_map(self, replica: RemoteReplica, table: dict[str, np.ndarray] | None = None) -> HolderMap:

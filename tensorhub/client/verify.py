@@ -19,8 +19,12 @@ chunk may be spread over several reader chunks (or reader tensors).
 A reader chunk is *settled* (reported to the server, served to others) only
 once every holder chunk it read from is checked, or cannot be: a holder chunk
 the read set does not cover whole (a TP slice reads part of it), one whose
-bytes came from two holders, or a source without checksums. Those bytes are
-counted as unverified. Checks need the destination in host memory (DRAM).
+bytes came from two holders, or a source without checksums. Such a reader
+chunk is then checked whole against a holder cut exactly like the reader (a
+relay of the same layout), if one lists that chunk with its checksum; a
+mismatch there names no culprit, so the chunk is read again (twice at most,
+then the pull fails with IntegrityError). What no check covers is counted as
+unverified. Checks need the destination in host memory (DRAM).
 
 Why each READ is checksummed as it lands, not each holder chunk once complete:
 the check reads every landed byte once more, and from memory it competes with
@@ -41,13 +45,15 @@ from dataclasses import dataclass
 import numpy as np
 from isal.isal_zlib import crc32_combine  # the CRC of a + b from those of a and b, in O(log |b|)
 
-from tensorhub.client.readlayout import Transfer, split
+from tensorhub.client.readlayout import ReadLayout, Transfer, split
 from tensorhub.client.rpc import RemoteReplica
 from tensorhub.integrity import crc32
 
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, int]  # (replica id, holder chunk)
+_WHOLE = "#whole"  # key (_WHOLE, reader chunk): the chunk checked whole against a holder cut like the reader
+_WHOLE_TRIES = 3  # a reader chunk failing its whole check this often fails the pull
 
 # The most bytes one READ of a checked pull moves: small enough that its bytes
 # are still in cache when its CRC runs (the reference machine: 32 MiB L3,
@@ -66,6 +72,7 @@ class Mismatch:
     rereads: frozenset[int]  # reader chunks that took bytes of it: to be read again
     expected: int
     got: int
+    whole: bool = False  # a reader chunk checked whole: its bytes may come from any of its holders
 
     def reason(self) -> str:
         return (f"integrity: chunk {self.chunk} read from it has CRC-32 {self.got:08x}, its publisher's is "
@@ -75,8 +82,9 @@ class Mismatch:
 class _Holder:
     """One source's checksums and which of its chunks the read set covers whole."""
 
-    def __init__(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> None:
+    def __init__(self, replica: RemoteReplica, table: dict[str, np.ndarray], same_cut: bool) -> None:
         self.replica = replica
+        self.same_cut = same_cut  # its chunk i is the reader's chunk i, byte for byte
         self.chunk_size = replica.chunk_size
         crcs = replica.chunk_crc32
         total = int(replica.regions[:, 1].sum()) if len(replica.regions) else 0
@@ -97,10 +105,15 @@ class ChunkVerifier:
     """The checks of one pull. Not thread-safe: driven from the pull's thread;
     only the CRC itself runs on the helper thread."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, layout: ReadLayout | None = None) -> None:
         self.enabled = enabled
+        self._layout = layout
+        self._unverified_in: dict[int, int] = {}  # reader chunk -> its bytes no holder chunk check covered
+        self._whole: dict[int, tuple[cf.Future, str, int]] = {}  # reader chunk -> (job, replica id, expected)
+        self._whole_failed: dict[int, int] = {}  # reader chunk -> whole checks it failed
+        self._whole_ok: set[int] = set()  # reader chunks whose whole check passed since they landed
         self._holders: dict[str, _Holder] = {}
-        self._pieces: dict[_Key, dict[int, tuple[int, int]]] = {}  # h_off -> (local addr, length)
+        self._pieces: dict[_Key, dict[int, tuple[int, int, int]]] = {}  # h_off -> (local addr, length, reader chunk)
         self._readers: dict[_Key, set[int]] = {}  # reader chunks that took bytes of a holder chunk
         self._waits: dict[int, set[_Key]] = {}  # landed reader chunk -> holder chunks not yet checked
         self._checked: set[_Key] = set()
@@ -115,7 +128,8 @@ class ChunkVerifier:
 
     def add_holder(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> None:
         if self.enabled:
-            self._holders[replica.source.replica_id] = _Holder(replica, table)
+            same = self._layout is not None and self._layout.same_cut(replica, table)
+            self._holders[replica.source.replica_id] = _Holder(replica, table, same)
 
     def refresh(self, replica: RemoteReplica) -> None:
         """A newer resolve's view of a holder: a filling relay that computes its
@@ -123,7 +137,7 @@ class ChunkVerifier:
         holder = self._holders.get(replica.source.replica_id)
         crcs = replica.chunk_crc32
         if holder is not None and holder.crcs is not None and crcs is not None and len(crcs) == len(holder.crcs):
-            holder.crcs = crcs
+            holder.crcs, holder.replica = crcs, replica  # the bitmap that goes with them
 
     def pieces(self, transfers: list[Transfer]) -> list[Transfer]:
         """The READs to post for ``transfers``: those from a holder with checksums
@@ -168,28 +182,51 @@ class ChunkVerifier:
         for t in transfers:
             holder = self._holders.get(t.replica_id)
             if holder is None or holder.crcs is None or t.h_off is None:
-                self.unverified_bytes += t.nbytes
+                self._unverify(chunk, t.nbytes)
                 continue
             own = t.h_off // holder.chunk_size
             for j in np.unique(own).tolist():
                 key = (t.replica_id, j)
                 rows = own == j
                 if not holder.checkable[j] or key in self._bad:
-                    self.unverified_bytes += int(t.local[rows, 1].sum())
+                    self._unverify(chunk, int(t.local[rows, 1].sum()))
                     continue
                 self._readers.setdefault(key, set()).add(chunk)
                 if key in self._checked:
                     continue
                 pieces = self._pieces.setdefault(key, {})
                 for h, addr, n in zip(t.h_off[rows].tolist(), t.local[rows, 0].tolist(), t.local[rows, 1].tolist()):
-                    pieces[int(h)] = (int(addr), int(n))
+                    pieces[int(h)] = (int(addr), int(n), chunk)
                 waits.add(key)
-                if key not in self._running and sum(n for _, n in pieces.values()) == holder.full[j]:
+                if key not in self._running and sum(p[1] for p in pieces.values()) == holder.full[j]:
                     self._submit(key, holder)
+        self._whole_ok.discard(chunk)
+        if chunk in self._unverified_in and self._check_whole(chunk):
+            waits.add((_WHOLE, chunk))
         if not waits:
             return [chunk]
         self._waits[chunk] = waits
         return []
+
+    def _unverify(self, chunk: int, nbytes: int) -> None:
+        self.unverified_bytes += nbytes
+        self._unverified_in[chunk] = self._unverified_in.get(chunk, 0) + nbytes
+
+    def _check_whole(self, chunk: int) -> bool:
+        """Check reader ``chunk`` whole against a holder cut like the reader that
+        lists it with its checksum (complete, or its bitmap has it); False if none."""
+        for rid, holder in self._holders.items():
+            if not holder.same_cut or holder.crcs is None or (rid, chunk) in self._bad:
+                continue
+            source = holder.replica
+            if not source.source.complete:
+                bitmap = source.bitmap
+                if chunk // 8 >= len(bitmap) or not bitmap[chunk // 8] >> (chunk % 8) & 1:
+                    continue
+            parts = [(a, n, None, 0) for a, n in self._layout.chunk_memory(chunk)]
+            self._whole[chunk] = (self._executor().submit(_join, parts), rid, int(holder.crcs[chunk]))
+            return True
+        return False
 
     def _executor(self) -> cf.ThreadPoolExecutor:
         # One worker: jobs run in the order submitted, so a holder chunk's join
@@ -201,7 +238,7 @@ class ChunkVerifier:
     def _submit(self, key: _Key, holder: _Holder) -> None:
         parts: list[tuple[int, int, cf.Future | None, int]] = []
         for h in sorted(self._pieces[key]):
-            addr, n = self._pieces[key][h]
+            addr, n, _ = self._pieces[key][h]
             early = self._early.pop((key[0], h), None)
             if early is not None and early[:2] == (addr, n):
                 parts.append(early)
@@ -213,19 +250,39 @@ class ChunkVerifier:
         """Finished checks: reader chunks settled, and mismatches (their reader
         chunks must be read again, see ``forget``). ``wait_s``: wait this long at
         most for the running checks."""
-        if not self._running:
+        if not self._running and not self._whole:
             return [], []
         if wait_s > 0:
-            cf.wait(self._running.values(), timeout=wait_s)
+            cf.wait([*self._running.values(), *(w[0] for w in self._whole.values())], timeout=wait_s)
         settled: list[int] = []
         bad: list[Mismatch] = []
+        for c, (future, rid, expected) in [(c, w) for c, w in self._whole.items() if w[0].done()]:
+            del self._whole[c]
+            waits = self._waits.get(c)
+            if waits is None or (_WHOLE, c) not in waits:  # read again meanwhile: a new check follows
+                continue
+            got = future.result()
+            nbytes = self._unverified_in.pop(c, 0)
+            if got == expected:
+                self.verified_bytes += nbytes
+                self.unverified_bytes -= nbytes
+                self._whole_ok.add(c)
+                waits.discard((_WHOLE, c))
+                if not waits:
+                    del self._waits[c]
+                    settled.append(c)
+            else:
+                self.unverified_bytes -= nbytes  # counted again when it lands again
+                self._whole_failed[c] = self._whole_failed.get(c, 0) + 1
+                self.forget(c)
+                bad.append(Mismatch(self._holders[rid].replica, c, frozenset({c}), expected, got, whole=True))
         for key, future in [(k, f) for k, f in self._running.items() if f.done()]:
             del self._running[key]
             got = future.result()
             holder = self._holders[key[0]]
             expected = int(holder.crcs[key[1]])
             pieces = self._pieces.pop(key)
-            nbytes = sum(n for _, n in pieces.values())
+            nbytes = sum(p[1] for p in pieces.values())
             if got == expected:
                 self._checked.add(key)
                 self.verified_bytes += nbytes
@@ -250,19 +307,35 @@ class ChunkVerifier:
         self._waits.pop(chunk, None)
 
     def settle_rest(self) -> list[int]:
-        """Every READ has landed and every check finished: what still waits can
-        never be checked (a holder chunk whose bytes came from two holders).
-        Settle it unchecked."""
-        rest = sorted(self._waits)
-        for key in {k for waits in self._waits.values() for k in waits}:
-            pieces = self._pieces.pop(key, {})
-            self.unverified_bytes += sum(n for _, n in pieces.values())
-        self._waits.clear()
+        """Every READ has landed and every check finished: the holder chunks
+        still waited for can never be checked (their bytes came from two
+        holders). Their reader chunks are checked whole where a holder cut like
+        the reader allows (they wait for that: see ``running``); the rest are
+        settled unchecked, and returned."""
+        for key in {k for waits in self._waits.values() for k in waits if k[0] != _WHOLE}:
+            for _, n, chunk in self._pieces.pop(key, {}).values():
+                if chunk in self._whole_ok:  # its whole check covered these bytes too
+                    self.verified_bytes += n
+                else:
+                    self._unverify(chunk, n)
+        rest = []
+        for c in sorted(self._waits):
+            waits = self._waits[c]
+            waits.intersection_update({(_WHOLE, c)})
+            if not waits and c not in self._whole and c not in self._whole_ok and self._check_whole(c):
+                waits.add((_WHOLE, c))
+            if not waits:
+                del self._waits[c]
+                rest.append(c)
         return rest
+
+    def failed_whole(self, chunk: int) -> bool:
+        """Whether reader ``chunk`` failed its whole check too often to read it again."""
+        return self._whole_failed.get(chunk, 0) >= _WHOLE_TRIES
 
     @property
     def running(self) -> bool:
-        return bool(self._running)
+        return bool(self._running or self._whole)
 
     def close(self) -> None:
         self._early.clear()

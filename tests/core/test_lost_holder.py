@@ -379,3 +379,108 @@ def test_a_read_given_up_on_is_polled_until_it_ends_under_the_pulls_leases():
     assert transport.released_unfinished == [], "a READ was released while it could still land"
     assert transport.landed_late and plane.released_at
     assert min(plane.released_at) >= max(transport.landed_late), "a lease went before a READ under it ended"
+
+
+def _checked_against_a_relay(plain: torch.Tensor, weights: torch.Tensor):
+    """A pull whose bytes all come from "plain", a holder without checksums,
+    after "broken" (cut like the reader, with the version's checksums) failed
+    its READs: no holder chunk can be checked, yet every reader chunk can,
+    whole, against broken's table."""
+    import dataclasses
+
+    from tensorhub.integrity import chunk_checksums
+
+    manifest = Manifest.of({"w": weights})
+    held = weights.clone()
+    broken = dataclasses.replace(_replica("broken", manifest, held), chunk_crc32=chunk_checksums([weights], CHUNK))
+    plane = TwoHolders(manifest, [broken, _replica("plain", manifest, plain)])
+    plane.keep_alive = (held, plain)  # a replica lists addresses only: its memory must outlive the pull
+    dest = torch.zeros_like(weights)
+    return plane, dest, _job(plane, DisconnectsOnPoll(), manifest, dest, verify=True)
+
+
+def test_chunks_no_holder_check_covers_are_checked_whole_against_a_holder_cut_alike():
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    plane, dest, job = _checked_against_a_relay(weights.clone(), weights)
+    stats = job.run()
+    assert torch.equal(dest, weights) and plane.lost == ["broken"]
+    assert stats.verified_bytes == dest.nbytes and stats.unverified_bytes == 0
+
+
+def test_a_chunk_that_fails_its_whole_check_is_read_again_then_fails_the_pull():
+    """Before, bytes of holder chunks that no check covered were settled
+    unchecked: a wrong byte from a source without checksums (or a holder chunk
+    read from two holders) reached the caller and the reader's own readers."""
+    from tensorhub.errors import IntegrityError
+
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    plain = weights.clone()
+    plain[5 * CHUNK // 4 + 7] += 1  # reader chunk 5 is wrong at "plain"
+    _, _, job = _checked_against_a_relay(plain, weights)
+    with pytest.raises(IntegrityError, match="chunk 5 failed its check against broken's checksum each time"):
+        job.run()
+
+
+def _read_in_halves(weights: torch.Tensor, dest: torch.Tensor, checksummed: dict[str, bool]):
+    """A verifier over ``dest`` (one tensor, two chunks) whose reader chunk 0
+    landed half from each holder in ``checksummed`` (name -> whether it lists
+    the version's checksums); every holder is cut like the reader."""
+    import dataclasses
+
+    from tensorhub.client.readlayout import Transfer
+    from tensorhub.client.verify import ChunkVerifier
+    from tensorhub.integrity import chunk_checksums
+
+    manifest = Manifest.of({"w": weights})
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    layout = ReadLayout(manifest, [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), 4, mem[0])], CHUNK)
+    crcs = chunk_checksums([weights], CHUNK)
+    checks = ChunkVerifier(True, layout)
+    for name, with_crcs in checksummed.items():
+        r = _replica(name, manifest, weights)
+        r = dataclasses.replace(r, chunk_crc32=crcs) if with_crcs else r
+        checks.add_holder(r, layout.holder_table(r))
+    half = CHUNK // 2
+    desc = lambda off: np.array([[mem[0].addr + off, half, 0]], np.int64)
+    first, second = checksummed
+    return checks, [Transfer(first, desc(0), desc(0), half, np.array([0])),
+                    Transfer(second, desc(half), desc(half), half, np.array([half]))]
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_holder_chunk_read_from_two_holders_is_checked_whole_at_the_end(corrupt):
+    """Reader chunk 0 took half of it from "cut" (the reader's own layout, with
+    checksums) and half from "plain" (none): cut's holder chunk 0 never lands
+    whole from cut, so it cannot be checked by itself. At the end the reader
+    chunk is checked whole against cut's table (before: settled unchecked)."""
+    weights = torch.arange(2 * CHUNK // 4, dtype=torch.int32)
+    dest = weights.clone()
+    if corrupt:
+        dest[CHUNK // 4 - 1] += 1  # in the half that came from "plain"
+    checks, landed = _read_in_halves(weights, dest, {"cut": True, "plain": False})
+    for t in landed:
+        checks.arrived(t)
+    assert checks.landed(0, landed) == []  # plain's half is checked whole at once; cut's chunk 0 waited for
+    settled, bad = checks.poll(5.0)
+    assert settled == [] and checks.busy is not corrupt
+    if corrupt:
+        assert [(m.chunk, m.whole, m.replica.source.replica_id) for m in bad] == [(0, True, "cut")]
+        assert not checks.busy  # to be read again: it waits for nothing
+    else:
+        assert bad == [] and checks.settle_rest() == [0]  # cut's half was covered by the whole check
+        assert checks.verified_bytes == CHUNK and checks.unverified_bytes == 0
+    checks.close()
+
+
+def test_a_holder_chunk_read_from_two_holders_and_no_whole_check_yet_is_checked_whole_at_the_end():
+    """As above, with both halves from holders with checksums, so nothing is
+    checked as it lands: the whole check comes from ``settle_rest``."""
+    weights = torch.arange(2 * CHUNK // 4, dtype=torch.int32)
+    dest = weights.clone()
+    checks, landed = _read_in_halves(weights, dest, {"cut": True, "other": True})
+    assert checks.landed(0, landed) == [] and checks.poll(0.5) == ([], [])  # each holder's chunk 0 waited in vain
+    assert checks.settle_rest() == [] and checks.running  # checked whole now
+    assert checks.poll(5.0) == ([0], [])
+    assert checks.verified_bytes == CHUNK and checks.unverified_bytes == 0
+    checks.close()
