@@ -719,7 +719,7 @@ class PullJob:
             if m.whole:  # which of its holders gave the wrong bytes is not known: read it again
                 log.warning("chunk %d failed its check against %s's checksum: read again", m.chunk,
                             m.replica.source.agent_name)
-                if self._checks.failed_whole(m.chunk):
+                if m.exhausted:
                     res = self.resolved
                     raise IntegrityError(res.model, res.version, stats.corrupt_sources,
                                          f"chunk {m.chunk} failed its check against {m.replica.source.agent_name}'s "

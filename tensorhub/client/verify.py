@@ -19,12 +19,21 @@ chunk may be spread over several reader chunks (or reader tensors).
 A reader chunk is *settled* (reported to the server, served to others) only
 once every holder chunk it read from is checked, or cannot be: a holder chunk
 the read set does not cover whole (a TP slice reads part of it), one whose
-bytes came from two holders, or a source without checksums. Such a reader
-chunk is then checked whole against a holder cut exactly like the reader (a
-relay of the same layout), if one lists that chunk with its checksum; a
-mismatch there names no culprit, so the chunk is read again (twice at most,
-then the pull fails with IntegrityError). What no check covers is counted as
-unverified. Checks need the destination in host memory (DRAM).
+bytes came from two holders, or a source without checksums. Two fallbacks
+cover most of those bytes, each checking the bytes in the reader's memory
+whatever holder they came from, so a mismatch names no culprit: the reader
+chunks involved are read again (twice at most, then the pull fails with
+IntegrityError):
+
+* a holder chunk whose bytes came from two holders is checked, once every READ
+  has landed, from the reader's memory in the holder's order (its segment
+  table says where each byte landed; ``settle_rest``);
+* a reader chunk with bytes from a source without checksums is checked whole
+  against a holder cut exactly like the reader (a relay of the same layout),
+  if one lists that chunk with its checksum.
+
+What no check covers is counted as unverified. Checks need the destination
+in host memory (DRAM).
 
 Why each READ is checksummed as it lands, not each holder chunk once complete:
 the check reads every landed byte once more, and from memory it competes with
@@ -53,7 +62,7 @@ log = logging.getLogger(__name__)
 
 _Key = tuple[str, int]  # (replica id, holder chunk)
 _WHOLE = "#whole"  # key (_WHOLE, reader chunk): the chunk checked whole against a holder cut like the reader
-_WHOLE_TRIES = 3  # a reader chunk failing its whole check this often fails the pull
+_WHOLE_TRIES = 3  # a check that names no culprit failing this often fails the pull
 
 # The most bytes one READ of a checked pull moves: small enough that its bytes
 # are still in cache when its CRC runs (the reference machine: 32 MiB L3,
@@ -72,7 +81,8 @@ class Mismatch:
     rereads: frozenset[int]  # reader chunks that took bytes of it: to be read again
     expected: int
     got: int
-    whole: bool = False  # a reader chunk checked whole: its bytes may come from any of its holders
+    whole: bool = False  # checked in the reader's memory: its bytes may come from several holders
+    exhausted: bool = False  # whole, and failed too often to read it again
 
     def reason(self) -> str:
         return (f"integrity: chunk {self.chunk} read from it has CRC-32 {self.got:08x}, its publisher's is "
@@ -84,6 +94,7 @@ class _Holder:
 
     def __init__(self, replica: RemoteReplica, table: dict[str, np.ndarray], same_cut: bool) -> None:
         self.replica = replica
+        self.table = table
         self.same_cut = same_cut  # its chunk i is the reader's chunk i, byte for byte
         self.chunk_size = replica.chunk_size
         crcs = replica.chunk_crc32
@@ -100,6 +111,16 @@ class _Holder:
         self.checkable = in_set[:num].astype(np.int64) == full
         self.full = full
 
+    def memory(self, chunk: int, reader_chunk_size: int) -> tuple[list[tuple[int, int]], set[int]]:
+        """Where the bytes of its ``chunk`` lie in the reader's memory, in its
+        order: (address, bytes), and the reader chunks they lie in. The table
+        is cut at its chunk boundaries and the reader's."""
+        h_off = self.table["h_off"]
+        rows = np.flatnonzero(h_off // self.chunk_size == chunk)
+        rows = rows[np.argsort(h_off[rows], kind="stable")]
+        spans = list(zip(self.table["local"][rows].tolist(), self.table["length"][rows].tolist()))
+        return spans, set((self.table["r_off"][rows] // reader_chunk_size).tolist())
+
 
 class ChunkVerifier:
     """The checks of one pull. Not thread-safe: driven from the pull's thread;
@@ -110,7 +131,8 @@ class ChunkVerifier:
         self._layout = layout
         self._unverified_in: dict[int, int] = {}  # reader chunk -> its bytes no holder chunk check covered
         self._whole: dict[int, tuple[cf.Future, str, int]] = {}  # reader chunk -> (job, replica id, expected)
-        self._whole_failed: dict[int, int] = {}  # reader chunk -> whole checks it failed
+        self._by_table: set[_Key] = set()  # running holder chunk checks read from the reader's memory
+        self._tries: dict[_Key, int] = {}  # checks that name no culprit -> how often they failed
         self._whole_ok: set[int] = set()  # reader chunks whose whole check passed since they landed
         self._holders: dict[str, _Holder] = {}
         self._pieces: dict[_Key, dict[int, tuple[int, int, int]]] = {}  # h_off -> (local addr, length, reader chunk)
@@ -273,11 +295,12 @@ class ChunkVerifier:
                     settled.append(c)
             else:
                 self.unverified_bytes -= nbytes  # counted again when it lands again
-                self._whole_failed[c] = self._whole_failed.get(c, 0) + 1
                 self.forget(c)
-                bad.append(Mismatch(self._holders[rid].replica, c, frozenset({c}), expected, got, whole=True))
+                bad.append(self._unplaced(self._holders[rid].replica, (_WHOLE, c), frozenset({c}), expected, got))
         for key, future in [(k, f) for k, f in self._running.items() if f.done()]:
             del self._running[key]
+            by_table = key in self._by_table
+            self._by_table.discard(key)
             got = future.result()
             holder = self._holders[key[0]]
             expected = int(holder.crcs[key[1]])
@@ -294,13 +317,23 @@ class ChunkVerifier:
                             del self._waits[c]
                             settled.append(c)
             else:
-                self._bad.add(key)
                 rereads = frozenset(self._readers.pop(key, ()))
                 for c in rereads:
                     self.forget(c)
-                bad.append(Mismatch(holder.replica, key[1], rereads, expected, got))
+                if by_table:  # its bytes came from several holders: which one was wrong is not known
+                    bad.append(self._unplaced(holder.replica, key, rereads, expected, got))
+                else:
+                    self._bad.add(key)
+                    bad.append(Mismatch(holder.replica, key[1], rereads, expected, got))
         self.mismatches.extend(bad)
         return settled, bad
+
+    def _unplaced(self, replica: RemoteReplica, key: _Key, rereads: frozenset[int], expected: int,
+                  got: int) -> Mismatch:
+        """A mismatch of bytes that came from several holders: nobody is excluded,
+        they are read again, ``_WHOLE_TRIES`` times at most."""
+        tries = self._tries[key] = self._tries.get(key, 0) + 1
+        return Mismatch(replica, key[1], rereads, expected, got, whole=True, exhausted=tries >= _WHOLE_TRIES)
 
     def forget(self, chunk: int) -> None:
         """Reader ``chunk`` will be read again: it waits for nothing until it lands anew."""
@@ -308,30 +341,32 @@ class ChunkVerifier:
 
     def settle_rest(self) -> list[int]:
         """Every READ has landed and every check finished: the holder chunks
-        still waited for can never be checked (their bytes came from two
-        holders). Their reader chunks are checked whole where a holder cut like
-        the reader allows (they wait for that: see ``running``); the rest are
-        settled unchecked, and returned."""
-        for key in {k for waits in self._waits.values() for k in waits if k[0] != _WHOLE}:
-            for _, n, chunk in self._pieces.pop(key, {}).values():
-                if chunk in self._whole_ok:  # its whole check covered these bytes too
-                    self.verified_bytes += n
-                else:
-                    self._unverify(chunk, n)
+        still waited for never landed whole from their holder (their bytes came
+        from two holders). Each is checked now from the reader's memory, in its
+        holder's order (its reader chunks wait for that: see ``running``),
+        unless whole checks of all its reader chunks covered it. Returns the
+        reader chunks settled now."""
         rest = []
-        for c in sorted(self._waits):
-            waits = self._waits[c]
-            waits.intersection_update({(_WHOLE, c)})
-            if not waits and c not in self._whole and c not in self._whole_ok and self._check_whole(c):
-                waits.add((_WHOLE, c))
-            if not waits:
-                del self._waits[c]
-                rest.append(c)
-        return rest
-
-    def failed_whole(self, chunk: int) -> bool:
-        """Whether reader ``chunk`` failed its whole check too often to read it again."""
-        return self._whole_failed.get(chunk, 0) >= _WHOLE_TRIES
+        for key in sorted({k for waits in self._waits.values() for k in waits if k[0] != _WHOLE}):
+            if key in self._running:
+                continue
+            readers = self._readers.get(key, set())
+            if readers and readers <= self._whole_ok:  # their whole checks covered these bytes too
+                self.verified_bytes += sum(p[1] for p in self._pieces.pop(key, {}).values())
+                for c in readers:
+                    waits = self._waits.get(c)
+                    if waits is not None:
+                        waits.discard(key)
+                        if not waits:
+                            del self._waits[c]
+                            rest.append(c)
+                continue
+            spans, spanned = self._holders[key[0]].memory(key[1], self._layout.chunk_size)
+            parts = [(addr, n, None, 0) for addr, n in spans]
+            self._readers[key] = readers | spanned  # a wrong byte may lie in any of them
+            self._by_table.add(key)
+            self._running[key] = self._executor().submit(_join, parts)
+        return sorted(rest)
 
     @property
     def running(self) -> bool:

@@ -484,3 +484,50 @@ def test_a_holder_chunk_read_from_two_holders_and_no_whole_check_yet_is_checked_
     assert checks.poll(5.0) == ([0], [])
     assert checks.verified_bytes == CHUNK and checks.unverified_bytes == 0
     checks.close()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_holder_chunk_read_from_two_holders_cut_unlike_the_reader_is_checked_from_the_readers_memory(corrupt):
+    """Two holders whose chunks are twice the reader's (cut like no reader: no
+    whole check applies), reader chunk 0 read from one, chunk 1 from the
+    other: neither holder's chunk 0 landed whole from it. Before, both were
+    settled unchecked (and a relay then computed its own checksums over them,
+    vouching for bytes nobody checked); now each holder chunk is checked from
+    the reader's memory once every READ landed. A mismatch names no culprit:
+    both reader chunks are read again, nobody is excluded, and the third
+    failure is final."""
+    import dataclasses
+
+    from tensorhub.client.readlayout import Transfer
+    from tensorhub.client.verify import ChunkVerifier
+    from tensorhub.integrity import chunk_checksums
+
+    weights = torch.arange(2 * CHUNK // 4, dtype=torch.int32)
+    manifest = Manifest.of({"w": weights})
+    dest = weights.clone()
+    if corrupt:
+        dest[CHUNK // 4 + 3] += 1  # in reader chunk 1
+    _, mem = regions_of([dest])
+    spec = manifest.tensors[0]
+    layout = ReadLayout(manifest, [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), 4, mem[0])], CHUNK)
+    crcs = chunk_checksums([weights], 2 * CHUNK)
+    checks = ChunkVerifier(True, layout)
+    for name in ("a", "b"):
+        r = dataclasses.replace(_replica(name, manifest, weights), chunk_size=2 * CHUNK, chunk_crc32=crcs)
+        checks.add_holder(r, layout.holder_table(r))
+    desc = lambda c: np.array([[mem[0].addr + c * CHUNK, CHUNK, 0]], np.int64)
+    for tries in range(1, 4):
+        landed = [checks.landed(c, [Transfer(name, desc(c), desc(c), CHUNK, np.array([c * CHUNK]))])
+                  for c, name in ((0, "a"), (1, "b"))]
+        assert landed == [[], []] and checks.poll(0.2) == ([], [])  # each waits for its holder's chunk 0 in vain
+        assert checks.settle_rest() == [] and checks.running  # checked now, from the reader's memory
+        settled, bad = checks.poll(5.0)
+        if not corrupt:
+            assert (sorted(settled), bad) == ([0, 1], [])
+            assert checks.verified_bytes == 2 * CHUNK and checks.unverified_bytes == 0
+            break
+        assert settled == [] and not checks.busy and not checks.running
+        assert sorted((m.replica.source.replica_id, m.chunk, m.rereads, m.whole) for m in bad) == [
+            ("a", 0, frozenset({0, 1}), True), ("b", 0, frozenset({0, 1}), True)]
+        assert {m.exhausted for m in bad} == {tries == 3}
+    checks.close()
