@@ -289,10 +289,7 @@ class ChunkVerifier:
                 self.verified_bytes += nbytes
                 self.unverified_bytes -= nbytes
                 self._whole_ok.add(c)
-                waits.discard((_WHOLE, c))
-                if not waits:
-                    del self._waits[c]
-                    settled.append(c)
+                self._covered(c, (_WHOLE, c), settled)
             else:
                 self.unverified_bytes -= nbytes  # counted again when it lands again
                 self.forget(c)
@@ -310,12 +307,7 @@ class ChunkVerifier:
                 self._checked.add(key)
                 self.verified_bytes += nbytes
                 for c in self._readers.get(key, ()):
-                    waits = self._waits.get(c)
-                    if waits is not None:
-                        waits.discard(key)
-                        if not waits:
-                            del self._waits[c]
-                            settled.append(c)
+                    self._covered(c, key, settled)
             else:
                 rereads = frozenset(self._readers.pop(key, ()))
                 for c in rereads:
@@ -327,6 +319,15 @@ class ChunkVerifier:
                     bad.append(Mismatch(holder.replica, key[1], rereads, expected, got))
         self.mismatches.extend(bad)
         return settled, bad
+
+    def _covered(self, chunk: int, key: _Key, settled: list[int]) -> None:
+        """Reader ``chunk`` no longer waits for check ``key``; settled once it waits for none."""
+        waits = self._waits.get(chunk)
+        if waits is not None:
+            waits.discard(key)
+            if not waits:
+                del self._waits[chunk]
+                settled.append(chunk)
 
     def _unplaced(self, replica: RemoteReplica, key: _Key, rereads: frozenset[int], expected: int,
                   got: int) -> Mismatch:
@@ -354,12 +355,7 @@ class ChunkVerifier:
             if readers and readers <= self._whole_ok:  # their whole checks covered these bytes too
                 self.verified_bytes += sum(p[1] for p in self._pieces.pop(key, {}).values())
                 for c in readers:
-                    waits = self._waits.get(c)
-                    if waits is not None:
-                        waits.discard(key)
-                        if not waits:
-                            del self._waits[c]
-                            rest.append(c)
+                    self._covered(c, key, rest)
                 continue
             spans, spanned = self._holders[key[0]].memory(key[1], self._layout.chunk_size)
             parts = [(addr, n, None, 0) for addr, n in spans]
