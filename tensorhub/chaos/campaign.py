@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -239,6 +241,9 @@ class Campaign:
             if w.warm_threads is not None and w.ops_done >= 2 * WARM_OPS:  # threads started for good once warm
                 leaks["threads"] += max(0, drained["threads"] - w.warm_threads[0])
                 leaks["os_threads"] += max(0, drained["os_threads"] - w.warm_threads[1])
+                new = sorted((Counter(drained.get("thread_names", [])) - Counter(w.warm_thread_names)).elements())
+                if drained["threads"] > w.warm_threads[0] and new:
+                    self.tally.leak_details.append({"who": name, "new_threads": new})
         for w in self.workers.values():
             w.request_close()
         for w in self.workers.values():  # they close at the same time; each within its own deadline
@@ -263,8 +268,10 @@ def run(cfg: ChaosConfig, *, json_path: str | None = None, quiet: bool = False) 
     from tensorhub.chaos.live import live_line
 
     names = ["server", *(f"t{i}" for i in range(cfg.trainer_ranks)), *(f"r{i}" for i in range(cfg.readers))]
-    with netns.Hosts(names, rate=cfg.link) as hosts, tempfile.TemporaryDirectory(prefix="tensorhub-chaos-") as dumps, \
-            live_line(quiet) as show:
+    # The workers' logs (NIXL's and UCX's messages, stacks of hangs) are kept
+    # when the campaign is not clean: the JSON's "logs" names the folder.
+    dumps = tempfile.mkdtemp(prefix="tensorhub-chaos-")
+    with netns.Hosts(names, rate=cfg.link) as hosts, live_line(quiet) as show:
         server = Server(hosts.addr("server"), PORT, hosts.netns("server"), agent_ttl_s=cfg.agent_ttl_s,
                         lease_ttl_s=cfg.lease_ttl_s)
         server.start()
@@ -276,6 +283,10 @@ def run(cfg: ChaosConfig, *, json_path: str | None = None, quiet: bool = False) 
             for w in campaign.workers.values():
                 w.kill()
             server.stop()
+    if tally.clean:
+        shutil.rmtree(dumps, ignore_errors=True)
+    else:
+        tally.logs = dumps
     if json_path:
         tally.write(json_path)
     return tally

@@ -5,11 +5,13 @@
      "served_changed": n, "served_changed_details": [{"who", "version", "tensors", "after_s"}],
      "hangs": n, "hang_details": [{"who", "op", "seconds", "stacks"}], "crashes": n,
      "unpublishes": n, "unpublish_overruns": n, "unpublish_max_s": s, "late_ops": n,
-     "versions": n, "leaks": {...}, "seed": s, "minutes": m, "seconds": s, "phases": {...},
+     "versions": n, "leaks": {...}, "leak_details": [{"who", "new_threads"}], "logs": folder or null, "seed": s, "minutes": m, "seconds": s, "phases": {...},
      "applied": [[at_s, kind, target, duration_s]], "failure_log": [[at_s, who, op, type, message]]}
 
 A failure is typed when it is a ``TensorHubError``; anything else counts under
 ``failures`` as ``UNTYPED:<Type>`` and its traceback goes to ``untyped``.
+A campaign is clean with no mismatch, changed served bytes, hang, untyped
+failure, crash or leak; else its workers' logs are kept (``logs``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class Tally:
     versions: int = 0
     bytes_pulled: int = 0
     leaks: dict[str, int] = field(default_factory=dict)
+    leak_details: list[dict] = field(default_factory=list)  # a process's threads started since it was warm
+    logs: str | None = None  # the workers' logs, kept when the campaign is not clean
     applied: list[list] = field(default_factory=list)  # [at_s, kind, target, duration_s]
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of start-up, faults, settle, drain, close
@@ -105,6 +109,11 @@ class Tally:
     def leaked(self) -> int:
         return sum(self.leaks.values())
 
+    @property
+    def clean(self) -> bool:
+        return not (self.mismatches or self.served_changed or self.hangs or self.untyped_count or self.leaked
+                    or self.crashes)
+
     def line(self) -> str:
         """The live line."""
         faults = " ".join(f"{k.split('_')[0]} {n}" for k, n in sorted(self.faults.items()))
@@ -125,6 +134,7 @@ class Tally:
                 "unpublishes": self.unpublishes, "unpublish_overruns": self.unpublish_overruns,
                 "unpublish_max_s": round(self.unpublish_max_s, 3), "late_ops": self.late_ops,
                 "versions": self.versions, "bytes_pulled": self.bytes_pulled, "leaks": self.leaks,
+                "leak_details": self.leak_details[:20], "logs": self.logs,
                 "seed": self.seed, "minutes": self.minutes, "seconds": round(self.seconds, 1),
                 "phases": {k: round(v, 1) for k, v in self.phases.items()},
                 "applied": self.applied, "failure_log": self.failure_log}

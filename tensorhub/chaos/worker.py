@@ -81,6 +81,12 @@ class _Counted:
         return self.registered - self.deregistered
 
 
+def _thread_names() -> list[str]:
+    """The process's Python threads by name (a default name carries its target's):
+    which thread a leak is."""
+    return sorted(t.name for t in threading.enumerate())
+
+
 def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -230,7 +236,8 @@ def main(conn: Any, spec: WorkerSpec) -> None:
         conn.send(_failure(e))
         return
     proc = _Process(spec, hub, counted)
-    conn.send({"ready": True, "threads": threading.active_count(), "os_threads": _os_threads()})
+    conn.send({"ready": True, "threads": threading.active_count(), "os_threads": _os_threads(),
+               "thread_names": _thread_names()})
     while True:
         op, kwargs = conn.recv()
         if op == "close":
@@ -241,7 +248,7 @@ def main(conn: Any, spec: WorkerSpec) -> None:
             out = getattr(proc, op)(**kwargs)
         except Exception as e:  # noqa: BLE001 - every failure goes to the driver, typed or not
             out = _failure(e)
-        out.update(threads=threading.active_count(), os_threads=_os_threads())
+        out.update(threads=threading.active_count(), os_threads=_os_threads(), thread_names=_thread_names())
         conn.send(out)
 
 
@@ -263,6 +270,7 @@ class Worker:
         self.ops_done = 0
         # (python, os) threads once warm: lazily started pools (lease releases, chores) are running by then
         self.warm_threads: tuple[int, int] | None = None
+        self.warm_thread_names: list[str] = []  # their names then
 
     @property
     def name(self) -> str:
@@ -293,6 +301,7 @@ class Worker:
             self.ops_done += 1
             if self.ops_done == WARM_OPS:
                 self.warm_threads = (answer.get("threads", 0), answer.get("os_threads", 0))
+                self.warm_thread_names = answer.get("thread_names", [])
         answer["op"], self.op = self.op or "start", None
         return answer
 

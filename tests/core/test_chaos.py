@@ -99,8 +99,26 @@ def test_a_short_campaign_with_every_fault_ends_clean():
     assert tally["pulls_ok"] >= 10, summary
     assert tally["mismatches"] == 0 and tally["hangs"] == 0 and tally["crashes"] == 0, summary
     assert not [name for name in tally["failures"] if name.startswith("UNTYPED")], tally["untyped"]
-    assert tally["leaks"] and not any(tally["leaks"].values()), summary
+    assert tally["leaks"] and not any(tally["leaks"].values()), (summary, tally["leak_details"])
     assert tally["unpublish_overruns"] == 0 and tally["late_ops"] == 0, summary
+    assert tally["logs"] is None, "a clean campaign keeps no logs"
+
+
+def test_a_campaign_is_clean_only_without_defects_and_names_leaked_threads():
+    from tensorhub.chaos.tally import Tally
+
+    tally = Tally(seed=1, minutes=1.0, unpublish_timeout_s=8.0)
+    tally.leaks = {"threads": 0, "server_leases": 0}
+    assert tally.clean
+    tally.leaks["threads"] = 1
+    tally.leak_details.append({"who": "r2", "new_threads": ["Thread-9 (_release)"]})
+    tally.logs = "/tmp/tensorhub-chaos-x"
+    assert not tally.clean
+    assert tally.to_json()["leak_details"] == [{"who": "r2", "new_threads": ["Thread-9 (_release)"]}]
+    assert tally.to_json()["logs"] == "/tmp/tensorhub-chaos-x"
+    tally.leaks["threads"] = 0
+    tally.mismatches = 1
+    assert not tally.clean
 
 
 # ---------------------------------------------------------------- bugs the campaign found (regressions)
