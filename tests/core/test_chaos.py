@@ -121,6 +121,17 @@ def test_a_campaign_is_clean_only_without_defects_and_names_leaked_threads():
     assert not tally.clean
 
 
+def test_a_hub_thread_that_starts_late_once_is_no_leak_and_a_new_thread_is_named():
+    from tensorhub.chaos.campaign import thread_leaks
+
+    warm = ["MainThread", "tensorhub-heartbeat"]
+    late_chores = {"threads": 3, "os_threads": 9, "thread_names": [*warm, "tensorhub-chores_0"]}
+    assert thread_leaks((2, 8), warm, late_chores) == (0, 0, [])
+    leaked = {"threads": 4, "os_threads": 10, "thread_names": [*warm, "tensorhub-chores_0", "Thread-7 (_release)"]}
+    assert thread_leaks((2, 8), warm, leaked) == (1, 1, ["Thread-7 (_release)"])
+    assert thread_leaks((2, 8), warm, {"threads": 2, "os_threads": 8, "thread_names": warm}) == (0, 0, [])
+
+
 # ---------------------------------------------------------------- bugs the campaign found (regressions)
 
 SPECS = [("w", "float32", ((8 << 20) // 4,))]  # 8 MiB in 1 MiB chunks
