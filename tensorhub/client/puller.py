@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any, Protocol
 
 import numpy as np
@@ -208,7 +209,8 @@ class PullJob:
             self._upfront = None
 
     def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
-        """What each holder can give of the read set now; holders of none of it are dropped."""
+        """What each holder can give of the read set now; holders of none of it are dropped
+        (complete ones: a filling one will hold some)."""
         out = {}
         for r in replicas:
             rid = r.source.replica_id
@@ -222,7 +224,11 @@ class PullJob:
                 self._checks.refresh(r)
             if len(table["r_off"]):
                 m = self.layout.holder_map(r, table)
-                if len(m.chunk):
+                # A filling reader that has landed nothing yet stays: it takes its
+                # share of the wave (relay_share) from its first round on. Dropped,
+                # the readers of a wave each read others' shares from the complete
+                # holder until every one of them had landed a chunk.
+                if len(m.chunk) or not r.source.complete:
                     out[rid] = m
         return out
 
@@ -264,9 +270,8 @@ class PullJob:
         zone = self.labels.zone
         near = [m for m in peers if m.replica.source.labels.zone == zone]
         at_peers = self._any_covers(near)
-        from_peers = [c for c in order if at_peers[c]][:size]
-        taken = self._relayed = set(from_peers)
-        rest = [c for c in order if c not in taken]
+        relayable = [c for c in order if at_peers[c]]
+        rest = [c for c in order if not at_peers[c]]
         if time.monotonic() - self._progress_at > _PATIENCE_S:
             mine = rest
         else:
@@ -278,7 +283,15 @@ class PullJob:
                 num_chunks=self.layout.num_chunks, seeds_per_zone=self.seeds_per_zone,
                 local={c for c in rest if in_zone[c]}, upstream={c for c in rest if upstream[c]},
             )
-        return from_peers + mine[: size - len(from_peers)], True
+        # While it has chunks of its own share left, a reader gives them their
+        # part of every round (its share of the wave, half its READs at least):
+        # else, once its peers hold more than a round's worth, it reads only from
+        # them, the complete holders' links idle and the wave's new bytes stop
+        # coming in (found by ``tensorhub bench rl``, elastic).
+        own = max(self.in_flight // 2, -(-size // (len(near) + 1)))
+        from_peers = relayable[: size - min(len(mine), own)]
+        self._relayed = set(from_peers)
+        return _alternate(from_peers, mine[: size - len(from_peers)]), True
 
     def _any_covers(self, holders: list[HolderMap]) -> np.ndarray:
         """Per chunk: whether one of ``holders`` can give some of it now."""
@@ -488,7 +501,7 @@ class PullJob:
         server is asked who holds what) keeps them, so the links never drain
         between rounds. The flights live on the job (``_flying``)."""
         layout = self.layout
-        todo = iter([(chunk, t) for chunk, planned in transfers.items() for t in planned])
+        todo = iter(_by_turns(transfers))
         for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
             self._pending[chunk] = len(planned)
             self._failed.discard(chunk)
@@ -746,3 +759,21 @@ class PullJob:
             self.rpc.report_lost(self.agent_id, rid, reason)
         except TensorHubError as e:  # the server will expire it anyway
             log.debug("report_lost: %s", e)
+
+
+def _alternate(*lists: list[int]) -> list[int]:
+    """The lists' items in turns: [a0, b0, a1, b1, b2, ...]."""
+    return [x for group in zip_longest(*lists) for x in group if x is not None]
+
+
+def _by_turns(transfers: dict[int, list[Transfer]]) -> list[tuple[int, Transfer]]:
+    """A round's READs in turns over their sources, each source's in order: a
+    reader's READs in flight spread over the holders it reads from, so it takes
+    its share of several links at once instead of queueing on one of them
+    (found by ``tensorhub bench rl``, elastic: a joiner posted its READs from
+    one peer, then the next, and took half its link)."""
+    queues: dict[str, list[tuple[int, Transfer]]] = {}
+    for chunk, planned in transfers.items():
+        for t in planned:
+            queues.setdefault(t.replica_id, []).append((chunk, t))
+    return [x for group in zip_longest(*queues.values()) for x in group if x is not None]
