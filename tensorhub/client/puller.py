@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -761,7 +761,10 @@ class PullJob:
             log.debug("report_lost: %s", e)
 
 
-def _alternate(*lists: list[int]) -> list[int]:
+T = TypeVar("T")
+
+
+def _alternate(*lists: list[T]) -> list[T]:
     """The lists' items in turns: [a0, b0, a1, b1, b2, ...]."""
     return [x for group in zip_longest(*lists) for x in group if x is not None]
 
@@ -776,4 +779,4 @@ def _by_turns(transfers: dict[int, list[Transfer]]) -> list[tuple[int, Transfer]
     for chunk, planned in transfers.items():
         for t in planned:
             queues.setdefault(t.replica_id, []).append((chunk, t))
-    return [x for group in zip_longest(*queues.values()) for x in group if x is not None]
+    return _alternate(*queues.values())

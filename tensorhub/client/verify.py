@@ -22,8 +22,8 @@ the read set does not cover whole (a TP slice reads part of it), one whose
 bytes came from two holders, or a source without checksums. Two fallbacks
 cover most of those bytes, each checking the bytes in the reader's memory
 whatever holder they came from, so a mismatch names no culprit: the reader
-chunks involved are read again (twice at most, then the pull fails with
-IntegrityError):
+chunks involved are read again (checked three times at most, then the pull
+fails with IntegrityError):
 
 * a holder chunk whose bytes came from two holders is checked, once every READ
   has landed, from the reader's memory in the holder's order (its segment
