@@ -331,8 +331,8 @@ class State:
         replica = self._own_replica(agent_id, replica_id)
         if chunk_crc32 and len(replica.chunk_crc32 or ()) != replica.num_chunks:
             raise StateError("FAILED_PRECONDITION", f"replica {replica_id} announced no checksums to update")
-        if any(not 0 <= c < replica.num_chunks for c in chunks):
-            bad = next(c for c in chunks if not 0 <= c < replica.num_chunks)
+        bad = next((c for c in chunks if not 0 <= c < replica.num_chunks), None)
+        if bad is not None:
             raise StateError("INVALID_ARGUMENT", f"chunk {bad} outside [0, {replica.num_chunks})")
         replica.confirmed_at = time.monotonic()
         if chunk_crc32:

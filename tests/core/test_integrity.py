@@ -193,3 +193,15 @@ def test_a_relay_of_sharded_trainers_computes_its_own_checksums(hubs):
     got = reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=1)
     assert got["mismatched"] == [] and got["lost"] == ["relay"]
     assert 0 < got["sources"].get("rank0", 0) + got["sources"].get("rank1", 0) < got["nbytes"]
+
+
+def test_some_chunk_checksums_are_those_chunks_of_chunk_checksums():
+    """A relay computes its own checksums chunk by chunk as they land: the same
+    values the publisher's whole table has, for chunks spanning tensors too."""
+    from tensorhub.integrity import chunk_checksums, some_chunk_checksums
+
+    tensors = [torch.arange(1000, dtype=torch.int8), torch.arange(3001, dtype=torch.int16)]
+    table = chunk_checksums(tensors, 512)
+    assert some_chunk_checksums(tensors, 512, [13, 0, 1, 13]) == [table[13], table[0], table[1], table[13]]
+    with pytest.raises(ValueError, match="chunk 14 is outside the 7002 bytes"):
+        some_chunk_checksums(tensors, 512, [14])
