@@ -30,7 +30,7 @@ from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import ReferenceClient, Resolved
-from tensorhub.errors import AlreadyPublished, InvalidRequest, TensorHubError, VersionNotFound
+from tensorhub.errors import AlreadyPublished, InvalidRequest, ServerUnavailable, TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
@@ -343,12 +343,20 @@ class Hub:
     def wait_for_version(self, model: str, at_least: int = 0, timeout: float = 60.0) -> int:
         """Block until a version >= ``at_least`` of ``model`` is visible and return
         the highest visible one; VersionNotFound after ``timeout`` seconds. The
-        server answers as soon as it happens (a long poll, not a poll loop)."""
+        server answers as soon as it happens (a long poll, not a poll loop). A
+        server out of reach (restarting) is asked again until the deadline, then
+        ServerUnavailable is raised."""
         model, at_least = _check_model(model), _check_version(at_least)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            found = self._rpc.wait_for_version(model, at_least, max(0.0, min(left, _WAIT_POLL_S)))
+            try:
+                found = self._rpc.wait_for_version(model, at_least, max(0.0, min(left, _WAIT_POLL_S)))
+            except ServerUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
             if found is not None:
                 return found
             if time.monotonic() >= deadline:

@@ -293,3 +293,36 @@ def test_a_pull_s_control_plane_re_registers_a_forgotten_agent_and_retries_once(
         plane.report_lost("r1", "rep", "gone")
     assert server.registered == 2
     holdings._chores.shutdown()
+
+
+def test_wait_for_version_asks_a_restarting_server_again_until_its_deadline():
+    """Found by CI (tests/verl, a restarted server actor): the restarted server
+    answered Ray before its gRPC port, and the wait raised at once."""
+    import time
+
+    import pytest
+
+    from tensorhub.client.hub import Hub
+    from tensorhub.errors import ServerUnavailable
+
+    class Restarting:
+        calls = 0
+
+        def wait_for_version(self, model, at_least, timeout_s):
+            self.calls += 1
+            if self.calls < 3:
+                raise ServerUnavailable("127.0.0.1:1", "restarting")
+            return 7
+
+    class Down:
+        def wait_for_version(self, model, at_least, timeout_s):
+            raise ServerUnavailable("127.0.0.1:1", "down")
+
+    hub = Hub.__new__(Hub)  # only its control plane is used
+    hub._rpc = Restarting()
+    assert hub.wait_for_version("m", 7, timeout=5) == 7 and hub._rpc.calls == 3
+    hub._rpc = Down()
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailable):
+        hub.wait_for_version("m", 7, timeout=0.5)
+    assert 0.4 < time.monotonic() - start < 3
