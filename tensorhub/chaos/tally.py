@@ -2,6 +2,7 @@
 
     {"faults": {kind: n}, "skipped": {kind: n}, "pulls_ok": n, "idle_pulls": n,
      "failures": {ErrorType: n}, "untyped": [...], "mismatches": n, "mismatch_details": [...],
+     "checks_failed": {"by_source": n, "unplaced": n}, "checks_failed_details": [{"who", "version", ...}],
      "served_changed": n, "served_changed_details": [{"who", "version", "tensors", "after_s"}],
      "hangs": n, "hang_details": [{"who", "op", "seconds", "stacks"}], "crashes": n,
      "unpublishes": n, "unpublish_overruns": n, "unpublish_max_s": s, "late_ops": n,
@@ -12,6 +13,10 @@ A failure is typed when it is a ``TensorHubError``; anything else counts under
 ``failures`` as ``UNTYPED:<Type>`` and its traceback goes to ``untyped``.
 A campaign is clean with no mismatch, changed served bytes, hang, untyped
 failure, crash or leak; else its workers' logs are kept (``logs``).
+``checks_failed`` counts chunks of pulls that ended byte-exact whose bytes
+failed their checksum check first and were read again: wrong bytes the checks
+caught (``by_source``: one holder's, excluded; ``unplaced``: read from several
+holders, nobody to blame). Not a defect of the pull; a sign of one elsewhere.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Tally:
     overrun_details: list[dict] = field(default_factory=list)
     mismatches: int = 0
     mismatch_details: list[dict] = field(default_factory=list)
+    checks_failed: Counter = field(default_factory=Counter)  # caught by the checks, read again
+    checks_failed_details: list[dict] = field(default_factory=list)
     # A reader's replica whose bytes were right when its pull ended and wrong when
     # it stopped serving them: written after the pull (a defect, like a mismatch).
     served_changed: int = 0
@@ -89,6 +96,18 @@ class Tally:
             else:
                 self.pulls_ok += 1
                 self.bytes_pulled += answer.get("nbytes", 0)
+            self._caught(who, answer)
+
+    def _caught(self, who: str, answer: dict[str, Any]) -> None:
+        failed, unplaced = answer.get("checks_failed", 0), answer.get("checks_unplaced", 0)
+        if not failed:
+            return
+        self.checks_failed["by_source"] += failed - unplaced
+        self.checks_failed["unplaced"] += unplaced
+        if len(self.checks_failed_details) < 20:
+            self.checks_failed_details.append({"who": who, "version": answer.get("version"), "by_source":
+                                               failed - unplaced, "unplaced": unplaced,
+                                               "sources": answer.get("sources"), "lost": answer.get("lost")})
 
     def failure(self, who: str, answer: dict[str, Any]) -> None:
         name = answer["error"] if answer.get("typed") else f"UNTYPED:{answer['error']}"
@@ -120,7 +139,8 @@ class Tally:
         fails = sum(self.failures.values())
         return (f"{self.seconds:5.0f} s  faults {sum(self.faults.values())} ({faults})  v{self.versions}  "
                 f"pulls ok {self.pulls_ok}  failed {fails} (untyped {self.untyped_count})  "
-                f"mismatches {self.mismatches}{f' (served changed {self.served_changed})' if self.served_changed else ''}  hangs {self.hangs}  crashes {self.crashes}  "
+                f"mismatches {self.mismatches}{f' (served changed {self.served_changed})' if self.served_changed else ''}  "
+                f"caught {sum(self.checks_failed.values())}  hangs {self.hangs}  crashes {self.crashes}  "
                 f"unpublish max {self.unpublish_max_s:.1f} s")
 
     def to_json(self) -> dict[str, Any]:
@@ -128,6 +148,9 @@ class Tally:
                 "idle_pulls": self.idle_pulls, "failures": dict(self.failures), "untyped": self.untyped,
                 "failure_examples": self.examples, "overrun_details": self.overrun_details[:20],
                 "mismatches": self.mismatches, "mismatch_details": self.mismatch_details[:20],
+                "checks_failed": {"by_source": self.checks_failed["by_source"],
+                                  "unplaced": self.checks_failed["unplaced"]},
+                "checks_failed_details": self.checks_failed_details,
                 "served_changed": self.served_changed, "served_changed_details": self.served_changed_details[:20],
                 "hangs": self.hangs,
                 "hang_details": self.hang_details, "crashes": self.crashes, "crash_details": self.crash_details[:20],

@@ -163,7 +163,8 @@ class _Process:
         t0 = time.monotonic()
         result = self.hub.pull(MODEL, "latest", serve=True, timeout=timeout)
         out.update(version=result.version, seconds=time.monotonic() - t0, nbytes=result.nbytes,
-                   sources=result.bytes_by_source, lost=result.lost_sources, unverified=result.unverified_bytes)
+                   sources=result.bytes_by_source, lost=result.lost_sources, unverified=result.unverified_bytes,
+                   checks_failed=result.checks_failed, checks_unplaced=result.checks_failed_unplaced)
         out["mismatched"] = mismatched(result.tensors, result.version, self.spec.seed, self.spec.scale)
         old, self.current, self.held_version = self.current, result.publication, result.version
         if old is not None:

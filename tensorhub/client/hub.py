@@ -59,6 +59,10 @@ class PullResult:
     # Checked against the publishers' chunk checksums, and not (no checksums, or a part of a holder's chunk).
     verified_bytes: int = 0
     unverified_bytes: int = 0
+    # Chunks whose bytes failed their check and were read again (the pull still
+    # ended byte-exact); of them, those read from several holders (no culprit).
+    checks_failed: int = 0
+    checks_failed_unplaced: int = 0
 
     @property
     def gbps(self) -> float:
@@ -291,7 +295,8 @@ class Hub:
         return PullResult(model=model, version=resolved.version, tensors=result_tensors(parts), nbytes=stats.nbytes,
                           seconds=time.perf_counter() - start, bytes_by_source=stats.bytes_by_source,
                           lost_sources=stats.lost_sources, publication=publication,
-                          verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes)
+                          verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
+                          checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced)
 
     def _refuse_second_replica(self, model: str, resolved: Resolved) -> None:
         """The server takes one replica per process and version: a serving pull

@@ -100,6 +100,10 @@ class PullStats:
     verified_bytes: int = 0  # checked against the publisher's chunk checksums
     unverified_bytes: int = 0  # read from a source without checksums, or a holder chunk read in part
     corrupt_sources: list[str] = field(default_factory=list)  # whose bytes failed the check
+    # Holder chunks whose bytes failed their check and were read again; of them,
+    # those whose bytes came from several holders (nobody excluded: no culprit).
+    checks_failed: int = 0
+    checks_failed_unplaced: int = 0
 
 
 class _Lease:
@@ -199,6 +203,8 @@ class PullJob:
                 lease.release()
             stats.verified_bytes = self._checks.verified_bytes
             stats.unverified_bytes = self._checks.unverified_bytes
+            stats.checks_failed = len(self._checks.mismatches)
+            stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
         stats.nbytes = self.layout.total_bytes
         return stats
 

@@ -57,6 +57,12 @@ def test_the_checker_can_fail():
     assert (tally.mismatches, tally.pulls_ok, tally.untyped_count, tally.late_ops) == (1, 1, 1, 1)
     assert tally.failures == {"UNTYPED:KeyError": 1, "SourceLost": 1}
     assert (tally.unpublishes, tally.unpublish_overruns) == (2, 1)
+    # Wrong bytes the checks caught and read again: counted, the pull still exact.
+    assert tally.to_json()["checks_failed"] == {"by_source": 0, "unplaced": 0}
+    tally.answer("r2", {"op": "pull", "version": 8, "mismatched": [], "nbytes": 5, "checks_failed": 3,
+                        "checks_unplaced": 1}, 1.0, 10.0)
+    assert tally.pulls_ok == 2 and tally.to_json()["checks_failed"] == {"by_source": 2, "unplaced": 1}
+    assert tally.checks_failed_details[0]["who"] == "r2" and "caught 3" in tally.line()
 
 
 @needs_root

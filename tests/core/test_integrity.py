@@ -82,6 +82,7 @@ def test_reads_cut_into_pieces_are_checked_as_each_lands_and_a_bad_one_is_read_e
     assert all(torch.equal(d, t.reshape(-1)) for d, t in zip(dests, tensors.values()))
     assert max(n for _, n in transport.reads) <= 5000  # cut: a chunk is 64 KiB
     assert stats.corrupt_sources == ["bad"] and plane.lost == ["bad"]
+    assert (stats.checks_failed, stats.checks_failed_unplaced) == (1, 0)  # one chunk, its culprit known
     assert stats.verified_bytes == stats.nbytes and stats.unverified_bytes == 0
     assert 0 < stats.bytes_by_source["good"] < stats.nbytes
 
@@ -111,6 +112,7 @@ def test_a_corrupted_holder_is_reported_and_its_chunk_read_from_a_good_one(hubs,
     assert got["lost"] == ["bad"]  # reported to the server and excluded
     assert 0 < got["sources"]["good"] < got["nbytes"]  # only what the bad holder got wrong
     assert got["verified"] == got["nbytes"] and got["unverified"] == 0
+    assert got["checks_failed"] == 1  # the one bad chunk, caught and read again
     reports = [r.getMessage() for r in caplog.records if "reported lost" in r.getMessage()]
     assert len(reports) == 1 and "integrity: chunk" in reports[0] and bad.agent_id in reports[0]
 

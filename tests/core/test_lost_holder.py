@@ -421,6 +421,35 @@ def test_a_chunk_that_fails_its_whole_check_is_read_again_then_fails_the_pull():
         job.run()
 
 
+class CorruptsOnce(DisconnectsOnPoll):
+    """As ``DisconnectsOnPoll``, and the first READ from "plain" that lands the
+    byte at ``address`` lands it wrong (a bad wire, once)."""
+
+    def __init__(self, address: int) -> None:
+        super().__init__()
+        self.address, self.done = address, False
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        pending = super().post(remote, local, local_kind, remote_descs, remote_kind)
+        for dst, n, _ in local.tolist():
+            if remote == "plain" and not self.done and dst <= self.address < dst + n:
+                ctypes.c_uint8.from_address(self.address).value ^= 1
+                self.done = True
+        return pending
+
+
+def test_a_chunk_that_fails_its_whole_check_once_is_read_again_and_counted():
+    """The pull ends byte-exact, and says what the checks caught: one chunk
+    read from a holder without checksums, checked whole, no culprit."""
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    plane, dest, job = _checked_against_a_relay(weights.clone(), weights)
+    job.nixl = CorruptsOnce(dest.data_ptr() + 5 * CHUNK + 7)
+    stats = job.run()
+    assert job.nixl.done and torch.equal(dest, weights) and plane.lost == ["broken"]
+    assert (stats.checks_failed, stats.checks_failed_unplaced) == (1, 1) and stats.corrupt_sources == []
+    assert stats.verified_bytes == dest.nbytes and stats.unverified_bytes == 0
+
+
 def _read_in_halves(weights: torch.Tensor, dest: torch.Tensor, checksummed: dict[str, bool]):
     """A verifier over ``dest`` (one tensor, two chunks) whose reader chunk 0
     landed half from each holder in ``checksummed`` (name -> whether it lists
