@@ -277,8 +277,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_override(arg: str) -> bool:
+    return not arg.startswith("-") and "=" in arg
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first flag: `bench rl a=1 --no-live b=2`
+    # leaves "b=2" over. Hydra overrides may sit anywhere among the flags.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(_is_override(e) for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

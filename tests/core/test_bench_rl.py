@@ -42,6 +42,16 @@ def test_bad_settings_are_refused_with_the_reason(overrides, message):
         compose(overrides)
 
 
+def test_overrides_may_sit_anywhere_among_the_flags():
+    from tensorhub.cli import parse_args
+
+    args = parse_args(["bench", "rl", "scenario=elastic", "--no-live", "rollouts=3", "--out", "/tmp/x", "size=8MiB"])
+    assert args.overrides == ["scenario=elastic", "rollouts=3", "size=8MiB"] and args.out == "/tmp/x"
+    for wrong in (["bench", "rl", "--bogus"], ["bench", "pull", "rollouts=3"], ["bench", "rl", "-x=1"]):
+        with pytest.raises(SystemExit):
+            parse_args(wrong)
+
+
 def test_unknown_keys_name_the_known_ones():
     with pytest.raises(ValueError, match="known: .*rollouts"):
         RLBenchConfig.from_dict({"rolouts": 4})
