@@ -88,6 +88,13 @@ _POLL_MIN_S = 20e-6
 _DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish
 _POLL_MAX_S = 2e-3
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
+# After the server restarted (a new instance answers) or went out of reach, its
+# holders announce their replicas again at their next heartbeats, once their
+# channels are back: until then running out of holders, or a lease refused for
+# a holder, does not mean the holder is gone. The pull asks again every
+# _RESETTLE_POLL_S meanwhile.
+_RESETTLE_S = 5.0
+_RESETTLE_POLL_S = 0.1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,6 +184,9 @@ class PullJob:
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
     _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
+    _server: str = ""  # the server instance that last answered a resolve of this pull
+    _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
+    _resettle_until: float = 0.0  # see _RESETTLE_S
 
     def run(self) -> PullStats:
         res = self.resolved
@@ -185,6 +195,7 @@ class PullJob:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
                                      self.layout)
         maps = self._maps(res.replicas, set())
+        self._server = res.instance_id
         self._upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
             self._rounds(res, stats, needed, maps)
@@ -380,12 +391,22 @@ class PullJob:
             if uncovered:
                 # A resolve's lease covers every holder it returned: all are ours to let go.
                 ids = [r.source.replica_id for r in self._upfront.replicas] if self._upfront else uncovered
-                lease = _Lease(self.rpc, self.agent_id, ids, self._upfront)
+                try:
+                    lease = _Lease(self.rpc, self.agent_id, ids, self._upfront)
+                except ServerUnavailable:
+                    if not self._server_out_of_reach():
+                        raise
+                    time.sleep(_RESETTLE_POLL_S)
+                    continue
                 self._upfront = None
                 self._leases.append(lease)
                 for rid in lease.granted:
                     self._covering.setdefault(rid, lease)
                 withdrawn = set(uncovered) - lease.granted
+                if withdrawn and self._resettling():  # a restarted server may not list them again yet
+                    time.sleep(_RESETTLE_POLL_S)
+                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    continue
                 if withdrawn:  # unpublished since the plan: never read them
                     excluded |= withdrawn
                     stale_rounds += 1
@@ -418,8 +439,12 @@ class PullJob:
         (the next round finds out what is missing)."""
         try:
             fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
-        except (VersionNotFound, ServerUnavailable):
+        except ServerUnavailable:
+            self._server_out_of_reach()
             return maps
+        except VersionNotFound:
+            return maps
+        self._answered_by(fresh)
         return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded, needed)
 
     def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap], excluded: set[str],
@@ -484,16 +509,46 @@ class PullJob:
         """Ask the server again who holds the version; new holders may exist."""
         res = self.resolved
         if stale_rounds >= _MAX_ROUNDS_WITHOUT_PROGRESS:
-            raise SourceLost(res.model, res.version, stats.lost_sources,
-                             f"no remaining holder has {self.layout.missing(unavailable, usable)}")
+            if not self._resettling():
+                raise SourceLost(res.model, res.version, stats.lost_sources,
+                                 f"no remaining holder has {self.layout.missing(unavailable, usable)}")
+            time.sleep(_RESETTLE_POLL_S)
         try:
             fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
         except VersionNotFound as e:
+            if self._resettling():  # nobody announced the version to the new instance yet
+                return {}
             raise SourceLost(res.model, res.version, stats.lost_sources,
                              f"no remaining holder has {self.layout.missing(unavailable, usable)} ({e})") from None
+        except ServerUnavailable:
+            if not self._server_out_of_reach():
+                raise
+            return {}
+        self._answered_by(fresh)
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
         return self._maps(fresh.replicas, excluded)
+
+    def _answered_by(self, fresh: Resolved) -> None:
+        """Note which server instance answered: a new one (a restart) knows no
+        holder until they announce themselves again (``_RESETTLE_S``)."""
+        self._out_of_reach = False
+        if fresh.instance_id and fresh.instance_id != self._server:
+            if self._server:
+                log.info("the server restarted mid-pull: its holders get %.0f s to announce themselves", _RESETTLE_S)
+                self._resettle_until = max(self._resettle_until, time.monotonic() + _RESETTLE_S)
+            self._server = fresh.instance_id
+
+    def _server_out_of_reach(self) -> bool:
+        """The server did not answer. The first time since its last answer, its
+        holders get ``_RESETTLE_S`` (it may be restarting); True while they have it."""
+        if not self._out_of_reach:
+            self._out_of_reach = True
+            self._resettle_until = max(self._resettle_until, time.monotonic() + _RESETTLE_S)
+        return self._resettling()
+
+    def _resettling(self) -> bool:
+        return time.monotonic() < self._resettle_until
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
