@@ -388,9 +388,15 @@ class PullJob:
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
             uncovered = [rid for rid in primaries if rid not in self._covering]
+            upfront = {r.source.replica_id for r in self._upfront.replicas} if self._upfront else set()
+            if self._upfront is not None and not set(uncovered) <= upfront:
+                # Taken with a resolve from before holders seen since (a peer that
+                # joined while this reader waited for its seed's chunks): it does
+                # not cover them, and they are not withdrawn. Lease anew.
+                self._drop_upfront()
             if uncovered:
                 # A resolve's lease covers every holder it returned: all are ours to let go.
-                ids = [r.source.replica_id for r in self._upfront.replicas] if self._upfront else uncovered
+                ids = sorted(upfront) if self._upfront else uncovered
                 try:
                     lease = _Lease(self.rpc, self.agent_id, ids, self._upfront)
                 except ServerUnavailable:
