@@ -34,6 +34,7 @@ from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import regions_of
 
 from test_lost_holder import CHUNK, SlowMemcpy
+from test_relay_serves_while_waiting import Plane
 
 CHUNKS = 64
 
@@ -54,13 +55,14 @@ def _seed_before(reader: str) -> str:
     return next(f"seed{i}" for i in range(100) if zlib.crc32(f"seed{i}".encode()) < zlib.crc32(reader.encode()))
 
 
-class PeerJoinsLater:
+class PeerJoinsLater(Plane):
     """First resolve (with its lease): the trainer in zone a and the zone's seed
     in zone b, which holds nothing yet. Every later one: also ``late``, a
     reader of zone b that joined meanwhile and has landed every chunk."""
 
     def __init__(self, manifest: Manifest, trainer: RemoteReplica, seed: RemoteReplica, late: RemoteReplica):
-        self.manifest, self.trainer, self.seed, self.late = manifest, trainer, seed, late
+        super().__init__(manifest, (trainer, seed, late))
+        self.trainer, self.seed, self.late = trainer, seed, late
         self.resolves = 0
         self.refused: list[str] = []
 
@@ -76,15 +78,6 @@ class PeerJoinsLater:
         live = {r.source.replica_id for r in self._listed()}
         self.refused += [rid for rid in replica_ids if rid not in live]
         return "lease", [rid for rid in replica_ids if rid in live], 60.0
-
-    def renew_lease(self, agent_id, lease_id):
-        return 60.0
-
-    def release_lease_async(self, agent_id, lease_id):
-        pass
-
-    def report_lost(self, agent_id, replica_id, reason):
-        raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
 
 
 def test_a_waiting_reader_leases_the_peer_it_learned_of_later_and_relays_from_it():
