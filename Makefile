@@ -28,7 +28,13 @@ $(VENV)/.stamp: pyproject.toml
 demo: $(VENV)/.stamp
 	$(VENV)/bin/tensorhub demo
 
-test: test-core test-vllm test-verl test-openrlhf
+# Every suite's environment first, built side by side (pip spends much of its
+# time on disk and network, and no test runs yet), then the suites one after
+# another, so that their timing-sensitive tests have the machine to themselves.
+ENVS = $(VENV)/.stamp $(VLLM_VENV)/.stamp $(VERL_VENV)/.stamp $(OPENRLHF_VENV)/.stamp
+test:
+	$(MAKE) -j4 --output-sync=target $(ENVS)
+	$(MAKE) test-core test-vllm test-verl test-openrlhf
 
 test-core: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/core

@@ -102,11 +102,12 @@ class Tally:
         failed, unplaced = answer.get("checks_failed", 0), answer.get("checks_unplaced", 0)
         if not failed:
             return
-        self.checks_failed["by_source"] += failed - unplaced
+        by_source = failed - unplaced
+        self.checks_failed["by_source"] += by_source
         self.checks_failed["unplaced"] += unplaced
         if len(self.checks_failed_details) < 20:
             self.checks_failed_details.append({"who": who, "version": answer.get("version"), "by_source":
-                                               failed - unplaced, "unplaced": unplaced,
+                                               by_source, "unplaced": unplaced,
                                                "sources": answer.get("sources"), "lost": answer.get("lost")})
 
     def failure(self, who: str, answer: dict[str, Any]) -> None:

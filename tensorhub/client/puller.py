@@ -219,6 +219,15 @@ class PullJob:
         stats.nbytes = self.layout.total_bytes
         return stats
 
+    def _upfront_covers(self, uncovered: list[str]) -> bool:
+        """Whether the resolve's lease (if one is kept) covers the holders a round
+        reads from. It may not: it was taken before holders seen since (a peer
+        that joined while this reader waited for its seed's chunks), and those are
+        not withdrawn, so the round leases anew."""
+        if self._upfront is None:
+            return True
+        return set(uncovered) <= {r.source.replica_id for r in self._upfront.replicas}
+
     def _drop_upfront(self) -> None:
         """Release a lease taken with a resolve that no round used."""
         if self._upfront is not None:
@@ -388,15 +397,11 @@ class PullJob:
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
             uncovered = [rid for rid in primaries if rid not in self._covering]
-            upfront = {r.source.replica_id for r in self._upfront.replicas} if self._upfront else set()
-            if self._upfront is not None and not set(uncovered) <= upfront:
-                # Taken with a resolve from before holders seen since (a peer that
-                # joined while this reader waited for its seed's chunks): it does
-                # not cover them, and they are not withdrawn. Lease anew.
+            if not self._upfront_covers(uncovered):
                 self._drop_upfront()
             if uncovered:
                 # A resolve's lease covers every holder it returned: all are ours to let go.
-                ids = sorted(upfront) if self._upfront else uncovered
+                ids = sorted(r.source.replica_id for r in self._upfront.replicas) if self._upfront else uncovered
                 try:
                     lease = _Lease(self.rpc, self.agent_id, ids, self._upfront)
                 except ServerUnavailable:
