@@ -616,10 +616,17 @@ class PullJob:
 
         try:
             stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
-            posting = True
+            posting, cut = True, False
+            begun: set[int] = set()  # chunks with a READ posted this round
             while True:
                 while posting and len(flying) < self.in_flight:
-                    item = next(todo, None) if time.monotonic() < stop_posting_at else None
+                    if not cut and time.monotonic() >= stop_posting_at:
+                        # Time to ask who holds what. Post the rest of the chunks begun,
+                        # only: a chunk posted in part (checked READs come in pieces) is
+                        # read again whole next round, the bytes of its landed pieces twice.
+                        cut = True
+                        todo = iter([item for item in todo if item[0] in begun])
+                    item = next(todo, None)
                     if item is None:
                         posting = False
                         break
@@ -627,6 +634,7 @@ class PullJob:
                     if transfer.replica_id in lost_now or transfer.replica_id in excluded or chunk in failed:
                         failed.add(chunk)  # stays needed: the next round re-plans it
                         continue
+                    begun.add(chunk)
                     post(chunk, transfer)
                     if self._checks.enabled and flying and self._landed_at_once(flying[-1][2]):
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
@@ -684,8 +692,10 @@ class PullJob:
                         needed.discard(chunk)
                         landed.extend(self._checks.landed(chunk, self._arrived.pop(chunk, ())))
                 landed.extend(self._checked(needed, excluded, stats))
+                if finished:  # by identity: entries hold descriptor arrays, which == cannot compare
+                    gone = {id(entry) for entry in finished}
+                    flying[:] = [entry for entry in flying if id(entry) not in gone]
                 for entry in finished:
-                    flying.remove(entry)
                     if not any(entry[2] is h for h in self._given_up):
                         self.nixl.release(entry[2])
                 self._reap_given_up()

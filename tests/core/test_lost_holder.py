@@ -560,3 +560,64 @@ def test_a_holder_chunk_read_from_two_holders_cut_unlike_the_reader_is_checked_f
             ("a", 0, frozenset({0, 1}), True), ("b", 0, frozenset({0, 1}), True)]
         assert {m.exhausted for m in bad} == {tries == 3}
     checks.close()
+
+
+
+class CountsPieces(SlowMemcpy):
+    """Records where each READ lands; ``out_of_order``: READs in flight land in
+    any order, as over TCP (each odd one is reported done only from its third
+    poll on, and the puller polls a READ once right after posting it, so the
+    one posted after it is done first)."""
+
+    def __init__(self, *, out_of_order: bool) -> None:
+        super().__init__()
+        self.out_of_order = out_of_order
+        self.landing: list[int] = []
+        self.polls: dict[int, int] = {}
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        super().post(remote, local, local_kind, remote_descs, remote_kind)
+        self.landing.append(int(local[0][0]))
+        return [len(self.landing)]  # a handle of its own
+
+    def poll(self, pending) -> bool:
+        n = pending[0]
+        self.polls[n] = self.polls.get(n, 0) + 1
+        return not self.out_of_order or n % 2 == 0 or self.polls[n] >= 3
+
+
+def _pull_in_pieces(monkeypatch, transport: CountsPieces) -> None:
+    """A checked pull of 16 chunks from one holder, each chunk's READ cut in four
+    pieces; every READ takes ``POST_S`` to post, so rounds end on their clock
+    (``_REFRESH_IDLE_S``) with chunks left to read."""
+    import dataclasses
+
+    from tensorhub.client import verify
+    from tensorhub.integrity import chunk_checksums
+
+    monkeypatch.setattr(verify, "READ_PIECE_BYTES", CHUNK // 4)
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    manifest = Manifest.of({"w": weights})
+    holder = dataclasses.replace(_replica("trainer", manifest, weights), chunk_crc32=chunk_checksums([weights], CHUNK))
+    dest = torch.zeros_like(weights)
+    stats = _job(TwoHolders(manifest, [holder]), transport, manifest, dest, verify=True).run()
+    assert torch.equal(dest, weights)
+    assert stats.verified_bytes == dest.nbytes and stats.checks_failed == 0
+
+
+def test_pieces_of_one_chunk_that_land_out_of_order_are_each_settled_once(monkeypatch):
+    """Found by CI (tests/core/test_pull.py, once): a checked READ is cut into
+    pieces, several of one chunk in flight from one holder; when a later piece
+    landed first, removing it from the flights compared it with the earlier
+    piece field by field, descriptor arrays included, and the pull died with
+    numpy's "truth value of an array with more than one element is ambiguous"."""
+    _pull_in_pieces(monkeypatch, CountsPieces(out_of_order=True))
+
+
+def test_a_round_that_stops_posting_finishes_the_chunks_it_began(monkeypatch):
+    """Found with the test above: a round stopped posting on its clock between
+    the pieces of a chunk, and the next round read that chunk again whole, the
+    bytes of its landed pieces twice (with 32 MiB chunks, up to 24 MiB a round)."""
+    transport = CountsPieces(out_of_order=False)
+    _pull_in_pieces(monkeypatch, transport)
+    assert len(transport.landing) == 16 * 4 and len(set(transport.landing)) == 16 * 4, "a piece was read twice"
