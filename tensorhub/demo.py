@@ -34,7 +34,6 @@ live; it ends with the stall comparison and the path of the plot.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Any, NamedTuple
 
@@ -43,7 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from tensorhub import Hub
+from tensorhub import Hub, processes
 from tensorhub.bench.payload import layout, shaped, views
 from tensorhub.manifest import Manifest
 from tensorhub.regions import Region
@@ -284,7 +283,7 @@ def run(*, size: int = 256 << 20, versions: int = 4, readers: int = 2, trainer_r
     if min(versions, readers, trainer_ranks) < 1:
         raise ValueError("versions, readers and trainer ranks must each be at least 1")
     console = Console()
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     rows: list[tuple] = []
     with EmbeddedServer() as server:
         console.print(f"[bold]TensorHub demo[/]: reference server on {server.address}; {trainer_ranks} trainer "

@@ -8,7 +8,6 @@ Everything here runs real processes, real NIXL and a real gRPC server.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tensorhub import processes
 from tensorhub.manifest import DTYPES, Manifest
 from tensorhub.regions import Region
 from tensorhub.shard import Shard
@@ -286,7 +286,7 @@ class HubProcess:
 
     def __init__(self, address: str, *, name: str, start_timeout: float = 180.0, netns: str | None = None,
                  env: dict[str, str] | None = None, **config: Any) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = processes.context()
         self._conn, child = ctx.Pipe()
         self.name = name
         self.process = ctx.Process(target=_hub_main,

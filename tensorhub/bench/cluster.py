@@ -24,7 +24,6 @@ later read; gloo: the broadcast on the trainer). Needs root and iproute2.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from tensorhub import netns
+from tensorhub import netns, processes
 from tensorhub.bench import children
 from tensorhub.bench.report import Row, print_table, write_json
 
@@ -67,7 +66,7 @@ def _gloo_main(conn: Any, ns: str, rank: int, world: int, addr: str, port: int, 
 
 
 def _gloo(hosts: netns.Hosts, names: list[str], size: int) -> tuple[float, float, bool]:
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     port = 29500 + os.getpid() % 1000
     conns, procs = children.start(ctx, _gloo_main, [(hosts.netns(name), rank, len(names), hosts.addr(names[0]),
                                                      port, size) for rank, name in enumerate(names)])

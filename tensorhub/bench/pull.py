@@ -23,7 +23,6 @@ A last row measures the latency of pulling a 4 KiB single-tensor version.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 from rich.progress import Progress
 
+from tensorhub import processes
 from tensorhub.bench import children
 from tensorhub.bench.report import Row, print_table, write_json
 
@@ -197,7 +197,7 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
     """Run the benchmark; returns its rows (also printed, and written to ``json_path``)."""
     from tensorhub.server import EmbeddedServer
 
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     rows: list[Row] = []
     with EmbeddedServer() as server, Progress(disable=quiet, transient=True) as progress:
         task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * (3 if cfg.verify else 2) + 2)

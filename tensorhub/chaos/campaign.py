@@ -18,7 +18,6 @@ no replica, lease or agent once the TTLs have passed. Needs root (netns, tc).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -27,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorhub import netns
+from tensorhub import netns, processes
 from tensorhub.chaos import faults
 from tensorhub.chaos.schedule import KINDS, Fault, schedule
 from tensorhub.chaos.server import Server
@@ -70,7 +69,7 @@ class Campaign:
         self.trainers = [f"t{i}" for i in range(cfg.trainer_ranks)]
         self.readers = [f"r{i}" for i in range(cfg.readers)]
         self.tally = Tally(seed=cfg.seed, minutes=cfg.minutes, unpublish_timeout_s=cfg.unpublish_timeout_s)
-        self.ctx = mp.get_context("spawn")
+        self.ctx = processes.context()
         self.workers: dict[str, Worker] = {}
         self.impaired: dict[str, tuple[float, Callable[[], None]]] = {}  # host -> (until, undo)
         self.version = 0

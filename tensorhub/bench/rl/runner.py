@@ -8,7 +8,6 @@ turn the events into the method's row.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import time
 from multiprocessing.connection import wait
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from tensorhub import processes
 from tensorhub.bench.rl import metrics, proc, via_broadcast, via_p2p, via_tensorhub
 from tensorhub.bench.rl.config import RLBenchConfig
 from tensorhub.bench.rl.live import Tracker
@@ -38,7 +38,7 @@ class _Run:
 
     def __init__(self, cfg: RLBenchConfig, method: str, where: dict, tracker: Tracker) -> None:
         self.cfg, self.method, self.where, self.tracker = cfg, method, where, tracker
-        self.ctx = mp.get_context("spawn")
+        self.ctx = processes.context()
         self.go, self.stop = self.ctx.Event(), self.ctx.Event()
         self.procs: dict[str, Any] = {}
         self.conns: dict[Any, str] = {}
