@@ -228,6 +228,7 @@ def run(cfg: RLBenchConfig, *, live: bool = True, console: Console | None = None
                 import json
                 from pathlib import Path
 
+                Path(cfg.trace).mkdir(parents=True, exist_ok=True)  # no process of a baseline made it
                 Path(cfg.trace, f"{method}-events.json").write_text(json.dumps(events, default=str))
             row = metrics.summarize(cfg.scenario, method, events, cfg.params(), carried)
             rows.append(row)
