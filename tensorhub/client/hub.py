@@ -63,6 +63,8 @@ class PullResult:
     # ended byte-exact); of them, those read from several holders (no culprit).
     checks_failed: int = 0
     checks_failed_unplaced: int = 0
+    # Bytes of every READ that landed, including any read again: ``nbytes`` when none was.
+    read_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -296,7 +298,8 @@ class Hub:
                           seconds=time.perf_counter() - start, bytes_by_source=stats.bytes_by_source,
                           lost_sources=stats.lost_sources, publication=publication,
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
-                          checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced)
+                          checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
+                          read_bytes=stats.read_bytes)
 
     def _refuse_second_replica(self, model: str, resolved: Resolved) -> None:
         """The server takes one replica per process and version: a serving pull

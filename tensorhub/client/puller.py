@@ -111,6 +111,9 @@ class PullStats:
     # those whose bytes came from several holders (nobody excluded: no culprit).
     checks_failed: int = 0
     checks_failed_unplaced: int = 0
+    # Every byte of every READ that landed, read again or not: a pull that read
+    # nothing twice reads ``nbytes`` (an extra copy of the weights shows here).
+    read_bytes: int = 0
 
 
 class _Lease:
@@ -661,6 +664,7 @@ class PullJob:
                         if e.stalled:
                             self._given_up.append(handle)
                         continue
+                    stats.read_bytes += transfer.nbytes
                     if not self._still_leased(transfer.replica_id):
                         # Its bytes may come from memory the holder reused: read
                         # again, under a new lease (refused if the holder is gone).

@@ -586,7 +586,7 @@ class CountsPieces(SlowMemcpy):
         return not self.out_of_order or n % 2 == 0 or self.polls[n] >= 3
 
 
-def _pull_in_pieces(monkeypatch, transport: CountsPieces) -> None:
+def _pull_in_pieces(monkeypatch, transport: CountsPieces):
     """A checked pull of 16 chunks from one holder, each chunk's READ cut in four
     pieces; every READ takes ``POST_S`` to post, so rounds end on their clock
     (``_REFRESH_IDLE_S``) with chunks left to read."""
@@ -603,6 +603,7 @@ def _pull_in_pieces(monkeypatch, transport: CountsPieces) -> None:
     stats = _job(TwoHolders(manifest, [holder]), transport, manifest, dest, verify=True).run()
     assert torch.equal(dest, weights)
     assert stats.verified_bytes == dest.nbytes and stats.checks_failed == 0
+    return stats
 
 
 def test_pieces_of_one_chunk_that_land_out_of_order_are_each_settled_once(monkeypatch):
@@ -619,5 +620,6 @@ def test_a_round_that_stops_posting_finishes_the_chunks_it_began(monkeypatch):
     the pieces of a chunk, and the next round read that chunk again whole, the
     bytes of its landed pieces twice (with 32 MiB chunks, up to 24 MiB a round)."""
     transport = CountsPieces(out_of_order=False)
-    _pull_in_pieces(monkeypatch, transport)
+    stats = _pull_in_pieces(monkeypatch, transport)
     assert len(transport.landing) == 16 * 4 and len(set(transport.landing)) == 16 * 4, "a piece was read twice"
+    assert stats.read_bytes == stats.nbytes  # and the pull's own count says so

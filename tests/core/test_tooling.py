@@ -48,6 +48,8 @@ def test_bench_pull_writes_rows_for_both_methods(tmp_path):
                        ("tensorhub", 4096)}
     for row in rows:
         assert set(row) >= {"method", "readers", "bytes", "seconds", "gbps"} and row["seconds"] > 0
+        if row["bytes"] != 4096:  # read, not just requested: nothing was read twice
+            assert row["most_read_bytes"] == 16 << 20, row
     assert "tensorhub / nixl-raw throughput" in proc.stdout
     assert "chunk checksums cost" in proc.stdout  # the tensorhub-unchecked row's purpose
 
@@ -65,7 +67,7 @@ def test_bench_pull_from_shard_holders_reads_only_the_tp_slice(tmp_path):
     big = [r for r in data["results"] if r["bytes"] != 4096]
     assert {r["method"] for r in big} == {"nixl-raw", "tensorhub", "tensorhub-unchecked"}
     for row in big:
-        assert row["publishers"] == 2 and row["requested_bytes"] == row["bytes"]
+        assert row["publishers"] == 2 and row["requested_bytes"] == row["bytes"] == row["most_read_bytes"]
         assert 0.4 * (16 << 20) < row["requested_bytes"] <= 0.55 * (16 << 20)
     assert "bytes read / model bytes" in proc.stdout
 
