@@ -117,6 +117,14 @@ class ReferenceClient:
             ("grpc.enable_retries", 1),
             ("grpc.max_receive_message_length", 16 << 20),
             ("grpc.max_send_message_length", 16 << 20),
+            # Reconnect to a restarted server within a second of it coming back.
+            # gRPC's default backoff grows 1 s x1.6 per failed attempt (to 120 s),
+            # so a server down for a few seconds stayed out of reach seconds after
+            # its return: its holders re-announced late and pulls waited for them
+            # (puller._RESETTLE_S).
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
