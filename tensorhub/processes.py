@@ -12,9 +12,10 @@ starts hundreds of them (tests/core/test_shards.py and test_contract.py: 207 s
 spawned, 86 s forked).
 
 Plain fork is not an option: the parent runs threads (gRPC, NIXL progress,
-UCX) that a fork would copy in the middle of their locks. The fork server is single-threaded: it only
-imports modules that start no thread (nothing here creates a NIXL agent or a
-gRPC channel at import), and a child sets up NIXL, UCX and gRPC itself.
+UCX) that a fork would copy in the middle of their locks. The fork server is
+single-threaded: it only imports modules that start no thread (nothing here
+creates a NIXL agent or a gRPC channel at import), and a child sets up NIXL,
+UCX and gRPC itself.
 
 A fork server's child inherits the fork server's environment, frozen when it
 started; a spawned one the parent's at the time it starts. ``context().Process``
