@@ -101,7 +101,7 @@ proto: $(VENV)/.stamp
 
 lint: $(VENV)/.stamp
 	$(PIP) install ruff
-	$(VENV)/bin/ruff check tensorhub tests
+	$(VENV)/bin/ruff check tensorhub tests integrations
 
 clean:
 	rm -rf $(VENV) .venv-* build *.egg-info

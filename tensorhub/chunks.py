@@ -39,4 +39,4 @@ def bitmap_has(bits: bytes, chunk: int) -> bool:
 
 
 def bitmap_count(bits: bytes) -> int:
-    return sum(bin(b).count("1") for b in bits)
+    return int.from_bytes(bits, "little").bit_count()

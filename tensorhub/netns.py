@@ -23,6 +23,10 @@ import ctypes
 import os
 import shutil
 import subprocess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _CLONE_NEWNET = 0x40000000
 
@@ -135,13 +139,13 @@ class Hosts:
 
     def close(self) -> None:
         for ns in [*self._ns.values(), self.switch]:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):  # already gone
                     os.kill(int(pid), 9)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

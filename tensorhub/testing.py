@@ -16,7 +16,8 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from tensorhub import processes
 from tensorhub.manifest import DTYPES, Manifest
 from tensorhub.regions import Region
 from tensorhub.shard import Shard
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 Spec = tuple[str, str, tuple[int, ...]]  # name, dtype name, shape
 
@@ -140,7 +144,7 @@ def _hub_main(conn: Any, address: str, config: dict, netns: str | None, env: dic
                 return
             result = _HANDLERS[method](hub, held, **kwargs)
             conn.send(("ok", result))
-        except BaseException as e:  # report every failure to the test
+        except BaseException as e:  # noqa: BLE001  report every failure to the test
             conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
 
 
@@ -236,7 +240,7 @@ def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            done = int(open(path).read() or 0)
+            done = int(Path(path).read_text() or 0)
         except (FileNotFoundError, ValueError):
             done = 0
         if done >= at_least:
@@ -328,7 +332,7 @@ class HubProcess:
         if self.process.is_alive():
             self.kill()
 
-    def __enter__(self) -> HubProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -378,7 +382,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

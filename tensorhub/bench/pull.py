@@ -27,6 +27,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rich.progress import Progress
 
@@ -128,6 +129,15 @@ def _destination(cfg: PullBenchConfig):
     return flat, into, expected
 
 
+class Timed(NamedTuple):
+    """A reader's answer to one timed pull."""
+
+    start: float  # time.monotonic() when it began
+    end: float
+    ok: bool  # the bytes matched (checked on the verify rounds only)
+    read_bytes: int  # every byte its READs landed (PullResult.read_bytes)
+
+
 def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: int) -> None:
     import torch
 
@@ -191,7 +201,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
                 read = (unchecked if cmd == "tensorhub-unchecked" else hub).pull(MODEL, 1, into=into).read_bytes
             end = time.monotonic()
             ok = torch.equal(dest, expected) if cmd == "verify" or (cmd == "verify-raw" and exact_raw) else True
-            conn.send((start, end, ok, read))
+            conn.send(Timed(start, end, ok, read))
 
 
 def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
@@ -216,10 +226,10 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
             for conn in conns:
                 conn.send((cmd, start_at))
             results = children.receive(conns, 300, f"a reader did not finish {cmd}")
-            if not all(ok for _, _, ok, _ in results):
+            if not all(r.ok for r in results):
                 raise RuntimeError(f"{cmd}: a reader received wrong bytes")
-            most_read[cmd] = max(most_read.get(cmd, 0), *(read for *_, read in results))
-            return max(e for _, e, _, _ in results) - min(s for s, _, _, _ in results)
+            most_read[cmd] = max(most_read.get(cmd, 0), *(r.read_bytes for r in results))
+            return max(r.end for r in results) - min(r.start for r in results)
 
         progress.update(task, description="checking bytes")
         round_("verify-raw")

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from tensorhub.manifest import Manifest, itemsize
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
 from tensorhub.transport import NixlAgent
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +394,7 @@ class Hub:
         self._nixl.close()
         self._rpc.close()
 
-    def __enter__(self) -> Hub:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,7 +9,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from tensorhub.manifest import Manifest
 from tensorhub.regions import Region
 from tensorhub.shard import Part
 from tensorhub.transport import Registration
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class PubState(enum.Enum):
@@ -135,7 +138,7 @@ class Publication:
         readers still hold leases after ``timeout`` seconds."""
         self._owner.unpublish(self, timeout)
 
-    def __enter__(self) -> Publication:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -144,7 +144,7 @@ class _Lease:
     def release(self) -> None:
         try:
             self._rpc.release_lease_async(self._agent_id, self.lease_id)
-        except Exception as e:  # the lease expires by itself
+        except Exception as e:  # noqa: BLE001  the lease expires by itself
             log.debug("release lease: %s", e)
 
 

@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -17,6 +17,9 @@ from tensorhub.server.config import ServerConfig
 from tensorhub.server.metrics import NoMetrics, PrometheusMetrics
 from tensorhub.server.service import ReferenceService, add_to_server
 from tensorhub.server.state import State
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +138,7 @@ class EmbeddedServer:
         self._loop.close()
         self.metrics.stop()
 
-    def __enter__(self) -> EmbeddedServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

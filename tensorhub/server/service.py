@@ -511,7 +511,7 @@ def _lenient(cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
             return cls.FromString(data)
-        except Exception as e:  # DecodeError, or anything else protobuf raises on garbage
+        except Exception as e:  # noqa: BLE001  DecodeError, or anything else protobuf raises on garbage
             return _Undecodable(cls.__name__, str(e))
 
     return parse

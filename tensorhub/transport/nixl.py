@@ -203,7 +203,7 @@ class NixlAgent:
         self._forgotten.discard(name)
         try:
             self._agent.remove_remote_agent(name)
-        except Exception as e:  # already gone on NIXL's side
+        except Exception as e:  # noqa: BLE001  already gone on NIXL's side
             log.debug("remove_remote_agent(%s): %s", name, e)
 
     # ---------------------------------------------------------------- reads
@@ -256,7 +256,7 @@ class NixlAgent:
         if pending.handle is not None:
             try:
                 self._agent.release_xfer_handle(pending.handle)
-            except Exception as e:  # a failed transfer may refuse release
+            except Exception as e:  # noqa: BLE001  a failed transfer may refuse release
                 log.debug("release_xfer_handle: %s", e)
         with self._lock:
             left = self._flights.pop(pending.remote, 1) - 1

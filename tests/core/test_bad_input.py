@@ -63,15 +63,15 @@ def test_held_regions_that_do_not_fit_are_refused(server, stub):
     shape = (8, 4)  # 8 rows of 4 float32: 16 bytes a row
     s.Publish(_publish(shape=shape, held=[_rows(0, 4)], regions=_mem(64)), timeout=10)
     bad = [
-        (dict(held=[_rows(0, 4, tensor=3)], regions=_mem(64)), "tensor #3"),
-        (dict(held=[_rows(4, 9)], regions=_mem(80)), "outside [0:8)"),
-        (dict(held=[pb.TensorRegion(tensor=0, start=[0], stop=[4])], regions=_mem(64)), "dimension"),
-        (dict(held=[pb.TensorRegion(tensor=0, start=[0, 0], stop=[4])], regions=_mem(64)), "starts"),
-        (dict(held=[pb.TensorRegion(tensor=0, start=[0] * 100, stop=[1] * 100)], regions=_mem(4)), "dimensions"),
-        (dict(held=[pb.TensorRegion(tensor=0, start=[5], stop=[3], flat=True)], regions=_mem(8)), "inverted"),
-        (dict(held=[_rows(4, 8)], regions=_mem(60)), "is 60 bytes, the region is 64"),
-        (dict(held=[_rows(4, 8)], regions=_mem(64, 64)), "2 memory regions for 1 held regions"),
-        (dict(held=[_rows(4, 8), _rows(6, 7)], regions=_mem(64, 16)), "overlaps"),
+        ({"held": [_rows(0, 4, tensor=3)], "regions": _mem(64)}, "tensor #3"),
+        ({"held": [_rows(4, 9)], "regions": _mem(80)}, "outside [0:8)"),
+        ({"held": [pb.TensorRegion(tensor=0, start=[0], stop=[4])], "regions": _mem(64)}, "dimension"),
+        ({"held": [pb.TensorRegion(tensor=0, start=[0, 0], stop=[4])], "regions": _mem(64)}, "starts"),
+        ({"held": [pb.TensorRegion(tensor=0, start=[0] * 100, stop=[1] * 100)], "regions": _mem(4)}, "dimensions"),
+        ({"held": [pb.TensorRegion(tensor=0, start=[5], stop=[3], flat=True)], "regions": _mem(8)}, "inverted"),
+        ({"held": [_rows(4, 8)], "regions": _mem(60)}, "is 60 bytes, the region is 64"),
+        ({"held": [_rows(4, 8)], "regions": _mem(64, 64)}, "2 memory regions for 1 held regions"),
+        ({"held": [_rows(4, 8), _rows(6, 7)], "regions": _mem(64, 16)}, "overlaps"),
     ]
     for fields, needle in bad:
         code, detail = _code(s.Publish, _publish(agent="a2", replica="a2.0", shape=shape, **fields))

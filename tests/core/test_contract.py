@@ -69,28 +69,28 @@ def test_failover_to_another_holder_mid_pull(hubs, tmp_path):
 
 def test_server_restart_clients_reregister_and_pull_again():
     specs = mixed_specs(12, largest_bytes=1 << 20)
-    with ServerProcess() as server:
-        with HubProcess(server.address, name="trainer", heartbeat_interval_s=0.2) as trainer, \
-             HubProcess(server.address, name="reader", heartbeat_interval_s=0.2) as reader:
-            trainer.call("publish", model="m", version=4, specs=specs, seed=4)
-            assert reader.call("pull", model="m", specs=specs, expect_seed=4)["mismatched"] == []
-            server.kill()
-            with pytest.raises(RemoteError) as err:
-                reader.call("pull", model="m", specs=specs, timeout=60)
-            assert err.value.type_name == "ServerUnavailable"
-            server.start()
-            deadline = time.monotonic() + 15
-            while True:  # the trainer's heartbeat notices the new instance and re-registers
-                try:
-                    if reader.call("latest", model="m") == 4:
-                        break
-                except RemoteError:
-                    pass
-                assert time.monotonic() < deadline, "replica was not re-registered after the restart"
-                time.sleep(0.2)
-            got = reader.call("pull", model="m", specs=specs, expect_seed=4)
-            assert got["mismatched"] == [] and got["version"] == 4
-            assert trainer.process.is_alive() and reader.process.is_alive()
+    with (ServerProcess() as server,
+          HubProcess(server.address, name="trainer", heartbeat_interval_s=0.2) as trainer,
+          HubProcess(server.address, name="reader", heartbeat_interval_s=0.2) as reader):
+        trainer.call("publish", model="m", version=4, specs=specs, seed=4)
+        assert reader.call("pull", model="m", specs=specs, expect_seed=4)["mismatched"] == []
+        server.kill()
+        with pytest.raises(RemoteError) as err:
+            reader.call("pull", model="m", specs=specs, timeout=60)
+        assert err.value.type_name == "ServerUnavailable"
+        server.start()
+        deadline = time.monotonic() + 15
+        while True:  # the trainer's heartbeat notices the new instance and re-registers
+            try:
+                if reader.call("latest", model="m") == 4:
+                    break
+            except RemoteError:
+                pass
+            assert time.monotonic() < deadline, "replica was not re-registered after the restart"
+            time.sleep(0.2)
+        got = reader.call("pull", model="m", specs=specs, expect_seed=4)
+        assert got["mismatched"] == [] and got["version"] == 4
+        assert trainer.process.is_alive() and reader.process.is_alive()
 
 
 def test_unpublish_while_the_server_is_down_waits_its_timeout_and_says_it_cannot_tell():

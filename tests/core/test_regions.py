@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from tensorhub import InvalidRequest, ManifestMismatch, Shard, SourceLost
-from tensorhub.errors import TensorHubError
 from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
+from tensorhub.errors import TensorHubError
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source
 from tensorhub.regions import Region, gaps, overlap
@@ -190,7 +190,7 @@ def _remote(rid: str, manifest: Manifest, parts: list[tuple[str, Region, torch.T
 
 def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[str, Region]], *,
           chunk_size: int = 4096, transport: MemcpyTransport | None = None, chunk_timeout_s: float = 5,
-          progress=None):  # noqa: ANN001
+          progress=None):
     index = manifest.index()
     dests = []
     for name, region in want:
@@ -222,8 +222,8 @@ def _split(rng: random.Random, shape: tuple[int, ...], holders: int) -> list[Reg
     """Regions that together cover the tensor: rows, columns or flat ranges."""
     kind = rng.choice(["rows", "flat"] + (["cols"] if len(shape) >= 2 else []))
     dim = {"rows": shape[0], "cols": shape[1] if len(shape) > 1 else 0, "flat": math.prod(shape)}[kind]
-    cuts = sorted(set([0, dim, *(rng.randrange(1, dim) for _ in range(holders - 1))]))
-    return [Region.of(shape, **{kind: (a, b)}) for a, b in zip(cuts, cuts[1:])]
+    cuts = sorted({0, dim, *(rng.randrange(1, dim) for _ in range(holders - 1))})
+    return [Region.of(shape, **{kind: (a, b)}) for a, b in itertools.pairwise(cuts)]
 
 
 def test_generated_shard_layouts_pull_byte_exact_and_count_each_byte_once():
@@ -255,7 +255,7 @@ def test_a_whole_tensor_spanning_four_shards_reads_from_all_four():
     manifest = Manifest.of(full)
     cuts = [0, 250, 500, 750, 1000]
     replicas = [_remote(f"rank{i}", manifest, [("w", Region.of((1000, 8), rows=(a, b)), full["w"][a:b].contiguous())])
-                for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+                for i, (a, b) in enumerate(itertools.pairwise(cuts))]
     stats, dests, _ = _pull(manifest, replicas, [("w", Region())], chunk_size=1 << 20)
     assert torch.equal(dests[0].reshape(1000, 8), full["w"])
     assert stats.bytes_by_source == {f"rank{i}": 250 * 8 * 4 for i in range(4)}

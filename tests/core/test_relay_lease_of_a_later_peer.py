@@ -22,6 +22,8 @@ import zlib
 
 import numpy as np
 import torch
+from test_lost_holder import CHUNK, SlowMemcpy
+from test_relay_serves_while_waiting import Plane
 
 from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart
@@ -32,9 +34,6 @@ from tensorhub.regions import Region
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import regions_of
-
-from test_lost_holder import CHUNK, SlowMemcpy
-from test_relay_serves_while_waiting import Plane
 
 CHUNKS = 64
 

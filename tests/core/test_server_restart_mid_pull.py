@@ -21,13 +21,12 @@ import time
 
 import pytest
 import torch
+from test_lost_holder import CHUNK, SlowMemcpy, _job, _replica
 
 from tensorhub.client import puller
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.errors import ServerUnavailable, SourceLost, TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest
-
-from test_lost_holder import CHUNK, SlowMemcpy, _job, _replica
 
 
 class RestartingServer:

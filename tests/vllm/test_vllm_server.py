@@ -41,7 +41,7 @@ class Server:
         if tp == 2:  # vLLM's automatic binding wants one NUMA node per worker; bind one core each instead
             cores = sorted(os.sched_getaffinity(0))[:2]
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
-        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self._log = open(log_path, "w")  # noqa: SIM115  the server writes it until stop() closes it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
