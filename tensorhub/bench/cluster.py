@@ -3,6 +3,8 @@
 version moved four ways in the same run:
 
 * ``single``: one reader pulls alone (the time to beat);
+* ``single-unchecked``: the same reader's host, chunk checksums off
+  (``HubConfig.verify_chunks=False``): what the checks cost a pull over a link;
 * ``tensorhub-no-relay``: R readers pull together, none serves: all read the trainer;
 * ``tensorhub``: R readers pull together and serve what lands (relay);
 * ``gloo-broadcast``: ``torch.distributed`` gloo, the trainer and R readers in one
@@ -95,17 +97,19 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                      zone_link=cfg.zone_link if zoned else None) as hosts, \
             ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=1) as server, \
             Progress(disable=quiet, transient=True) as progress:
-        task = progress.add_task("starting hubs on the emulated hosts", total=4)
+        task = progress.add_task("starting hubs on the emulated hosts", total=5)
 
-        def hub(name: str) -> HubProcess:
-            labels = {"host": name, "zone": zone[name]} if zoned else {"host": name}
-            return HubProcess(server.address, name=name, netns=hosts.netns(name), env=ENV, labels=labels)
+        def hub(name: str, host: str | None = None, **config: Any) -> HubProcess:
+            host = host or name
+            labels = {"host": host, "zone": zone[host]} if zoned else {"host": host}
+            return HubProcess(server.address, name=name, netns=hosts.netns(host), env=ENV, labels=labels, **config)
 
         def crossed(since: int) -> dict[str, int]:
             return {"cross_zone_bytes": hosts.zone_link_bytes() - since} if zoned else {}
 
         trainer = hub("trainer")
         pulls = [hub(name) for name in readers]
+        unchecked = hub(f"{readers[0]}-unchecked", readers[0], verify_chunks=False)
         try:
             version = 0
 
@@ -132,10 +136,11 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                 progress.advance(task)
 
             tensorhub("single", pulls[:1], serve=False)
+            tensorhub("single-unchecked", [unchecked], serve=False)
             tensorhub("tensorhub-no-relay", pulls, serve=False)
             tensorhub("tensorhub", pulls, serve=True)
         finally:
-            for proc in [*pulls, trainer]:
+            for proc in [*pulls, unchecked, trainer]:
                 proc.close(timeout=15)
         progress.update(task, description=f"gloo-broadcast: {cfg.readers} reader(s)")
         sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
@@ -150,6 +155,9 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
         print_table(f"{size:,} bytes to {cfg.readers} reader(s) on emulated hosts, links {cfg.link}{where}", rows,
                     {m: "single" for m in ("tensorhub", "tensorhub-no-relay", "gloo-broadcast")})
         single, gloo = rows[0], rows[-1]
+        off = next(r for r in rows if r.method == "single-unchecked")
+        print(f"chunk checksums cost {1 - off.seconds / single.seconds:.1%} of a lone reader's pull throughput over "
+              f"its {cfg.link} link (single against single-unchecked; goal <= 10%)")
         for row in rows:
             across = f", {row.extra['cross_zone_bytes'] / size:.2f} copies crossed zones" if zoned else ""
             stall = row.extra["trainer_stall_seconds"]
