@@ -12,6 +12,9 @@ Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
 
+Which read lease covers which holder is ``leases.PullLeases``'s to keep; the
+job decides when to lease, take over and let go.
+
 The job talks to the reference server through ``ControlPlane`` and moves bytes
 through ``Transport``: the real ones are ``ReferenceClient`` and ``NixlAgent``;
 tests drive the failover logic with fakes.
@@ -20,7 +23,6 @@ tests drive the failover logic with fakes.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.verify import ChunkVerifier, Mismatch
@@ -50,17 +53,11 @@ ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 LandedFn = Callable[[list[int]], None]  # chunks that landed since the last call
 
 
-class ControlPlane(Protocol):
+class ControlPlane(LeaseService, Protocol):
     """What a pull asks of the reference server (``ReferenceClient``)."""
 
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
                 group_round: int = 0, lease: bool = False) -> Resolved: ...
-
-    def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]: ...
-
-    def renew_lease(self, agent_id: str, lease_id: str) -> float: ...
-
-    def release_lease_async(self, agent_id: str, lease_id: str) -> None: ...
 
     def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None: ...
 
@@ -116,38 +113,6 @@ class PullStats:
     read_bytes: int = 0
 
 
-class _Lease:
-    """A read lease on some sources of a pull. Renewed before it runs out;
-    ``expiry`` is local and conservative (taken before the request was sent)."""
-
-    def __init__(self, rpc: ControlPlane, agent_id: str, replica_ids: list[str],
-                 taken: Resolved | None = None) -> None:
-        self._rpc, self._agent_id = rpc, agent_id
-        if taken is not None:  # leased together with the resolve
-            self.lease_id, self.ttl_s, sent = taken.lease_id, taken.lease_ttl_s, taken.lease_sent_at
-            self.granted = set(replica_ids)
-        else:
-            sent = time.monotonic()
-            self.lease_id, granted, self.ttl_s = rpc.acquire_lease(agent_id, replica_ids)
-            self.granted = set(granted)
-        self.expiry = sent + self.ttl_s
-        self._lock = threading.Lock()
-
-    def valid_until(self) -> float:
-        with self._lock:
-            if self.expiry - time.monotonic() < self.ttl_s / 2:
-                sent = time.monotonic()
-                self.ttl_s = self._rpc.renew_lease(self._agent_id, self.lease_id)
-                self.expiry = sent + self.ttl_s
-            return self.expiry
-
-    def release(self) -> None:
-        try:
-            self._rpc.release_lease_async(self._agent_id, self.lease_id)
-        except Exception as e:  # noqa: BLE001  the lease expires by itself
-            log.debug("release lease: %s", e)
-
-
 @dataclass(kw_only=True, slots=True)
 class PullJob:
     rpc: ControlPlane
@@ -166,11 +131,9 @@ class PullJob:
     verify: bool = True  # check chunks against their publishers' checksums (HubConfig.verify_chunks)
     _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
     _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
-    _upfront: Resolved | None = None  # a resolve whose lease the next round uses
     # Read leases are kept until the pull ends: a holder that unpublishes
     # mid-pull waits for it (the contract), and it stays readable meanwhile.
-    _leases: list[_Lease] = field(default_factory=list)
-    _covering: dict[str, _Lease] = field(default_factory=dict)  # replica id -> the lease that covers it
+    _leases: PullLeases = field(init=False)
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
     _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
     _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
@@ -191,6 +154,9 @@ class PullJob:
     _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
     _resettle_until: float = 0.0  # see _RESETTLE_S
 
+    def __post_init__(self) -> None:
+        self._leases = PullLeases(self.rpc, self.agent_id)
+
     def run(self) -> PullStats:
         res = self.resolved
         stats = PullStats()
@@ -199,7 +165,7 @@ class PullJob:
                                      self.layout)
         maps = self._maps(res.replicas, set())
         self._server = res.instance_id
-        self._upfront = res if res.lease_id else None  # the resolve's lease covers the first round
+        self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
             self._rounds(res, stats, needed, maps)
         except SourceLost as e:
@@ -212,30 +178,13 @@ class PullJob:
         finally:
             self._drop_flights()
             self._checks.close()  # no check reads the destination after this
-            self._drop_upfront()
-            for lease in self._leases:
-                lease.release()
+            self._leases.release_all()
             stats.verified_bytes = self._checks.verified_bytes
             stats.unverified_bytes = self._checks.unverified_bytes
             stats.checks_failed = len(self._checks.mismatches)
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
         stats.nbytes = self.layout.total_bytes
         return stats
-
-    def _upfront_covers(self, uncovered: list[str]) -> bool:
-        """Whether the resolve's lease (if one is kept) covers the holders a round
-        reads from. It may not: it was taken before holders seen since (a peer
-        that joined while this reader waited for its seed's chunks), and those are
-        not withdrawn, so the round leases anew."""
-        if self._upfront is None:
-            return True
-        return set(uncovered) <= {r.source.replica_id for r in self._upfront.replicas}
-
-    def _drop_upfront(self) -> None:
-        """Release a lease taken with a resolve that no round used."""
-        if self._upfront is not None:
-            _Lease(self.rpc, self.agent_id, [], self._upfront).release()
-            self._upfront = None
 
     def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
         """What each holder can give of the read set now; holders of none of it are dropped
@@ -393,30 +342,24 @@ class PullJob:
                 else:
                     transfers[chunk] = self._checks.pieces(planned)  # checked READs: cut to be checked in cache
             if unavailable:
-                self._drop_upfront()  # the holders it leased cannot fill this round
+                self._leases.drop_upfront()  # the holders it leased cannot fill this round
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
                                          maps, excluded, needed)
                 stale_rounds += 1
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
-            uncovered = [rid for rid in primaries if rid not in self._covering]
-            if not self._upfront_covers(uncovered):
-                self._drop_upfront()
+            uncovered = [rid for rid in primaries if not self._leases.covers(rid)]
+            if not self._leases.upfront_covers(uncovered):
+                self._leases.drop_upfront()
             if uncovered:
-                # A resolve's lease covers every holder it returned: all are ours to let go.
-                ids = sorted(r.source.replica_id for r in self._upfront.replicas) if self._upfront else uncovered
                 try:
-                    lease = _Lease(self.rpc, self.agent_id, ids, self._upfront)
+                    granted = self._leases.take(uncovered)
                 except ServerUnavailable:
                     if not self._server_out_of_reach():
                         raise
                     time.sleep(_RESETTLE_POLL_S)
                     continue
-                self._upfront = None
-                self._leases.append(lease)
-                for rid in lease.granted:
-                    self._covering.setdefault(rid, lease)
-                withdrawn = set(uncovered) - lease.granted
+                withdrawn = set(uncovered) - granted
                 if withdrawn and self._resettling():  # a restarted server may not list them again yet
                     time.sleep(_RESETTLE_POLL_S)
                     maps = self._refresh_quietly(res, excluded, maps, needed)
@@ -473,7 +416,7 @@ class PullJob:
         only until its next version is published, and is then let go unless a
         reader holds a lease on it (a pull that let the trainer go first lost
         the version mid-way, found by ``tensorhub bench rl``)."""
-        gone = [rid for rid in old if rid not in fresh and rid in self._covering and rid not in excluded]
+        gone = [rid for rid in old if rid not in fresh and self._leases.covers(rid) and rid not in excluded]
         if not gone:
             return fresh
         if any(entry[1].replica_id in gone for entry in self._flying):  # never release a lease under a READ
@@ -482,7 +425,7 @@ class PullJob:
             return fresh
         if all(self.layout.transfers(c, list(fresh.values())) is not None for c in needed):
             try:
-                if self._lease_takeover(fresh):
+                if self._leases.take_over([rid for rid, m in fresh.items() if m.replica.source.complete]):
                     self._release(set(gone), fresh)
                     return fresh
             except TensorHubError as e:  # keep the old leases: they expire by themselves
@@ -491,32 +434,9 @@ class PullJob:
             fresh[rid] = old[rid]
         return fresh
 
-    def _lease_takeover(self, fresh: dict[str, HolderMap]) -> bool:
-        """Lease the complete listed holders no lease of this pull covers yet;
-        False when one of them was withdrawn meanwhile (keep the old ones then)."""
-        uncovered = [rid for rid, m in fresh.items() if rid not in self._covering and m.replica.source.complete]
-        if not uncovered:
-            return True
-        lease = _Lease(self.rpc, self.agent_id, uncovered)
-        self._leases.append(lease)
-        for rid in lease.granted:
-            self._covering[rid] = lease
-        return set(uncovered) <= lease.granted
-
     def _release(self, gone: set[str], fresh: dict[str, HolderMap]) -> None:
-        """Release the leases that cover ``gone``; what else they covered and is
-        still listed is leased anew first (no READ in flight is on ``gone``)."""
-        for lease in {id(self._covering[rid]): self._covering[rid] for rid in gone}.values():
-            keep = [rid for rid, held in self._covering.items() if held is lease and rid not in gone and rid in fresh]
-            if keep:
-                renewed = _Lease(self.rpc, self.agent_id, keep)
-                self._leases.append(renewed)
-                for rid in renewed.granted:
-                    self._covering[rid] = renewed
-            for rid in [rid for rid, held in self._covering.items() if held is lease]:
-                del self._covering[rid]
-            self._leases.remove(lease)
-            lease.release()
+        """Let the withdrawn holders ``gone`` go (their unpublish returns)."""
+        self._leases.release(gone, set(fresh))
 
     def _refresh(self, stats: PullStats, excluded: set[str], stale_rounds: int, unavailable: list[int],
                  usable: list[HolderMap]) -> dict[str, HolderMap]:
@@ -599,8 +519,7 @@ class PullJob:
 
         def post(chunk: int, transfer: Transfer) -> None:
             replica = maps[transfer.replica_id].replica
-            lease = self._covering.get(transfer.replica_id)
-            if lease is None:  # its lease failed to renew earlier in this round: lease again next round
+            if not self._leases.covers(transfer.replica_id):  # its lease failed to renew: lease again next round
                 failed.add(chunk)
                 return
             try:
@@ -612,7 +531,7 @@ class PullJob:
                 failed.add(chunk)
             except TensorHubError as e:  # the lease could not be renewed: lease again next round
                 log.info("chunk %d deferred: %s", chunk, e)
-                self._covering.pop(transfer.replica_id, None)
+                self._leases.forget(transfer.replica_id)
                 failed.add(chunk)
             else:
                 flying.append((chunk, transfer, handle, deadline, replica))
@@ -665,12 +584,12 @@ class PullJob:
                             self._given_up.append(handle)
                         continue
                     stats.read_bytes += transfer.nbytes
-                    if not self._still_leased(transfer.replica_id):
+                    if not self._leases.still_leased(transfer.replica_id):
                         # Its bytes may come from memory the holder reused: read
                         # again, under a new lease (refused if the holder is gone).
                         log.info("chunk %d from %s finished only after its read lease ran out: read again",
                                  chunk, transfer.replica_id)
-                        self._covering.pop(transfer.replica_id, None)
+                        self._leases.forget(transfer.replica_id)
                         failed.add(chunk)
                         finished.append(entry)
                         continue
@@ -731,24 +650,6 @@ class PullJob:
         if landed and self.landed is not None:
             self.landed(landed)
 
-    def _still_leased(self, replica_id: str) -> bool:
-        """Whether the read lease on ``replica_id`` is still good now, renewing
-        it if due. A READ seen finished only after its lease ran out may have
-        been served from memory its holder reused meanwhile: on a slow link the
-        bytes leave the holder as the link takes them (the fault campaign's
-        slow readers caught a trainer's next version this way, by checksums;
-        a relay without checksums would have handed the bytes on)."""
-        lease = self._covering.get(replica_id)
-        if lease is None:
-            return False
-        seen = time.monotonic()  # the READ finished before this
-        try:
-            # A renewal the server grants now proves the lease held when the READ finished.
-            until = lease.valid_until()
-        except TensorHubError:  # the server cannot say: the lease as last known
-            until = lease.expiry
-        return until > seen
-
     def _landed_at_once(self, handle: Any) -> bool:
         """Whether a READ just posted has already finished. A failed one counts
         as finished: the polling loop meets its failure and fails its source over
@@ -763,14 +664,14 @@ class PullJob:
         without any READ from that source finishing, and never past the read
         lease (renewed here when due) or the pull's deadline. 0 when no lease
         covers the source any more. TensorHubError if the lease cannot be renewed."""
-        lease = self._covering.get(replica_id)
+        lease = self._leases.covering(replica_id)
         if lease is None:
             return 0.0
         try:
             leased = lease.valid_until()
         except TensorHubError:
             if posted_by:  # polling: the READ ends at its lease's expiry, as posted
-                self._covering.pop(replica_id, None)
+                self._leases.forget(replica_id)
                 return 0.0
             raise
         progress = max(now if not posted_by else 0.0, self._source_progress.get(replica_id, 0.0))
