@@ -167,13 +167,16 @@ class NixlAgent:
                 try:
                     raw = self._agent.add_remote_agent(metadata)
                 except Exception as e:  # its endpoint is gone (process died, link cut)
-                    if "INVALID_PARAM" in str(e):
+                    if "INVALID_PARAM" in str(e) or "REMOTE_DISCONNECT" in str(e):
                         # NIXL 1.5: a load whose memory sections fail (REMOTE_DISCONNECT,
                         # a link cut as it loaded) drops the agent's connection info but
                         # not the UCX backend's endpoint; every later load of that agent
-                        # then fails so, and remove_remote_agent finds nothing to clear.
+                        # then fails with INVALID_PARAM (157 of 157 retries in three
+                        # fault campaigns), and remove_remote_agent finds nothing to clear.
                         # The fault campaign's readers that kept calling into NIXL for
-                        # it crashed later (SIGSEGV): never call again for that agent.
+                        # it crashed later (SIGSEGV), and two of the three UCX aborts
+                        # ("Endpoint timeout") read on 12-01 came seconds after such a
+                        # retry: the first failed load is the last call for that agent.
                         self._unloadable.add(agent)
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw

@@ -103,6 +103,29 @@ def test_an_agent_nixl_refuses_to_load_again_is_not_asked_for_again():
     assert nixl.connect("other.1", b"other") == "other"
 
 
+class CutWhileLoading(Recorder):
+    """NIXL 1.5 when the link to the holder is cut as its metadata loads."""
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.calls.append(("add failed", metadata))
+        raise RuntimeError("nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT")
+
+
+def test_a_load_cut_off_half_way_is_the_last_call_for_that_agent():
+    """A load that fails with NIXL_ERR_REMOTE_DISCONNECT leaves the agent
+    half-loaded: every retry failed with NIXL_ERR_INVALID_PARAM (157 of 157 in
+    three fault campaigns), and two of the UCX aborts read on 12-01 ("Endpoint
+    timeout", the reader killed) came seconds after such a retry. So the first
+    failure is the last call into NIXL for that agent."""
+    nixl = NixlAgent("reader-under-test-4")
+    nixl._agent = rec = CutWhileLoading()
+    with pytest.raises(TransferFailed, match="REMOTE_DISCONNECT"):
+        nixl.connect("holder.1", b"holder")
+    with pytest.raises(TransferFailed, match="can no longer load"):
+        nixl.connect("holder.1", b"holder")  # the same replica, asked again by the next round
+    assert rec.calls == [("add failed", b"holder")]
+
+
 class FailsThenForgets(Recorder):
     """A READ whose source disconnected: NIXL says so once; asked again, its
     handle has no request left and reads as done."""
