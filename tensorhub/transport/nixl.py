@@ -174,7 +174,7 @@ class NixlAgent:
                         # then fails with INVALID_PARAM (157 of 157 retries in three
                         # fault campaigns), and remove_remote_agent finds nothing to clear.
                         # The fault campaign's readers that kept calling into NIXL for
-                        # it crashed later (SIGSEGV), and two of the three UCX aborts
+                        # it crashed later (SIGSEGV), and two of the four UCX aborts
                         # ("Endpoint timeout") read on 12-01 came seconds after such a
                         # retry: the first failed load is the last call for that agent.
                         self._unloadable.add(agent)
