@@ -114,7 +114,7 @@ class CutWhileLoading(Recorder):
 def test_a_load_cut_off_half_way_is_the_last_call_for_that_agent():
     """A load that fails with NIXL_ERR_REMOTE_DISCONNECT leaves the agent
     half-loaded: every retry failed with NIXL_ERR_INVALID_PARAM (157 of 157 in
-    three fault campaigns), and two of the four UCX aborts read on 12-01 ("Endpoint
+    three fault campaigns), and two of the five UCX aborts read on 12-01 ("Endpoint
     timeout", the reader killed) came seconds after such a retry. So the first
     failure is the last call into NIXL for that agent."""
     nixl = NixlAgent("reader-under-test-4")
