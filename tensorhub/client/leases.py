@@ -98,9 +98,11 @@ class PullLeases:
         reads from. It may not: it was taken before holders seen since (a peer
         that joined while this reader waited for its seed's chunks), and those are
         not withdrawn, so the round leases anew."""
-        if self.upfront is None:
-            return True
-        return set(uncovered) <= {r.source.replica_id for r in self.upfront.replicas}
+        return self.upfront is None or set(uncovered) <= set(self._upfront_ids())
+
+    def _upfront_ids(self) -> list[str]:
+        """Every holder the kept resolve listed: its lease covers them all."""
+        return sorted(r.source.replica_id for r in self.upfront.replicas) if self.upfront else []
 
     def drop_upfront(self) -> None:
         """Release a lease taken with a resolve that no round used."""
@@ -113,7 +115,7 @@ class PullLeases:
         resolve's lease if there is one (it covers every holder that resolve
         returned: all are this pull's to let go), else a new one. Returns the
         replica ids granted; the rest were withdrawn since the plan."""
-        ids = sorted(r.source.replica_id for r in self.upfront.replicas) if self.upfront else uncovered
+        ids = self._upfront_ids() if self.upfront else uncovered
         lease = Lease(self._rpc, self._agent_id, ids, self.upfront)
         self.upfront = None
         self._leases.append(lease)
