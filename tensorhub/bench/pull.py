@@ -10,7 +10,12 @@ two ways in the same run:
   rank 0 of 2 slice (rows of half the matrices, columns of the other half);
 * ``tensorhub-unchecked``: the same pull with chunk checksums off
   (``HubConfig.verify_chunks=False``, a second Hub in the reader): what the
-  checks cost. ``--no-verify`` turns them off in the ``tensorhub`` row instead.
+  checks cost. ``--no-verify`` turns them off in the ``tensorhub`` row instead;
+* ``nixl-raw-pieces`` and ``nixl-raw-pieces-crc`` (with the checks on): raw
+  NIXL READs cut like a checked pull's (``verify.READ_PIECE_BYTES``), one at
+  a time, the second with each landed piece's CRC taken on a helper thread:
+  what reading the bytes once more costs on this machine whoever does it, the
+  floor under the checks' cost.
 
 Methods alternate within each repetition so machine noise hits both alike.
 A last row measures the latency of pulling a 4 KiB single-tensor version.
@@ -23,6 +28,8 @@ A last row measures the latency of pulling a 4 KiB single-tensor version.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import ctypes
 import os
 import statistics
 import time
@@ -143,6 +150,8 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
 
     from tensorhub import Hub
     from tensorhub.bench.payload import pattern
+    from tensorhub.client.verify import READ_PIECE_BYTES
+    from tensorhub.integrity import crc32
     from tensorhub.transport.nixl import new_agent
 
     torch.set_num_threads(1)
@@ -153,13 +162,14 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
     raw = new_agent(f"raw-reader-{index}-{os.getpid()}")
     raw.register_memory(dest)
     # Raw NIXL moves the same byte count: the same share of every publisher's buffer.
-    requested, offset, reads = dest.numel(), 0, []
+    requested, offset, reads, shares = dest.numel(), 0, [], []
     for i, (metadata, addr, nbytes) in enumerate(raw_infos):
         share = requested - offset if i == len(raw_infos) - 1 else nbytes * requested // cfg.size
         remote = raw.add_remote_agent(metadata)
         remote = remote.decode() if isinstance(remote, bytes) else remote
         reads.append((raw.get_xfer_descs([(dest.data_ptr() + offset, share, 0)], "DRAM"),
                       raw.get_xfer_descs([(addr, share, 0)], "DRAM"), remote))
+        shares.append((dest.data_ptr() + offset, addr, share, remote))
         offset += share
     exact_raw = len(raw_infos) == 1 and cfg.reader_slice == "whole"  # raw bytes land where tensorhub's do
 
@@ -173,6 +183,31 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
             states = [s if s == "DONE" else raw.check_xfer_state(h) for s, h in zip(states, handles)]
         for h in handles:
             raw.release_xfer_handle(h)
+
+    crc_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-crc")
+
+    def raw_pieces(check: bool) -> None:
+        # A checked pull's shape over shared memory without TensorHub: one READ
+        # per piece, the next posted once the last landed, and (``check``) each
+        # landed piece's CRC taken on a helper thread while the next is copied.
+        # The gap between the two is what reading the bytes once more costs
+        # here, whoever does it: the floor for the chunk checks' cost.
+        jobs = []
+        for local_addr, remote_addr, share, peer in shares:
+            for at in range(0, share, READ_PIECE_BYTES):
+                n = min(READ_PIECE_BYTES, share - at)
+                handle = raw.initialize_xfer("READ", raw.get_xfer_descs([(local_addr + at, n, 0)], "DRAM"),
+                                             raw.get_xfer_descs([(remote_addr + at, n, 0)], "DRAM"), peer)
+                state, deadline = raw.transfer(handle), time.monotonic() + 60
+                while state != "DONE":
+                    if state == "ERR" or time.monotonic() > deadline:
+                        raise RuntimeError(f"raw NIXL READ failed: {state}")
+                    state = raw.check_xfer_state(handle)
+                raw.release_xfer_handle(handle)
+                if check:
+                    jobs.append(crc_pool.submit(crc32, (ctypes.c_char * n).from_address(local_addr + at)))
+        for job in jobs:
+            job.result(timeout=60)
 
     with (Hub.connect(address, name=f"reader-{index}", read_workers=cfg.read_workers, verify_chunks=cfg.verify) as hub,
           Hub.connect(address, name=f"reader-{index}-unchecked", read_workers=cfg.read_workers,
@@ -197,11 +232,15 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
             if cmd in ("nixl-raw", "verify-raw"):
                 raw_read()
                 read = requested
+            elif cmd in ("nixl-raw-pieces", "nixl-raw-pieces-crc"):
+                raw_pieces(check=cmd.endswith("-crc"))
+                read = requested
             else:
                 read = (unchecked if cmd == "tensorhub-unchecked" else hub).pull(MODEL, 1, into=into).read_bytes
             end = time.monotonic()
             ok = torch.equal(dest, expected) if cmd == "verify" or (cmd == "verify-raw" and exact_raw) else True
             conn.send(Timed(start, end, ok, read))
+    crc_pool.shutdown()
 
 
 def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
@@ -211,7 +250,7 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
     ctx = processes.context()
     rows: list[Row] = []
     with EmbeddedServer() as server, Progress(disable=quiet, transient=True) as progress:
-        task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * (3 if cfg.verify else 2) + 2)
+        task = progress.add_task("starting processes", total=(cfg.warmup + cfg.reps) * (5 if cfg.verify else 2) + 2)
         pub_conns, publishers = children.start(ctx, _publisher,
                                                [(server.address, cfg, rank) for rank in range(cfg.publishers)])
         raw_infos = children.receive(pub_conns, 180, "a benchmark publisher did not start")
@@ -235,7 +274,8 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
         round_("verify-raw")
         round_("verify")
         progress.advance(task, 2)
-        methods = ("nixl-raw", "tensorhub", "tensorhub-unchecked") if cfg.verify else ("nixl-raw", "tensorhub")
+        methods = (("nixl-raw", "tensorhub", "tensorhub-unchecked", "nixl-raw-pieces", "nixl-raw-pieces-crc")
+                   if cfg.verify else ("nixl-raw", "tensorhub"))
         samples: dict[str, list[float]] = {m: [] for m in methods}
         for rep in range(cfg.warmup + cfg.reps):
             order = methods if rep % 2 == 0 else methods[::-1]
@@ -274,6 +314,8 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
               + (" (goal <= 0.55)" if cfg.reader_slice == "tp2" else "")
               + f"; 4 KiB pull latency: {statistics.median(latency) * 1e3:.2f} ms (goal <= 5 ms)")
         if cfg.verify:
+            from tensorhub.client.verify import READ_PIECE_BYTES
+
             # Each repetition's checked pull against the unchecked one beside it:
             # paired, so that noise which hits both alike cancels.
             cost = sorted(1 - off / on for on, off in zip(samples["tensorhub"], samples["tensorhub-unchecked"]))
@@ -281,6 +323,10 @@ def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = Fal
             print(f"chunk checksums cost {statistics.median(cost):.1%} of pull throughput, quartiles "
                   f"{quartiles[0]:.1%}-{quartiles[2]:.1%} (median of {len(cost)} repetitions, each tensorhub "
                   "vs the tensorhub-unchecked pull beside it; goal <= 10%)")
+            floor = sorted(1 - off / on for on, off in zip(samples["nixl-raw-pieces-crc"], samples["nixl-raw-pieces"]))
+            print(f"the same CRC beside raw NIXL READs of {READ_PIECE_BYTES >> 20} MiB pieces costs "
+                  f"{statistics.median(floor):.1%} (nixl-raw-pieces-crc vs nixl-raw-pieces, paired the same way): "
+                  "what reading the bytes once more costs on this machine, whoever does it")
     if json_path:
         write_json(json_path, rows, benchmark="pull", chunk_size=cfg.chunk_size, read_workers=cfg.read_workers,
                    publishers=cfg.publishers, reader_slice=cfg.reader_slice, verify_chunks=cfg.verify)

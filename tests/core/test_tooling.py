@@ -45,13 +45,14 @@ def test_bench_pull_writes_rows_for_both_methods(tmp_path):
     rows = json.loads(out.read_text())["results"]
     methods = {(r["method"], r["bytes"]) for r in rows}
     assert methods == {("nixl-raw", 16 << 20), ("tensorhub", 16 << 20), ("tensorhub-unchecked", 16 << 20),
-                       ("tensorhub", 4096)}
+                       ("nixl-raw-pieces", 16 << 20), ("nixl-raw-pieces-crc", 16 << 20), ("tensorhub", 4096)}
     for row in rows:
         assert set(row) >= {"method", "readers", "bytes", "seconds", "gbps"} and row["seconds"] > 0
         if row["bytes"] != 4096:  # read, not just requested: nothing was read twice
             assert row["most_read_bytes"] == 16 << 20, row
     assert "tensorhub / nixl-raw throughput" in proc.stdout
     assert "chunk checksums cost" in proc.stdout  # the tensorhub-unchecked row's purpose
+    assert "whoever does it" in proc.stdout  # and the raw-pieces rows': the floor under that cost
 
 
 def test_bench_pull_from_shard_holders_reads_only_the_tp_slice(tmp_path):
@@ -65,7 +66,8 @@ def test_bench_pull_from_shard_holders_reads_only_the_tp_slice(tmp_path):
     data = json.loads(out.read_text())
     assert data["publishers"] == 2 and data["reader_slice"] == "tp2"
     big = [r for r in data["results"] if r["bytes"] != 4096]
-    assert {r["method"] for r in big} == {"nixl-raw", "tensorhub", "tensorhub-unchecked"}
+    assert {r["method"] for r in big} == {"nixl-raw", "tensorhub", "tensorhub-unchecked", "nixl-raw-pieces",
+                                          "nixl-raw-pieces-crc"}
     for row in big:
         assert row["publishers"] == 2 and row["requested_bytes"] == row["bytes"] == row["most_read_bytes"]
         assert 0.4 * (16 << 20) < row["requested_bytes"] <= 0.55 * (16 << 20)
