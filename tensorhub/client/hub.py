@@ -278,6 +278,7 @@ class Hub:
             seeds_per_zone=self.config.seeds_per_zone, progress=progress, verify=self.config.verify_chunks,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=reports.submit if reports is not None else None,
+            failure_detection_s=self._nixl.failure_detection_s,
         )
         try:
             stats = job.run()

@@ -82,8 +82,9 @@ _REFRESH_IDLE_S = 0.2  # a round posts READs this long, then the pull asks again
 _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
-_DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish
+_DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish (see drain_s)
 _POLL_MAX_S = 2e-3
+_DETECTION_SLACK_S = 0.5  # the transport's failure reaching our poll after its detection fired
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
@@ -113,6 +114,22 @@ class PullStats:
     read_bytes: int = 0
 
 
+def drain_s(chunk_timeout_s: float, failure_detection_s: float | None) -> float:
+    """How long the READs still out when a pull ends get to finish before they
+    are released. A READ cannot be cancelled: released unfinished, it may still
+    land bytes in the destination later. One from a live source ends within the
+    chunk timeout (``_DRAIN_S`` at most: the caller is waiting); one from a source
+    that vanished ends when the transport fails it, so the drain lasts at least
+    that long when it is known and finite (UCX's TCP settings; a user who set
+    them longer than TensorHub's defaults gets a longer drain, not late bytes).
+    The fault campaign with UCX's detection off had 3 pulls whose given-up READs
+    landed a newer version's bytes after the pull returned."""
+    base = min(chunk_timeout_s, _DRAIN_S)
+    if failure_detection_s is None or failure_detection_s == float("inf"):
+        return base
+    return max(base, failure_detection_s + _DETECTION_SLACK_S)
+
+
 @dataclass(kw_only=True, slots=True)
 class PullJob:
     rpc: ControlPlane
@@ -129,6 +146,9 @@ class PullJob:
     progress: ProgressFn | None = None
     landed: LandedFn | None = None
     verify: bool = True  # check chunks against their publishers' checksums (HubConfig.verify_chunks)
+    # The longest the transport takes to fail a READ whose source vanished
+    # (NixlAgent.failure_detection_s); None: not known. Bounds the drain.
+    failure_detection_s: float | None = None
     _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
     _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
     # Read leases are kept until the pull ends: a holder that unpublishes
@@ -699,7 +719,7 @@ class PullJob:
         campaign saw a failed pull's late bytes land in the next pull's new
         tensors, allocated at the same addresses), and bytes its holder wrote
         after the lease ended."""
-        until = time.monotonic() + min(self.chunk_timeout_s, _DRAIN_S)
+        until = time.monotonic() + drain_s(self.chunk_timeout_s, self.failure_detection_s)
         for handle in [entry[2] for entry in self._flying] + self._given_up:
             try:
                 while not self.nixl.poll(handle) and time.monotonic() < until:

@@ -42,6 +42,47 @@ PROGRESS_DELAY_US = 100
 _agent_lock = threading.Lock()
 
 
+_TIME_UNITS = (("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9), ("s", 1.0), ("m", 60.0))
+
+
+def _ucx_seconds(value: str | None) -> float | None:
+    """A UCX time setting ("5s", "500ms", "inf") in seconds; None if unset or unreadable ("auto")."""
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if value in ("inf", "infinity"):
+        return float("inf")
+    for unit, scale in _TIME_UNITS:
+        if value.endswith(unit):
+            try:
+                return float(value[: -len(unit)]) * scale
+            except ValueError:
+                return None
+    try:
+        return float(value)  # UCX reads a bare number as seconds
+    except ValueError:
+        return None
+
+
+def failure_detection_s(env: dict[str, str] | None = None) -> float | None:
+    """The longest UCX takes, over TCP, to fail a READ from a peer that vanished
+    (its host gone or cut off), by this process's settings (``env``: os.environ
+    with the defaults above). A READ waiting for the bytes (nothing of ours left
+    unacknowledged) fails once the keepalive probes go unanswered: KEEPIDLE +
+    KEEPINTVL x KEEPCNT; one whose request is not yet acknowledged, after
+    TCP_USER_TIMEOUT. Returns the larger: inf if either is off ("inf"), so such
+    a READ may stay out until the link comes back; None if a setting cannot be
+    read ("auto": the system's own)."""
+    env = {**dict(_ENV_DEFAULTS), **(os.environ if env is None else env)}
+    user = _ucx_seconds(env.get("UCX_TCP_USER_TIMEOUT"))
+    idle, interval = _ucx_seconds(env.get("UCX_TCP_KEEPIDLE")), _ucx_seconds(env.get("UCX_TCP_KEEPINTVL"))
+    count = _ucx_seconds(env.get("UCX_TCP_KEEPCNT"))  # a count, read the same way ("3", "inf")
+    if user is None or idle is None or interval is None or count is None:
+        return None
+    keepalive = float("inf") if float("inf") in (idle, interval, count) else idle + interval * count
+    return max(user, keepalive)
+
+
 def nixl_api():  # type: ignore[no-untyped-def]
     """NIXL's API module, imported on first use, after the environment defaults."""
     for key, value in _ENV_DEFAULTS:
@@ -115,6 +156,14 @@ class NixlAgent:
     def __init__(self, name: str) -> None:
         self.name = name
         self._agent = new_agent(name)
+        # Read by a pull's drain: a READ given up on cannot be cancelled, only
+        # waited for; UCX fails it at most this long after its peer vanished.
+        self.failure_detection_s = failure_detection_s()
+        if self.failure_detection_s == float("inf"):
+            log.warning("UCX's TCP failure detection is off (UCX_TCP_USER_TIMEOUT or a UCX_TCP_KEEP* setting is "
+                        "inf): a READ from a holder that vanished stays out until its link returns, and one a "
+                        "pull gave up on can land bytes after the pull ended, in tensors already handed back. "
+                        "Leave them unset (TensorHub then detects a vanished holder in about 5 s)")
         self._lock = threading.Lock()  # guards the remote-agent table and the counts below
         self._remotes: dict[str, str] = {}  # metadata key -> remote agent name
         # READs posted and not yet released, per remote agent. A remote is removed

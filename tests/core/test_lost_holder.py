@@ -381,6 +381,54 @@ def test_a_read_given_up_on_is_polled_until_it_ends_under_the_pulls_leases():
     assert min(plane.released_at) >= max(transport.landed_late), "a lease went before a READ under it ended"
 
 
+class StallsUntilFailureDetection(StallsThenLands):
+    LAND_S = 2.0  # past the pull's end plus its chunk timeout: a vanished source UCX has not failed yet
+
+
+@pytest.mark.parametrize("detection_s", [None, 2.0])
+def test_a_pulls_drain_outlasts_the_transports_failure_detection(detection_s):
+    """The fault campaign with UCX's TCP failure detection off had three pulls
+    whose given-up READs landed a newer version's bytes after the pull ended.
+    The drain waits as long as the transport takes to fail such a READ
+    (NixlAgent.failure_detection_s, from UCX's settings), not just the chunk
+    timeout; unknown (None), it waits the chunk timeout only and releases the
+    READ unfinished, which is what this test tells apart."""
+    weights = torch.arange(32 * CHUNK // 4, dtype=torch.int32)
+    copy = weights.clone()
+    manifest = Manifest.of({"w": weights})
+    plane = RecordsReleases(manifest, [_replica("stuck", manifest, weights), _replica("good", manifest, copy)])
+    transport = StallsUntilFailureDetection()
+    dest = torch.zeros_like(weights)
+    stats = _job(plane, transport, manifest, dest, verify=False, chunk_timeout_s=0.6,
+                 failure_detection_s=detection_s).run()
+    assert torch.equal(dest, copy) and stats.lost_sources == ["stuck"]
+    if detection_s is None:
+        assert set(transport.released_unfinished) == {"stuck"}  # released while they could still land
+    else:
+        assert transport.released_unfinished == [], "a READ was released before the transport could fail it"
+        assert transport.landed_late
+
+
+def test_drain_time_from_the_chunk_timeout_and_the_failure_detection():
+    from tensorhub.client.puller import drain_s
+
+    assert drain_s(10.0, None) == 5.0 and drain_s(2.0, None) == 2.0  # a live source ends within its timeout
+    assert drain_s(2.0, 5.0) == 5.5  # TensorHub's UCX defaults: a vanished source's READ has failed by then
+    assert drain_s(10.0, 30.0) == 30.5  # a user's longer TCP timeout: a longer drain, not late bytes
+    assert drain_s(2.0, float("inf")) == 2.0  # detection off: it cannot be waited out (warned at agent start)
+
+
+def test_ucx_failure_detection_is_read_from_the_tcp_settings():
+    from tensorhub.transport.nixl import failure_detection_s
+
+    assert failure_detection_s({}) == 5.0  # the defaults: user timeout 5 s, keepalive 1 + 1 x 3 s
+    assert failure_detection_s({"UCX_TCP_USER_TIMEOUT": "30s"}) == 30.0
+    assert failure_detection_s({"UCX_TCP_KEEPIDLE": "10s", "UCX_TCP_KEEPINTVL": "500ms"}) == 11.5
+    assert failure_detection_s({"UCX_TCP_KEEPCNT": "inf"}) == float("inf")
+    assert failure_detection_s({"UCX_TCP_USER_TIMEOUT": "inf"}) == float("inf")
+    assert failure_detection_s({"UCX_TCP_USER_TIMEOUT": "auto"}) is None  # the system's own: not known
+
+
 def _checked_against_a_relay(plain: torch.Tensor, weights: torch.Tensor):
     """A pull whose bytes all come from "plain", a holder without checksums,
     after "broken" (cut like the reader, with the version's checksums) failed
