@@ -22,14 +22,14 @@ reader READs all of it in 4 MiB pieces, its link is cut mid-transfer for
 ``--cut-s`` seconds, every other trial the reader is killed during the cut,
 and the link comes back. It reports after how many trials the holder died.
 Measured here with TensorHub's UCX settings (``transport/nixl.py``): the holder
-died of the segfault at trial 9 in two runs of two, and at trial 5 with
+died of the segfault at trial 9 in three runs of three, and at trial 5 with
 ``UCX_TCP_USER_TIMEOUT=inf`` alone; with TCP's failure detection off too
 (``UCX_TCP_KEEPIDLE=inf`` ...) it survived 12 of 12. ``UCX_PROTO_ENABLE=n``
 is no way out: NIXL's READs then fail with "Unsupported operation".
 
     sudo python -m tensorhub.chaos.ucx_cut --trials 12 --cut-s 8 [--env UCX_X=y ...]
 
-Needs root (namespaces); takes about 15 s a trial. Use it to check a newer
+Needs root (namespaces); takes about 20 s a trial. Use it to check a newer
 NIXL/UCX, or a UCX setting, before a ten-minute campaign.
 """
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import select
 import subprocess
 import sys
 import time
@@ -116,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     with netns.Hosts(["holder", "reader"], rate="1gbit") as hosts:
         holder = subprocess.Popen(["ip", "netns", "exec", hosts.netns("holder"), *me],
                                   env={**env, _ROLE_ENV: "holder"}, stdout=subprocess.PIPE)
-        metadata = holder.stdout.read()
-        survived = 0
+        metadata = holder.stdout.read()  # EOF once sent (or the holder died)
+        survived, reader = 0, None
         try:
+            if not metadata:
+                print(f"the holder did not start (exit {holder.wait()})", file=sys.stderr)
+                return 2
             for trial in range(args.trials):
                 killed = trial % 2 == 1
                 reader = subprocess.Popen(["ip", "netns", "exec", hosts.netns("reader"), *me],
@@ -126,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                                           stdout=subprocess.PIPE)
                 reader.stdin.write(metadata)
                 reader.stdin.close()
-                reader.stdout.readline()  # "posted": bytes are flowing
-                time.sleep(0.5)
+                if not select.select([reader.stdout], [], [], 60)[0] or not reader.stdout.readline():
+                    reader.kill()  # never posted: nothing to test this trial with
+                    print(f"trial {trial}: the reader did not post its READs (exit {reader.wait()})", file=sys.stderr)
+                    return 2
+                time.sleep(0.5)  # its READs are flowing
                 hosts.cut("reader")
                 time.sleep(args.cut_s)
                 if killed:
@@ -148,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"trial {trial}: holder alive; reader {'killed during the cut' if killed else 'kept'}"
                       + (f"; {said}" if said else ""), flush=True)
         finally:
-            holder.kill()
-            holder.wait()
+            for proc in (reader, holder):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     print(f"the holder survived {survived} of {args.trials} trials")
     return 0 if survived == args.trials else 1
 
