@@ -173,8 +173,8 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
         offset += share
     exact_raw = len(raw_infos) == 1 and cfg.reader_slice == "whole"  # raw bytes land where tensorhub's do
 
-    def raw_read() -> None:
-        handles = [raw.initialize_xfer("READ", local, remote, peer) for local, remote, peer in reads]
+    def finish(handles: list) -> None:
+        """Post raw READs and wait until every one is done (a deadline on the wait)."""
         states = [raw.transfer(h) for h in handles]
         deadline = time.monotonic() + 60
         while any(s != "DONE" for s in states):
@@ -183,6 +183,9 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
             states = [s if s == "DONE" else raw.check_xfer_state(h) for s, h in zip(states, handles)]
         for h in handles:
             raw.release_xfer_handle(h)
+
+    def raw_read() -> None:
+        finish([raw.initialize_xfer("READ", local, remote, peer) for local, remote, peer in reads])
 
     crc_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-crc")
 
@@ -196,14 +199,8 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
         for local_addr, remote_addr, share, peer in shares:
             for at in range(0, share, READ_PIECE_BYTES):
                 n = min(READ_PIECE_BYTES, share - at)
-                handle = raw.initialize_xfer("READ", raw.get_xfer_descs([(local_addr + at, n, 0)], "DRAM"),
-                                             raw.get_xfer_descs([(remote_addr + at, n, 0)], "DRAM"), peer)
-                state, deadline = raw.transfer(handle), time.monotonic() + 60
-                while state != "DONE":
-                    if state == "ERR" or time.monotonic() > deadline:
-                        raise RuntimeError(f"raw NIXL READ failed: {state}")
-                    state = raw.check_xfer_state(handle)
-                raw.release_xfer_handle(handle)
+                finish([raw.initialize_xfer("READ", raw.get_xfer_descs([(local_addr + at, n, 0)], "DRAM"),
+                                            raw.get_xfer_descs([(remote_addr + at, n, 0)], "DRAM"), peer)])
                 if check:
                     jobs.append(crc_pool.submit(crc32, (ctypes.c_char * n).from_address(local_addr + at)))
         for job in jobs:

@@ -22,12 +22,15 @@ reader READs all of it in 4 MiB pieces, its link is cut mid-transfer for
 ``--cut-s`` seconds, every other trial the reader is killed during the cut,
 and the link comes back. It reports after how many trials the holder died.
 Measured here with TensorHub's UCX settings (``transport/nixl.py``): the holder
-died of the segfault at trial 9 in three runs of three, and at trial 5 with
+died of the segfault at trial 9 in four runs of four, and at trial 5 with
 ``UCX_TCP_USER_TIMEOUT=inf`` alone; with TCP's failure detection off too
 (``UCX_TCP_KEEPIDLE=inf`` ...) it survived 12 of 12. ``UCX_PROTO_ENABLE=n``
 is no way out: NIXL's READs then fail with "Unsupported operation".
 
     sudo python -m tensorhub.chaos.ucx_cut --trials 12 --cut-s 8 [--env UCX_X=y ...]
+
+Its processes are forked like the benchmarks' (``processes.context``) and each
+joins its emulated host first (``netns.enter``), as ``bench rl``'s do.
 
 Needs root (namespaces); takes about 20 s a trial. Use it to check a newer
 NIXL/UCX, or a UCX setting, before a ten-minute campaign.
@@ -37,18 +40,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
-import select
-import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
+
+from tensorhub import netns, processes
+from tensorhub.bench import children
+from tensorhub.bench.rl.places import NETNS_ENV
 
 _SIZE = 256 << 20
 _PIECE = 4 << 20
-_ROLE_ENV = "TENSORHUB_UCX_CUT_ROLE"
+_START_S = 180.0  # a child's imports and NIXL agent on a busy 2-core machine
+_READ_S = 40.0  # a reader's READs end by then or are reported as still out
 
 
-def _holder() -> None:
+def _join(namespace: str, env: dict[str, str]) -> None:
+    """Join the emulated host (before any thread starts) and take the UCX settings."""
+    import faulthandler
+
+    netns.enter(namespace)
+    os.environ.update(env)
+    faulthandler.enable()  # a crash prints the Python stacks beside UCX's backtrace
+
+
+def _holder(conn: Connection, namespace: str, env: dict[str, str]) -> None:
+    _join(namespace, env)
     import torch
 
     from tensorhub.transport.nixl import new_agent
@@ -56,19 +72,17 @@ def _holder() -> None:
     memory = torch.ones(_SIZE, dtype=torch.uint8)
     agent = new_agent("ucx-cut-holder")
     agent.register_memory(memory)
-    sys.stdout.buffer.write(pickle.dumps((agent.get_agent_metadata(), memory.data_ptr())))
-    sys.stdout.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # EOF for the parent; NIXL may still print
-    while True:  # serves until killed; its progress thread does the work
-        time.sleep(1)
+    conn.send((agent.get_agent_metadata(), memory.data_ptr()))
+    conn.recv()  # serves (its NIXL progress thread does) until told to stop, or killed
 
 
-def _reader(trial: str) -> None:
+def _reader(conn: Connection, namespace: str, env: dict[str, str], metadata: bytes, address: int,
+            trial: int) -> None:
+    _join(namespace, env)
     import torch
 
     from tensorhub.transport.nixl import new_agent
 
-    metadata, address = pickle.loads(sys.stdin.buffer.read())
     dest = torch.zeros(_SIZE, dtype=torch.uint8)
     agent = new_agent(f"ucx-cut-reader-{trial}")
     agent.register_memory(dest)
@@ -81,84 +95,61 @@ def _reader(trial: str) -> None:
         handle = agent.initialize_xfer("READ", local, remote, peer)
         agent.transfer(handle)
         handles.append(handle)
-    print("posted", flush=True)
-    deadline, states = time.monotonic() + 40, ["PROC"]
+    conn.send("posted")
+    deadline, states = time.monotonic() + _READ_S, ["PROC"]
     while "PROC" in states and time.monotonic() < deadline:
         try:
             states = [agent.check_xfer_state(h) for h in handles]
         except Exception as e:  # noqa: BLE001 - a failed READ is an answer here, reported as such
             states = [type(e).__name__]
         time.sleep(0.05)
-    print(f"reader {trial}: " + ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states))), flush=True)
-    os._exit(0)
+    conn.send(", ".join(f"{states.count(s)} {s}" for s in sorted(set(states))))
+    os._exit(0)  # no teardown: NIXL may still hold READs of a cut link
 
 
 def main(argv: list[str] | None = None) -> int:
-    role = os.environ.get(_ROLE_ENV)
-    if role == "holder":
-        _holder()
-    if role is not None:
-        _reader(role)
     parser = argparse.ArgumentParser(prog="python -m tensorhub.chaos.ucx_cut", description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--cut-s", type=float, default=8.0, help="how long each trial's link cut lasts")
     parser.add_argument("--env", action="append", default=[], metavar="K=V", help="a setting for both processes")
     args = parser.parse_args(argv)
-
-    from tensorhub import netns
-    from tensorhub.bench.rl.places import NETNS_ENV
-
     if (why := netns.available()) is not None:
         print(f"cannot run: {why}", file=sys.stderr)
         return 2
-    env = dict(os.environ, **NETNS_ENV, PYTHONFAULTHANDLER="1", UCX_HANDLE_ERRORS="bt")
-    env.update(kv.split("=", 1) for kv in args.env)
-    me = [sys.executable, "-m", "tensorhub.chaos.ucx_cut"]
+    env = {**NETNS_ENV, "UCX_HANDLE_ERRORS": "bt", **dict(kv.split("=", 1) for kv in args.env)}
+    ctx = processes.context()
+    survived, procs = 0, []
     with netns.Hosts(["holder", "reader"], rate="1gbit") as hosts:
-        holder = subprocess.Popen(["ip", "netns", "exec", hosts.netns("holder"), *me],
-                                  env={**env, _ROLE_ENV: "holder"}, stdout=subprocess.PIPE)
-        metadata = holder.stdout.read()  # EOF once sent (or the holder died)
-        survived, reader = 0, None
         try:
-            if not metadata:
-                print(f"the holder did not start (exit {holder.wait()})", file=sys.stderr)
-                return 2
+            (holder_conn,), procs = children.start(ctx, _holder, [(hosts.netns("holder"), env)])
+            holder = procs[0]
+            metadata, address = children.receive([holder_conn], _START_S, "the holder did not start")[0]
             for trial in range(args.trials):
                 killed = trial % 2 == 1
-                reader = subprocess.Popen(["ip", "netns", "exec", hosts.netns("reader"), *me],
-                                          env={**env, _ROLE_ENV: str(trial)}, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE)
-                reader.stdin.write(metadata)
-                reader.stdin.close()
-                if not select.select([reader.stdout], [], [], 60)[0] or not reader.stdout.readline():
-                    reader.kill()  # never posted: nothing to test this trial with
-                    print(f"trial {trial}: the reader did not post its READs (exit {reader.wait()})", file=sys.stderr)
-                    return 2
+                (conn,), (reader,) = children.start(
+                    ctx, _reader, [(hosts.netns("reader"), env, metadata, address, trial)])
+                procs.append(reader)
+                children.receive([conn], _START_S, f"trial {trial}'s reader did not post its READs")
                 time.sleep(0.5)  # its READs are flowing
                 hosts.cut("reader")
                 time.sleep(args.cut_s)
                 if killed:
                     reader.kill()
                 hosts.restore("reader")
-                try:
-                    reader.wait(timeout=45)
-                    said = reader.stdout.read().decode().strip()
-                except subprocess.TimeoutExpired:
-                    reader.kill()
-                    said = "reader hung: killed"
+                said = "" if killed else children.receive([conn], _READ_S + 15, f"trial {trial}'s reader hung")[0]
+                reader.join(timeout=15)
                 time.sleep(3)  # the holder notices the reader's fate
-                if holder.poll() is not None:
-                    print(f"trial {trial}: HOLDER DIED (exit {holder.returncode}); the reader was "
-                          f"{'killed during the cut' if killed else 'kept'}", flush=True)
+                fate = f"reader {'killed during the cut' if killed else 'kept'}" + (f"; its READs: {said}" if said else "")
+                if not holder.is_alive():
+                    print(f"trial {trial}: HOLDER DIED (exit {holder.exitcode}); {fate}", flush=True)
                     break
                 survived += 1
-                print(f"trial {trial}: holder alive; reader {'killed during the cut' if killed else 'kept'}"
-                      + (f"; {said}" if said else ""), flush=True)
+                print(f"trial {trial}: holder alive; {fate}", flush=True)
         finally:
-            for proc in (reader, holder):
-                if proc is not None and proc.poll() is None:
+            for proc in procs:
+                if proc.is_alive():
                     proc.kill()
-                    proc.wait()
+                proc.join(timeout=15)
     print(f"the holder survived {survived} of {args.trials} trials")
     return 0 if survived == args.trials else 1
 

@@ -223,10 +223,10 @@ class NixlAgent:
                         # then fails with INVALID_PARAM (157 of 157 retries in three
                         # fault campaigns), and remove_remote_agent finds nothing to clear.
                         # The fault campaign's readers that kept calling into NIXL for
-                        # it crashed later (SIGSEGV), and two of the five UCX aborts
-                        # ("Endpoint timeout") read on 12-01 came seconds after such a
-                        # retry (not the only cause: a fresh reader that had no failed
-                        # load aborted too): the first failed load is the last call.
+                        # it crashed later (SIGSEGV): the first failed load is the last
+                        # call. (UCX's "Endpoint timeout" aborts that followed some such
+                        # retries come from UCX's emulated GET over TCP in the process
+                        # serving bytes, not from the retry: chaos/ucx_cut.py.)
                         self._unloadable.add(agent)
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
