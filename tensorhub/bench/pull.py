@@ -29,7 +29,6 @@ A last row measures the latency of pulling a 4 KiB single-tensor version.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import os
 import statistics
 import time
@@ -150,8 +149,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
 
     from tensorhub import Hub
     from tensorhub.bench.payload import pattern
-    from tensorhub.client.verify import READ_PIECE_BYTES
-    from tensorhub.integrity import crc32
+    from tensorhub.client.verify import READ_PIECE_BYTES, crcs_in_place
     from tensorhub.transport.nixl import new_agent
 
     torch.set_num_threads(1)
@@ -202,7 +200,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
                 finish([raw.initialize_xfer("READ", raw.get_xfer_descs([(local_addr + at, n, 0)], "DRAM"),
                                             raw.get_xfer_descs([(remote_addr + at, n, 0)], "DRAM"), peer)])
                 if check:
-                    jobs.append(crc_pool.submit(crc32, (ctypes.c_char * n).from_address(local_addr + at)))
+                    jobs.append(crc_pool.submit(crcs_in_place, [local_addr + at], [n]))  # as a check does
         for job in jobs:
             job.result(timeout=60)
 

@@ -73,7 +73,7 @@ def _holder(conn: Connection, namespace: str, env: dict[str, str]) -> None:
     agent = new_agent("ucx-cut-holder")
     agent.register_memory(memory)
     conn.send((agent.get_agent_metadata(), memory.data_ptr()))
-    conn.recv()  # serves (its NIXL progress thread does) until told to stop, or killed
+    conn.recv()  # serves (its NIXL progress thread does) until the parent kills it
 
 
 def _reader(conn: Connection, namespace: str, env: dict[str, str], metadata: bytes, address: int,

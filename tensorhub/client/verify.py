@@ -189,7 +189,7 @@ class ChunkVerifier:
             return
         h_off, addr, nbytes = (transfer.h_off[rows].tolist(), transfer.local[rows, 0].tolist(),
                                transfer.local[rows, 1].tolist())
-        job = self._executor().submit(_crcs, addr, nbytes)
+        job = self._executor().submit(crcs_in_place, addr, nbytes)
         for i, (h, a, n) in enumerate(zip(h_off, addr, nbytes)):
             self._early[(rid, int(h))] = (int(a), int(n), job, i)  # a piece landed again replaces the old CRC
 
@@ -375,8 +375,10 @@ class ChunkVerifier:
             self._pool = None
 
 
-def _crcs(addrs: list[int], nbytes: list[int]) -> list[int]:
-    """The CRC-32 of each host memory range (address, length), read in place."""
+def crcs_in_place(addrs: list[int], nbytes: list[int]) -> list[int]:
+    """The CRC-32 of each host memory range (address, length), read in place (no
+    copy): what a check takes of each READ as it lands; ``bench pull``'s floor
+    rows take the same."""
     return [crc32((ctypes.c_char * n).from_address(a)) for a, n in zip(addrs, nbytes)]
 
 
