@@ -253,25 +253,32 @@ class ReadLayout:
 def split(transfer: Transfer, max_bytes: int) -> list[Transfer]:
     """``transfer`` as READs of at most ``max_bytes`` each, in its order; a
     descriptor that crosses a multiple of ``max_bytes`` (counted from the
-    transfer's first byte) is cut there. The pieces move the same bytes."""
+    transfer's first byte) is cut there. The pieces move the same bytes.
+
+    A checked pull cuts every chunk it reads, between two copies on its
+    thread: so a dozen numpy calls for the whole transfer, none per piece."""
     if transfer.nbytes <= max_bytes:
         return [transfer]
     lengths = transfer.local[:, 1].astype(np.int64)
-    h_off = transfer.h_off if transfer.h_off is not None else np.zeros(len(lengths), np.int64)
-    cols = _cut({"r_off": np.cumsum(lengths) - lengths, "h_off": h_off, "length": lengths,
-                 "local": transfer.local[:, 0].astype(np.int64), "remote": transfer.remote[:, 0].astype(np.int64),
-                 "local_dev": transfer.local[:, 2].astype(np.int64),
-                 "remote_dev": transfer.remote[:, 2].astype(np.int64)}, "r_off", max_bytes)
-    piece = cols["r_off"] // max_bytes
-    bounds = np.searchsorted(piece, np.arange(int(piece[-1]) + 2))
-    out = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        rows = slice(lo, hi)
-        local = np.stack([cols["local"][rows], cols["length"][rows], cols["local_dev"][rows]], axis=1)
-        remote = np.stack([cols["remote"][rows], cols["length"][rows], cols["remote_dev"][rows]], axis=1)
-        out.append(Transfer(transfer.replica_id, local.astype(np.uint64), remote.astype(np.uint64),
-                            int(cols["length"][rows].sum()), cols["h_off"][rows] if transfer.h_off is not None else None))
-    return out
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    # Every segment's first byte after the cut, in the transfer's byte order:
+    # the descriptors' own starts and the piece boundaries.
+    points = np.union1d(starts[lengths > 0], np.arange(max_bytes, transfer.nbytes, max_bytes, dtype=np.int64))
+    row = np.searchsorted(ends, points, side="right")  # the descriptor each segment lies in
+    shift = (points - starts[row]).astype(np.uint64)
+    length = np.diff(points, append=ends[-1]).astype(np.uint64)
+    local = np.asarray(transfer.local, np.uint64)[row]  # copies (fancy indexing)
+    remote = np.asarray(transfer.remote, np.uint64)[row]
+    local[:, 0] += shift
+    remote[:, 0] += shift
+    local[:, 1] = remote[:, 1] = length
+    h_off = None if transfer.h_off is None else transfer.h_off[row] + shift.astype(np.int64)
+    first = np.searchsorted(points, np.arange(0, transfer.nbytes, max_bytes, dtype=np.int64)).tolist()
+    bounds = list(zip(first, [*first[1:], len(points)]))
+    sizes = [min(max_bytes, transfer.nbytes - at) for at in range(0, transfer.nbytes, max_bytes)]
+    return [Transfer(transfer.replica_id, local[a:b], remote[a:b], n, None if h_off is None else h_off[a:b])
+            for (a, b), n in zip(bounds, sizes)]
 
 
 def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.ndarray]:

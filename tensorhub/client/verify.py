@@ -45,7 +45,6 @@ piece is checked while it is still in the cache it was just copied through.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import ctypes
 import logging
 from collections.abc import Iterable
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 from isal.isal_zlib import crc32_combine  # the CRC of a + b from those of a and b, in O(log |b|)
 
+from tensorhub.client.inorder import InOrderWorker, Job
 from tensorhub.client.readlayout import ReadLayout, Transfer, split
 from tensorhub.client.rpc import RemoteReplica
 from tensorhub.integrity import crc32
@@ -103,12 +103,14 @@ class _Holder:
         self.crcs = crcs if crcs is not None and len(crcs) == num else None
         if self.crcs is None:
             self.checkable = np.zeros(num, bool)
+            self.all_checkable = False
             return
         full = np.full(num, self.chunk_size, np.int64)
         if num:
             full[-1] = total - (num - 1) * self.chunk_size
         in_set = np.bincount(table["h_off"] // self.chunk_size, weights=table["length"], minlength=num)
         self.checkable = in_set[:num].astype(np.int64) == full
+        self.all_checkable = bool(self.checkable.all())  # the common case: READs need no filtering
         self.full = full
 
     def memory(self, chunk: int, reader_chunk_size: int) -> tuple[list[tuple[int, int]], set[int]]:
@@ -130,23 +132,25 @@ class ChunkVerifier:
         self.enabled = enabled
         self._layout = layout
         self._unverified_in: dict[int, int] = {}  # reader chunk -> its bytes no holder chunk check covered
-        self._whole: dict[int, tuple[cf.Future, str, int]] = {}  # reader chunk -> (job, replica id, expected)
+        self._whole: dict[int, tuple[Job, str, int]] = {}  # reader chunk -> (job, replica id, expected)
         self._by_table: set[_Key] = set()  # running holder chunk checks read from the reader's memory
         self._tries: dict[_Key, int] = {}  # checks that name no culprit -> how often they failed
         self._whole_ok: set[int] = set()  # reader chunks whose whole check passed since they landed
         self._holders: dict[str, _Holder] = {}
         self._pieces: dict[_Key, dict[int, tuple[int, int, int]]] = {}  # h_off -> (local addr, length, reader chunk)
+        self._piece_bytes: dict[_Key, int] = {}  # the bytes of a holder chunk's pieces landed so far
         self._readers: dict[_Key, set[int]] = {}  # reader chunks that took bytes of a holder chunk
         self._waits: dict[int, set[_Key]] = {}  # landed reader chunk -> holder chunks not yet checked
         self._checked: set[_Key] = set()
         self._bad: set[_Key] = set()
-        self._running: dict[_Key, cf.Future] = {}
+        self._running: dict[_Key, Job] = {}
         # CRCs taken as READs landed: (replica id, holder offset) -> (local addr, bytes, job, index in its result)
-        self._early: dict[tuple[str, int], tuple[int, int, cf.Future, int]] = {}
+        self._early: dict[tuple[str, int], tuple[int, int, Job, int]] = {}
         self.verified_bytes = 0
         self.unverified_bytes = 0
         self.mismatches: list[Mismatch] = []
-        self._pool: cf.ThreadPoolExecutor | None = None
+        self._worker: InOrderWorker | None = None
+        self._ran_at_poll = -1  # the worker's job count when ``poll`` last looked
 
     def add_holder(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> None:
         if self.enabled:
@@ -181,14 +185,20 @@ class ChunkVerifier:
         if holder is None or holder.crcs is None or transfer.h_off is None:
             return
         rid = transfer.replica_id
-        own = transfer.h_off // holder.chunk_size
-        rows = holder.checkable[own]
-        for bad in [j for r, j in self._bad if r == rid]:  # known bad: its bytes are read again elsewhere
-            rows &= own != bad
-        if not rows.any():
-            return
-        h_off, addr, nbytes = (transfer.h_off[rows].tolist(), transfer.local[rows, 0].tolist(),
-                               transfer.local[rows, 1].tolist())
+        # Called for every piece, between two copies on the pull's thread: the
+        # common case (every holder chunk checkable, none bad) takes no numpy
+        # masks.
+        if holder.all_checkable and not self._bad:
+            h_off, addr, nbytes = transfer.h_off.tolist(), transfer.local[:, 0].tolist(), transfer.local[:, 1].tolist()
+        else:
+            own = transfer.h_off // holder.chunk_size
+            rows = holder.checkable[own]
+            for bad in [j for r, j in self._bad if r == rid]:  # known bad: its bytes are read again elsewhere
+                rows &= own != bad
+            if not rows.any():
+                return
+            h_off, addr, nbytes = (transfer.h_off[rows].tolist(), transfer.local[rows, 0].tolist(),
+                                   transfer.local[rows, 1].tolist())
         job = self._executor().submit(crcs_in_place, addr, nbytes)
         for i, (h, a, n) in enumerate(zip(h_off, addr, nbytes)):
             self._early[(rid, int(h))] = (int(a), int(n), job, i)  # a piece landed again replaces the old CRC
@@ -201,27 +211,29 @@ class ChunkVerifier:
     def landed(self, chunk: int, transfers: Iterable[Transfer]) -> list[int]:
         """Reader ``chunk`` has landed through ``transfers``; the reader chunks settled now."""
         waits: set[_Key] = set()
-        for t in transfers:
-            holder = self._holders.get(t.replica_id)
+        for t in transfers:  # a few descriptors each: plain Python beats numpy's cost per call here
+            rid = t.replica_id
+            holder = self._holders.get(rid)
             if holder is None or holder.crcs is None or t.h_off is None:
                 self._unverify(chunk, t.nbytes)
                 continue
-            own = t.h_off // holder.chunk_size
-            for j in np.unique(own).tolist():
-                key = (t.replica_id, j)
-                rows = own == j
+            for j, h, addr, n in zip((t.h_off // holder.chunk_size).tolist(), t.h_off.tolist(),
+                                     t.local[:, 0].tolist(), t.local[:, 1].tolist()):
+                key = (rid, j)
                 if not holder.checkable[j] or key in self._bad:
-                    self._unverify(chunk, int(t.local[rows, 1].sum()))
+                    self._unverify(chunk, n)
                     continue
                 self._readers.setdefault(key, set()).add(chunk)
                 if key in self._checked:
                     continue
                 pieces = self._pieces.setdefault(key, {})
-                for h, addr, n in zip(t.h_off[rows].tolist(), t.local[rows, 0].tolist(), t.local[rows, 1].tolist()):
-                    pieces[int(h)] = (int(addr), int(n), chunk)
+                old = pieces.get(h)  # a piece landed again replaces the old one
+                pieces[h] = (addr, n, chunk)
+                self._piece_bytes[key] = self._piece_bytes.get(key, 0) + n - (old[1] if old else 0)
                 waits.add(key)
-                if key not in self._running and sum(p[1] for p in pieces.values()) == holder.full[j]:
-                    self._submit(key, holder)
+        for key in waits:  # a holder chunk whose bytes have all landed from it: check it now
+            if key not in self._running and self._piece_bytes[key] == self._holders[key[0]].full[key[1]]:
+                self._submit(key, self._holders[key[0]])
         self._whole_ok.discard(chunk)
         if chunk in self._unverified_in and self._check_whole(chunk):
             waits.add((_WHOLE, chunk))
@@ -250,15 +262,15 @@ class ChunkVerifier:
             return True
         return False
 
-    def _executor(self) -> cf.ThreadPoolExecutor:
-        # One worker: jobs run in the order submitted, so a holder chunk's join
-        # (``_join``) finds the CRCs of its pieces, submitted before it, done.
-        if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-verify")
-        return self._pool
+    def _executor(self) -> InOrderWorker:
+        # Jobs run in the order submitted, so a holder chunk's join (``_join``)
+        # finds the CRCs of its pieces, submitted before it, done.
+        if self._worker is None:
+            self._worker = InOrderWorker("tensorhub-verify")
+        return self._worker
 
     def _submit(self, key: _Key, holder: _Holder) -> None:
-        parts: list[tuple[int, int, cf.Future | None, int]] = []
+        parts: list[tuple[int, int, Job | None, int]] = []
         for h in sorted(self._pieces[key]):
             addr, n, _ = self._pieces[key][h]
             early = self._early.pop((key[0], h), None)
@@ -274,11 +286,15 @@ class ChunkVerifier:
         most for the running checks."""
         if not self._running and not self._whole:
             return [], []
+        worker = self._executor()
         if wait_s > 0:
-            cf.wait([*self._running.values(), *(w[0] for w in self._whole.values())], timeout=wait_s)
+            worker.wait([*self._running.values(), *(w[0] for w in self._whole.values())], wait_s)
+        elif worker.ran == self._ran_at_poll:  # called after every READ: nothing ran since the last look
+            return [], []
+        self._ran_at_poll = worker.ran
         settled: list[int] = []
         bad: list[Mismatch] = []
-        for c, (future, rid, expected) in [(c, w) for c, w in self._whole.items() if w[0].done()]:
+        for c, (future, rid, expected) in [(c, w) for c, w in self._whole.items() if w[0].done]:
             del self._whole[c]
             waits = self._waits.get(c)
             if waits is None or (_WHOLE, c) not in waits:  # read again meanwhile: a new check follows
@@ -294,15 +310,15 @@ class ChunkVerifier:
                 self.unverified_bytes -= nbytes  # counted again when it lands again
                 self.forget(c)
                 bad.append(self._unplaced(self._holders[rid].replica, (_WHOLE, c), frozenset({c}), expected, got))
-        for key, future in [(k, f) for k, f in self._running.items() if f.done()]:
+        for key, future in [(k, f) for k, f in self._running.items() if f.done]:
             del self._running[key]
             by_table = key in self._by_table
             self._by_table.discard(key)
             got = future.result()
             holder = self._holders[key[0]]
             expected = int(holder.crcs[key[1]])
-            pieces = self._pieces.pop(key)
-            nbytes = sum(p[1] for p in pieces.values())
+            self._pieces.pop(key)
+            nbytes = self._piece_bytes.pop(key)
             if got == expected:
                 self._checked.add(key)
                 self.verified_bytes += nbytes
@@ -353,7 +369,8 @@ class ChunkVerifier:
                 continue
             readers = self._readers.get(key, set())
             if readers and readers <= self._whole_ok:  # their whole checks covered these bytes too
-                self.verified_bytes += sum(p[1] for p in self._pieces.pop(key, {}).values())
+                self._pieces.pop(key, None)
+                self.verified_bytes += self._piece_bytes.pop(key, 0)
                 for c in readers:
                     self._covered(c, key, rest)
                 continue
@@ -370,9 +387,10 @@ class ChunkVerifier:
 
     def close(self) -> None:
         self._early.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+            self._ran_at_poll = -1
 
 
 def crcs_in_place(addrs: list[int], nbytes: list[int]) -> list[int]:
@@ -382,7 +400,7 @@ def crcs_in_place(addrs: list[int], nbytes: list[int]) -> list[int]:
     return [crc32((ctypes.c_char * n).from_address(a)) for a, n in zip(addrs, nbytes)]
 
 
-def _join(parts: list[tuple[int, int, cf.Future | None, int]]) -> int:
+def _join(parts: list[tuple[int, int, Job | None, int]]) -> int:
     """CRC-32 of host memory ranges back to back: (address, length, the job
     that took its CRC as it landed and the index in its result, or None: read
     it now). Runs on the helper thread after those jobs (one worker, in order)."""
