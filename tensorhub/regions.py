@@ -18,11 +18,19 @@ A row slice is one run; a column slice of an [R, C] matrix is R runs.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 Bounds = tuple[tuple[int, int], ...]
+
+# Region.runs results of at most this many runs, for this many (region, shape)
+# pairs at most: 4,096 x 64 runs x 24 bytes, 6 MiB at most.
+_RUNS_KEPT_MAX = 4096
+_RUNS_KEPT_MAX_RUNS = 64
+_RUNS_KEPT: dict = {}
+_RUNS_KEPT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +78,25 @@ class Region:
         return tuple(b - a for a, b in self.bounds(shape))
 
     def runs(self, shape: tuple[int, ...]) -> Runs:
-        """The region as contiguous element runs of the full tensor, in local order."""
+        """The region as contiguous element runs of the full tensor, in local
+        order. Read-only arrays: results of few runs are kept and shared (a
+        pull asks for every tensor's runs several times: checking ``into``,
+        laying out the read set, each holder's table)."""
+        key = (self, tuple(shape))
+        hit = _RUNS_KEPT.get(key)
+        if hit is not None:
+            return hit
+        runs = self._runs(key[1])
+        for a in (runs.start, runs.length, runs.offset):
+            a.flags.writeable = False
+        if len(runs) <= _RUNS_KEPT_MAX_RUNS:
+            with _RUNS_KEPT_LOCK:  # the server's threads ask too
+                if len(_RUNS_KEPT) >= _RUNS_KEPT_MAX:
+                    _RUNS_KEPT.pop(next(iter(_RUNS_KEPT)))  # the oldest
+                _RUNS_KEPT[key] = runs
+        return runs
+
+    def _runs(self, shape: tuple[int, ...]) -> Runs:
         if self.flat is not None:
             a, b = self.flat
             return Runs.of(np.array([a], np.int64), np.array([b - a], np.int64))
