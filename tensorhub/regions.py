@@ -17,20 +17,17 @@ A row slice is one run; a column slice of an [R, C] matrix is R runs.
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 Bounds = tuple[tuple[int, int], ...]
 
-# Region.runs results of at most this many runs, for this many (region, shape)
-# pairs at most: 4,096 x 64 runs x 24 bytes, 6 MiB at most.
-_RUNS_KEPT_MAX = 4096
-_RUNS_KEPT_MAX_RUNS = 64
-_RUNS_KEPT: dict = {}
-_RUNS_KEPT_LOCK = threading.Lock()
+# Region.runs keeps results of at most this many runs (``_kept_runs``: the
+# last 4,096 of them, 4,096 x 64 runs x 24 bytes = 6 MiB at most).
+_KEPT_MAX_RUNS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,24 +74,25 @@ class Region:
             return (self.numel(shape),)
         return tuple(b - a for a, b in self.bounds(shape))
 
+    def run_count(self, shape: tuple[int, ...]) -> int:
+        """len(self.runs(shape)) without building them (1 for an empty tensor)."""
+        if self.box is None or math.prod(shape) == 0 or not shape:
+            return 1
+        box = self.box
+        j = len(shape) - 1
+        while j > 0 and box[j] == (0, shape[j]):
+            j -= 1
+        return math.prod(b - a for a, b in box[:j])
+
     def runs(self, shape: tuple[int, ...]) -> Runs:
         """The region as contiguous element runs of the full tensor, in local
         order. Read-only arrays: results of few runs are kept and shared (a
         pull asks for every tensor's runs several times: checking ``into``,
         laying out the read set, each holder's table)."""
-        key = (self, tuple(shape))
-        hit = _RUNS_KEPT.get(key)
-        if hit is not None:
-            return hit
-        runs = self._runs(key[1])
-        for a in (runs.start, runs.length, runs.offset):
-            a.flags.writeable = False
-        if len(runs) <= _RUNS_KEPT_MAX_RUNS:
-            with _RUNS_KEPT_LOCK:  # the server's threads ask too
-                if len(_RUNS_KEPT) >= _RUNS_KEPT_MAX:
-                    _RUNS_KEPT.pop(next(iter(_RUNS_KEPT)))  # the oldest
-                _RUNS_KEPT[key] = runs
-        return runs
+        shape = tuple(shape)
+        if self.run_count(shape) <= _KEPT_MAX_RUNS:
+            return _kept_runs(self, shape)
+        return _read_only(self._runs(shape))
 
     def _runs(self, shape: tuple[int, ...]) -> Runs:
         if self.flat is not None:
@@ -171,6 +169,17 @@ class Runs:
 
     def __len__(self) -> int:
         return len(self.start)
+
+
+def _read_only(runs: Runs) -> Runs:
+    for a in (runs.start, runs.length, runs.offset):
+        a.flags.writeable = False
+    return runs
+
+
+@functools.lru_cache(maxsize=4096)
+def _kept_runs(region: Region, shape: tuple[int, ...]) -> Runs:
+    return _read_only(region._runs(shape))
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,17 +54,6 @@ class StateError(Exception):
 # ---------------------------------------------------------------- held regions
 
 
-def _run_count(region: Region, shape: tuple[int, ...]) -> int:
-    """len(region.runs(shape)), without building them."""
-    if region.flat is not None or math.prod(shape) == 0 or not shape:
-        return 1
-    box = region.bounds(shape)
-    j = len(shape) - 1
-    while j > 0 and box[j] == (0, shape[j]):
-        j -= 1
-    return math.prod(b - a for a, b in box[:j])
-
-
 def check_held(manifest: Manifest, held: list[Held]) -> list[Held]:
     """The held regions, checked against the manifest (StateError
     INVALID_ARGUMENT naming the tensor and region) and normalized: a region
@@ -86,7 +75,7 @@ def check_held(manifest: Manifest, held: list[Held]) -> list[Held]:
                              f"held region {region.describe()} of {spec.name!r} {list(spec.shape)}: {problem}")
         if region.numel(spec.shape) == math.prod(spec.shape):
             region = _WHOLE
-        runs += _run_count(region, spec.shape)
+        runs += region.run_count(spec.shape)
         if runs > MAX_RUNS:
             raise StateError("INVALID_ARGUMENT", f"held regions make more than {MAX_RUNS} element runs")
         by_tensor.setdefault(index, []).append(region)

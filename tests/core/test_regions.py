@@ -381,21 +381,27 @@ def test_a_lease_that_fails_to_renew_mid_round_defers_its_chunks_to_the_next_rou
     assert FlakyRenewal.renewals > 1
 
 
-def test_runs_are_kept_read_only_and_the_keeping_is_bounded(monkeypatch) -> None:
+def test_runs_are_kept_read_only_and_the_keeping_is_bounded() -> None:
     from tensorhub import regions
 
-    monkeypatch.setattr(regions, "_RUNS_KEPT", {})
-    monkeypatch.setattr(regions, "_RUNS_KEPT_MAX", 3)
+    regions._kept_runs.cache_clear()
     few, many = Region.of((8, 4), rows=(2, 6)), Region.of((100, 4), cols=(1, 3))  # 1 run; 100 runs
     first = few.runs((8, 4))
     assert few.runs([8, 4]) is first  # kept (a list shape is the same key)
     with pytest.raises(ValueError, match="read-only"):
         first.start[0] = 5  # shared: nobody may change it
     big = many.runs((100, 4))
-    assert len(big) == 100 and many.runs((100, 4)) is not big  # more than 64 runs: not kept
+    assert len(big) == many.run_count((100, 4)) == 100 and many.runs((100, 4)) is not big  # over 64 runs: not kept
     assert not big.length.flags.writeable
-    for rows in [(0, 1), (1, 2), (2, 3), (3, 4)]:
-        Region.of((8, 4), rows=rows).runs((8, 4))
-    assert len(regions._RUNS_KEPT) == 3 and (few, (8, 4)) not in regions._RUNS_KEPT  # the oldest went first
+    for k in range(regions._kept_runs.cache_info().maxsize):  # as many others: the first goes
+        Region(flat=(k, k + 1)).runs((10_000,))
     again = few.runs((8, 4))
     assert again is not first and np.array_equal(again.start, first.start) and np.array_equal(again.length, first.length)
+
+
+def test_run_count_is_the_number_of_runs() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 4)))
+        region = _random_region(rng, shape) if math.prod(shape) else Region()
+        assert region.run_count(shape) == max(1, len(region.runs(shape)))
