@@ -28,7 +28,6 @@ A last row measures the latency of pulling a 4 KiB single-tensor version.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import statistics
 import time
@@ -149,6 +148,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
 
     from tensorhub import Hub
     from tensorhub.bench.payload import pattern
+    from tensorhub.client.inorder import InOrderWorker
     from tensorhub.client.verify import READ_PIECE_BYTES, crcs_in_place
     from tensorhub.transport.nixl import new_agent
 
@@ -185,7 +185,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
     def raw_read() -> None:
         finish([raw.initialize_xfer("READ", local, remote, peer) for local, remote, peer in reads])
 
-    crc_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-crc")
+    crc_worker = InOrderWorker("bench-crc")  # the checks' own helper thread: the same hand-off per piece
 
     def raw_pieces(check: bool) -> None:
         # A checked pull's shape over shared memory without TensorHub: one READ
@@ -200,9 +200,10 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
                 finish([raw.initialize_xfer("READ", raw.get_xfer_descs([(local_addr + at, n, 0)], "DRAM"),
                                             raw.get_xfer_descs([(remote_addr + at, n, 0)], "DRAM"), peer)])
                 if check:
-                    jobs.append(crc_pool.submit(crcs_in_place, [local_addr + at], [n]))  # as a check does
+                    jobs.append(crc_worker.submit(crcs_in_place, [local_addr + at], [n]))  # as a check does
+        crc_worker.wait(jobs, 60)
         for job in jobs:
-            job.result(timeout=60)
+            job.result()  # raises if one did not run within the minute
 
     with (Hub.connect(address, name=f"reader-{index}", read_workers=cfg.read_workers, verify_chunks=cfg.verify) as hub,
           Hub.connect(address, name=f"reader-{index}-unchecked", read_workers=cfg.read_workers,
@@ -235,7 +236,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
             end = time.monotonic()
             ok = torch.equal(dest, expected) if cmd == "verify" or (cmd == "verify-raw" and exact_raw) else True
             conn.send(Timed(start, end, ok, read))
-    crc_pool.shutdown()
+    crc_worker.close()
 
 
 def run(cfg: PullBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
