@@ -8,7 +8,11 @@ version moved four ways in the same run:
 * ``tensorhub-no-relay``: R readers pull together, none serves: all read the trainer;
 * ``tensorhub``: R readers pull together and serve what lands (relay);
 * ``gloo-broadcast``: ``torch.distributed`` gloo, the trainer and R readers in one
-  fixed group, one ``broadcast`` (what NCCL-style weight sync does today).
+  fixed group, one ``broadcast`` (what NCCL-style weight sync does today);
+* ``nixl-raw-single``, ``nixl-raw-all``, ``nixl-raw-relay``: raw NIXL on the
+  same hosts, no server: a lone copy, every reader from the trainer
+  (point-to-point), and a relay with no lag on a fixed schedule
+  (``bench.rawrelay``): what the links allow, beside TensorHub's rows.
 
     server   trainer ──1 Gbit── switch ──1 Gbit── r0, r1, ... (each its own host)
 
@@ -79,6 +83,31 @@ def _gloo(hosts: netns.Hosts, names: list[str], size: int) -> tuple[float, float
     return max(ends) - min(starts), ends[0] - starts[0], all(oks)
 
 
+def _raw_rows(hosts: netns.Hosts, readers: list[str], size: int, crossed: Any, progress: Progress,
+              task: Any) -> list[Row]:
+    """The raw NIXL rows (``bench.rawrelay``) on the same emulated hosts."""
+    from tensorhub.bench.rawrelay import METHODS, Place, RawCluster
+
+    env = tuple(ENV.items())
+    rows = []
+    progress.update(task, description="raw NIXL: starting agents")
+    with RawCluster(Place(hosts.netns("trainer"), env), [Place(hosts.netns(r), env) for r in readers], size,
+                    CHUNK) as raw:
+        for method in METHODS:
+            progress.update(task, description=f"{method}: raw NIXL, no server")
+            sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
+            got = raw.run(method, 1 if method == "nixl-raw-single" else None)
+            egress = hosts.tx_bytes("trainer") - sent
+            if not got.ok:
+                raise RuntimeError(f"{method}: a reader received wrong bytes")
+            rows.append(Row.of(method, got.readers, size, [got.seconds], trainer_egress_bytes=egress,
+                               trainer_stall_seconds=0.0, trainer_copies=round(egress / size, 2),
+                               trainer_read_copies=round(got.trainer_bytes / size, 2),
+                               reader_seconds=[round(s, 3) for s in got.per_reader_s], **crossed(zone_sent)))
+            progress.advance(task)
+    return rows
+
+
 def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
     from tensorhub.testing import HubProcess, ServerProcess
 
@@ -97,7 +126,7 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                      zone_link=cfg.zone_link if zoned else None) as hosts, \
             ServerProcess(host=hosts.addr("server"), netns=hosts.netns("server"), retain=1) as server, \
             Progress(disable=quiet, transient=True) as progress:
-        task = progress.add_task("starting hubs on the emulated hosts", total=5)
+        task = progress.add_task("starting hubs on the emulated hosts", total=8)
 
         def hub(name: str, host: str | None = None, **config: Any) -> HubProcess:
             host = host or name
@@ -142,6 +171,7 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
         finally:
             for proc in [*pulls, unchecked, trainer]:
                 proc.close(timeout=15)
+        rows += _raw_rows(hosts, readers, size, crossed, progress, task)
         progress.update(task, description=f"gloo-broadcast: {cfg.readers} reader(s)")
         sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
         seconds, stall, ok = _gloo(hosts, ["trainer", *readers], size)
@@ -153,17 +183,24 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
     if not quiet:
         where = f", {cfg.zones} zones joined by {cfg.zone_link}" if zoned else ""
         print_table(f"{size:,} bytes to {cfg.readers} reader(s) on emulated hosts, links {cfg.link}{where}", rows,
-                    {m: "single" for m in ("tensorhub", "tensorhub-no-relay", "gloo-broadcast")})
-        single, gloo = rows[0], rows[-1]
+                    {m: "single" for m in ("tensorhub", "tensorhub-no-relay", "gloo-broadcast")}
+                    | {"nixl-raw-relay": "nixl-raw-all"})
+        single, gloo = rows[0], next(r for r in rows if r.method == "gloo-broadcast")
         off = next(r for r in rows if r.method == "single-unchecked")
         print(f"chunk checksums cost {1 - off.seconds / single.seconds:.1%} of a lone reader's pull throughput over "
               f"its {cfg.link} link (single against single-unchecked; goal <= 10%)")
+        seconds = {row.method: row.seconds for row in rows}
+        ours = seconds["tensorhub-no-relay"] / seconds["tensorhub"]
+        ceiling = seconds["nixl-raw-all"] / seconds["nixl-raw-relay"]
+        print(f"relay against every reader reading the trainer: TensorHub {ours:.2f}x; raw NIXL with a lag-free "
+              f"relay {ceiling:.2f}x (what the links allow; a lone raw copy {seconds['nixl-raw-single']:.2f} s)")
         for row in rows:
             across = f", {row.extra['cross_zone_bytes'] / size:.2f} copies crossed zones" if zoned else ""
             stall = row.extra["trainer_stall_seconds"]
+            stalled = ("" if row.method.startswith("nixl-raw") else f", trainer stalled {stall:.2f} s"
+                       f" = {stall / gloo.extra['trainer_stall_seconds']:.2f}x gloo's")
             print(f"{row.method:>20}: {row.seconds:.2f} s = {row.seconds / single.seconds:.2f}x single, trainer sent "
-                  f"{row.extra['trainer_copies']:.2f} copies, trainer stalled {stall:.2f} s"
-                  f" = {stall / gloo.extra['trainer_stall_seconds']:.2f}x gloo's{across}")
+                  f"{row.extra['trainer_copies']:.2f} copies{stalled}{across}")
     if json_path:
         write_json(json_path, rows, benchmark="cluster", link=cfg.link, readers=cfg.readers, zones=cfg.zones,
                    **({"zone_link": cfg.zone_link} if zoned else {}))

@@ -139,8 +139,11 @@ def test_bench_cluster_writes_a_row_per_method(tmp_path):
                            "16MiB", "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"single", "single-unchecked", "tensorhub", "tensorhub-no-relay", "gloo-broadcast"}
+    assert set(rows) == {"single", "single-unchecked", "tensorhub", "tensorhub-no-relay", "gloo-broadcast",
+                         "nixl-raw-single", "nixl-raw-all", "nixl-raw-relay"}
     for row in rows.values():
         assert row["seconds"] > 0 and row["trainer_egress_bytes"] > 0 and row["trainer_stall_seconds"] >= 0
     assert rows["tensorhub-no-relay"]["trainer_copies"] >= 1.8  # both readers read the trainer
+    assert rows["nixl-raw-all"]["trainer_read_copies"] == 2 and rows["nixl-raw-relay"]["trainer_read_copies"] == 1
+    assert "lag-free relay" in proc.stdout
     assert "x single" in proc.stdout and "chunk checksums cost" in proc.stdout
