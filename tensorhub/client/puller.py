@@ -86,6 +86,14 @@ _DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finis
 _POLL_MAX_S = 2e-3
 _DETECTION_SLACK_S = 0.5  # the transport's failure reaching our poll after its detection fired
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
+# While a wave of readers relays (filling peers exist), a reader keeps at most
+# this many READs in flight from any one complete holder: every reader of the
+# wave shares that holder's link, and the more READs are out on it, the later
+# each lands and can be relayed (raw NIXL with a lag-free relay, three readers
+# on 1 Gbit/s links, ``tensorhub bench cluster --readers 3``: 2.67-2.69 s with
+# one READ per reader on the trainer's link, 2.77-2.83 s with two, 2.97-3.10 s
+# with every slot, its rows ``bench.rawrelay``).
+_ORIGIN_READS_IN_WAVE = 1
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
 # channels are back: until then running out of holders, or a lease refused for
@@ -170,6 +178,7 @@ class PullJob:
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
     _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
+    _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
     _server: str = ""  # the server instance that last answered a resolve of this pull
     _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
     _resettle_until: float = 0.0  # see _RESETTLE_S
@@ -257,6 +266,7 @@ class PullJob:
         """
         order = sorted(needed, key=self._rotated)
         peers = [m for m in usable if not m.replica.source.complete]
+        self._origin_cap = 0
         if not peers:
             if first and self.landed is not None:
                 # A serving reader's first round: one chunk, then ask again, by
@@ -273,6 +283,7 @@ class PullJob:
         if time.monotonic() - self._progress_at > _PATIENCE_S:
             mine = rest
         else:
+            self._origin_cap = _ORIGIN_READS_IN_WAVE
             complete = [m for m in usable if m.replica.source.complete]
             in_zone = self._any_covers([m for m in complete if m.replica.source.labels.zone == zone])
             upstream = self._upstream(complete, [m for m in peers if m.replica.source.labels.zone != zone])
@@ -517,6 +528,7 @@ class PullJob:
         between rounds. The flights live on the job (``_flying``)."""
         layout = self.layout
         todo = iter(_by_turns(transfers))
+        deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
         for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
             self._pending[chunk] = len(planned)
             self._failed.discard(chunk)
@@ -556,6 +568,22 @@ class PullJob:
             else:
                 flying.append((chunk, transfer, handle, deadline, replica))
 
+        def room(transfer: Transfer) -> bool:
+            if not self._origin_cap or not maps[transfer.replica_id].replica.source.complete:
+                return True
+            return sum(1 for entry in flying if entry[1].replica_id == transfer.replica_id) < self._origin_cap
+
+        def take() -> tuple[int, Transfer] | None:
+            """The next READ to post: held-back ones first once their holder has room."""
+            for i, item in enumerate(deferred):
+                if room(item[1]):
+                    return deferred.pop(i)
+            for item in todo:
+                if room(item[1]):
+                    return item
+                deferred.append(item)
+            return None
+
         try:
             stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
             posting, cut = True, False
@@ -568,9 +596,10 @@ class PullJob:
                         # read again whole next round, the bytes of its landed pieces twice.
                         cut = True
                         todo = iter([item for item in todo if item[0] in begun])
-                    item = next(todo, None)
+                        deferred[:] = [item for item in deferred if item[0] in begun]
+                    item = take()
                     if item is None:
-                        posting = False
+                        posting = bool(deferred)  # the held-back ones go as their holders' READs land
                         break
                     chunk, transfer = item
                     if transfer.replica_id in lost_now or transfer.replica_id in excluded or chunk in failed:
