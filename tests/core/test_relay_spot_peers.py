@@ -42,3 +42,21 @@ def test_relaying_never_prefers_a_part_or_a_farther_peer():
     plan = choose_sources(holders, [reliable, part, far], READER, relayed={0, 1})
     assert plan.order[0] == ["r3", "part"]  # one read of the whole chunk first
     assert plan.order[1] == ["r3", "far"]  # nearer first, always
+
+
+def test_relayed_chunks_spread_over_filling_peers_reliable_or_spot():
+    # A reliable rollout fills the same version ahead of the wave: ranked first
+    # for every relayed chunk, it took three joiners' relayed chunks on its one
+    # link while theirs idled (tensorhub bench rl, elastic: joins of 4.1-4.9 s).
+    ahead = _src("r3", "h3", complete=False, active_reads=2)
+    trainer = _src("trainer", "h9", origin=True)
+    peer = _src("r1#1", "h1", reliability=Reliability.SPOT, complete=False, active_reads=1)
+    other = _src("r2#1", "h2", reliability=Reliability.SPOT, complete=False, active_reads=1)
+    sources = [ahead, trainer, peer, other]
+    holders = {c: {"r3": True, "trainer": True, "r1#1": True, "r2#1": True} for c in range(6)}
+    plan = choose_sources(holders, sources, READER, relayed=set(range(6)))
+    firsts = [plan.order[c][0] for c in range(6)]
+    assert "trainer" not in firsts
+    assert 1 <= firsts.count("r3") <= 2 and firsts.count("r1#1") == firsts.count("r2#1") == 2, firsts
+    # Not relayed: reliable before spot, as before.
+    assert choose_sources(holders, sources, READER).order[0][0] == "r3"
