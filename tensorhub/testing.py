@@ -32,6 +32,24 @@ if TYPE_CHECKING:
 Spec = tuple[str, str, tuple[int, ...]]  # name, dtype name, shape
 
 
+class GrantingLeases:
+    """The lease side of a fake control plane for ``PullJob`` tests: every
+    lease is granted, for a minute, and nothing may be reported lost (in
+    those tests nothing fails). A fake adds its own ``resolve``."""
+
+    def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
+        return "lease", list(replica_ids), 60.0
+
+    def renew_lease(self, agent_id: str, lease_id: str) -> float:
+        return 60.0
+
+    def release_lease_async(self, agent_id: str, lease_id: str) -> None:
+        pass  # nothing to hold: every lease was granted
+
+    def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None:
+        raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

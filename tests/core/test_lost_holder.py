@@ -29,6 +29,7 @@ from tensorhub.errors import TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source
 from tensorhub.regions import Region
+from tensorhub.testing import GrantingLeases
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import regions_of
@@ -233,22 +234,13 @@ class DisconnectsOnPoll(SlowMemcpy):
         return True
 
 
-class TwoHolders:
+class TwoHolders(GrantingLeases):
     def __init__(self, manifest: Manifest, replicas: list[RemoteReplica]) -> None:
         self.manifest, self.replicas, self.lost = manifest, replicas, []
 
     def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
         live = [r for r in self.replicas if r.source.replica_id not in self.lost]
         return Resolved(model, 1, self.manifest, tuple(live))
-
-    def acquire_lease(self, agent_id, replica_ids):
-        return "lease", list(replica_ids), 60.0
-
-    def renew_lease(self, agent_id, lease_id):
-        return 60.0
-
-    def release_lease_async(self, agent_id, lease_id):
-        pass  # nothing to hold: this fake grants every lease
 
     def report_lost(self, agent_id, replica_id, reason):
         self.lost.append(replica_id)

@@ -29,6 +29,7 @@ from tensorhub.integrity import chunk_checksums
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source
 from tensorhub.regions import Region
+from tensorhub.testing import GrantingLeases
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import regions_of
@@ -54,7 +55,7 @@ class Memcpy:
             self.landed_at.setdefault((dst - self.base) // CHUNK, time.monotonic())
 
 
-class Plane:
+class Plane(GrantingLeases):
     """The trainer (complete) and one filling peer that holds chunk 0 only."""
 
     def __init__(self, manifest: Manifest, replicas: tuple[RemoteReplica, ...]) -> None:
@@ -62,18 +63,6 @@ class Plane:
 
     def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
         return Resolved(model, 1, self.manifest, self.replicas)
-
-    def acquire_lease(self, agent_id, replica_ids):
-        return "lease", list(replica_ids), 60.0
-
-    def renew_lease(self, agent_id, lease_id):
-        return 60.0
-
-    def release_lease_async(self, agent_id, lease_id):
-        pass
-
-    def report_lost(self, agent_id, replica_id, reason):
-        raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
 
 
 def _replica(rid: str, tensor: torch.Tensor, *, complete: bool) -> RemoteReplica:
