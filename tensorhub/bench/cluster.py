@@ -1,6 +1,6 @@
 """``tensorhub bench cluster``: one trainer and R readers on emulated hosts
 (network namespaces on one bridge, every link capped with ``tc``), the same
-version moved four ways in the same run:
+version moved every way below in the same run:
 
 * ``single``: one reader pulls alone (the time to beat);
 * ``single-unchecked``: the same reader's host, chunk checksums off

@@ -25,6 +25,7 @@ copy over the trainer's link.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -202,16 +203,18 @@ class RawCluster:
         ctx = processes.context()
         self.size, self.readers = size, len(readers)
         self._bitmap = ctx.Array("b", self.readers * -(-size // chunk), lock=False)
-        self._procs: list[Any] = []
-        self._trainer_conns, procs = children.start(ctx, _trainer_main, [(trainer, size)])
-        self._procs += procs
+        self._trainer_conns, self._procs = children.start(ctx, _trainer_main, [(trainer, size)])
         self._conns, procs = children.start(ctx, _reader_main, [(place, i, self.readers, size, chunk, self._bitmap)
                                                                 for i, place in enumerate(readers)])
         self._procs += procs
-        infos = children.receive(self._trainer_conns, 180, "the raw NIXL trainer did not start")
-        infos += children.receive(self._conns, 180, "a raw NIXL reader did not start")
-        for conn in self._conns:
-            conn.send(infos)
+        try:
+            infos = children.receive(self._trainer_conns, 180, "the raw NIXL trainer did not start")
+            infos += children.receive(self._conns, 180, "a raw NIXL reader did not start")
+            for conn in self._conns:
+                conn.send(infos)
+        except BaseException:
+            self.close()  # none left running behind a failed start
+            raise
 
     def run(self, method: str, readers: int | None = None, *, in_flight: int = IN_FLIGHT,
             own: int = OWN) -> RawRun:
@@ -233,10 +236,8 @@ class RawCluster:
 
     def close(self) -> None:
         for conn in [*self._conns, *self._trainer_conns]:
-            try:
+            with contextlib.suppress(OSError):  # a child that died already
                 conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
         for proc in self._procs:
             proc.join(timeout=15)
             if proc.is_alive():
