@@ -123,12 +123,12 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
             raise RuntimeError(f"raw NIXL READ of chunk {c} failed when posted")
         return handle
 
-    def run(method: str, in_flight: int, own: int) -> tuple[int, int]:
-        """Read the version as ``method`` says; (bytes from the trainer, READs posted)."""
+    def run(method: str, in_flight: int, own: int) -> int:
+        """Read the version as ``method`` says; the bytes READ from the trainer."""
         relay = method == "nixl-raw-relay"
         needed = list(range(chunks))
         flying: list[tuple[int, int, Any]] = []  # (chunk, source: 0 the trainer, 1 + j reader j, handle)
-        from_trainer = posted = 0
+        from_trainer = 0
         deadline = time.monotonic() + TIMEOUT_S
 
         def has(j: int, c: int) -> bool:
@@ -149,7 +149,6 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
                     source = 0 if not relay or c % readers == index else 1 + c % readers
                     flying.append((c, source, post(c, source)))
                     needed.remove(c)
-                    posted += 1
                 still = []
                 for c, source, handle in flying:
                     state = agent.check_xfer_state(handle)
@@ -170,7 +169,7 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
                 while agent.check_xfer_state(handle) not in ("DONE", "ERR") and time.monotonic() < deadline + 10:
                     time.sleep(0.001)
                 agent.release_xfer_handle(handle)
-        return from_trainer, posted
+        return from_trainer
 
     while True:
         cmd = conn.recv()
@@ -181,9 +180,9 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
         while time.monotonic() < start_at:  # a common start instant for all readers
             time.sleep(0.0005)
         start = time.monotonic()
-        from_trainer, posted = run(method, in_flight, own)
+        from_trainer = run(method, in_flight, own)
         end = time.monotonic()
-        conn.send((start, end, bool(torch.equal(buf, expected)), from_trainer, posted))
+        conn.send((start, end, bool(torch.equal(buf, expected)), from_trainer))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,7 +200,7 @@ class RawCluster:
 
     def __init__(self, trainer: Place, readers: list[Place], size: int, chunk: int) -> None:
         ctx = processes.context()
-        self.size, self.readers = size, len(readers)
+        self.readers = len(readers)
         self._bitmap = ctx.Array("b", self.readers * -(-size // chunk), lock=False)
         self._trainer_conns, self._procs = children.start(ctx, _trainer_main, [(trainer, size)])
         self._conns, procs = children.start(ctx, _reader_main, [(place, i, self.readers, size, chunk, self._bitmap)
