@@ -57,3 +57,38 @@ def test_a_childs_exit_code_comes_back():
     p.start()
     p.join(60)
     assert p.exitcode == 7
+
+
+def _all_reduce(conn, rank: int, world: int, dist_env: dict[str, str]) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(dist_env, RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    conn.send(total.item())
+
+
+def test_ranks_meet_at_a_rendezvous_the_parent_holds():
+    from tensorhub.testing import rendezvous
+
+    ctx = processes.context()
+    with rendezvous(3) as dist_env:
+        # Every rank is a client, rank 0 too: nothing in a child binds a port.
+        assert dist_env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and int(dist_env["MASTER_PORT"]) > 0
+        pipes = [ctx.Pipe() for _ in range(3)]
+        ranks = [ctx.Process(target=_all_reduce, args=(there, r, 3, dist_env), daemon=True)
+                 for r, (_, there) in enumerate(pipes)]
+        for p in ranks:
+            p.start()
+        try:
+            assert all(here.poll(120) for here, _ in pipes), "a rank did not finish the all-reduce"
+            assert [here.recv() for here, _ in pipes] == [6.0, 6.0, 6.0]
+        finally:
+            for p in ranks:
+                p.join(30)
+                p.kill()

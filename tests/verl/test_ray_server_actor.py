@@ -5,7 +5,6 @@ plain Ray actors in their own processes holding real Hubs (real NIXL)."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -15,14 +14,9 @@ import torch
 from tensorhub import Hub, ServerUnavailable
 from tensorhub.server import ServerConfig
 from tensorhub.server.ray_actor import AUTO, ensure_server, resolve_address, shutdown_server
+from tensorhub.testing import free_port
 
 NAMESPACE = f"tensorhub-test-{os.getpid()}"  # apart from any real server on this cluster
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

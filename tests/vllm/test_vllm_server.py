@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,19 +21,14 @@ import pytest
 from conftest import MODEL_KEY, PROMPT, update
 
 from tensorhub.client.rpc import ReferenceClient
+from tensorhub.testing import free_port, rendezvous
 
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, model_dir, log_path) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default, multiprocess engine
         self.tp = tp = 2 if len(os.sched_getaffinity(0)) >= 2 else 1
@@ -108,16 +102,16 @@ def test_fsdp_trainer_sends_through_vllms_trainer_api(server, hub_server, tiny_m
     (the text of the same weights loaded from its files). It runs first: after
     a failed update at TP=2, vLLM 0.32's multiprocess executor answers the next
     collective_rpc with the other worker's stale error."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(HERE / "vllm_fsdp_trainer.py"), hub_server.address, server.url,
-                               str(tiny_model), MODEL_KEY, str(rank), "2", str(port), str(tmp_path / f"{rank}.json"),
-                               "40"], env=env) for rank in range(2)]
-    try:
-        assert [r.wait(timeout=300) for r in ranks] == [0, 0]
-    finally:
-        for r in ranks:
-            r.kill()
+    with rendezvous(2) as dist_env:
+        env = {**os.environ, **dist_env, "OMP_NUM_THREADS": "1"}
+        ranks = [subprocess.Popen([sys.executable, str(HERE / "vllm_fsdp_trainer.py"), hub_server.address,
+                                   server.url, str(tiny_model), MODEL_KEY, str(rank), "2", dist_env["MASTER_PORT"],
+                                   str(tmp_path / f"{rank}.json"), "40"], env=env) for rank in range(2)]
+        try:
+            assert [r.wait(timeout=300) for r in ranks] == [0, 0]
+        finally:
+            for r in ranks:
+                r.kill()
     import torch
     from tensorhub_vllm.receiver import checkpoint_layout
 
