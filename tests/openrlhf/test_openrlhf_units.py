@@ -80,3 +80,20 @@ def test_recipe_mistakes_are_caught_before_launch():
         render({"tensorhub": {"adress": "x"}})
     with pytest.raises(ValueError, match="TENSORHUB_SERVE must be one of"):
         render({"tensorhub": {"address": "auto", "serve": "maybe"}})
+
+
+def test_the_bench_stops_at_once_when_a_rank_fails():
+    import time
+    from types import SimpleNamespace
+
+    import torch.multiprocessing as mp
+    from tensorhub_openrlhf.bench import _collect
+
+    queue = mp.get_context("spawn").Queue()
+    running, done, failed = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=0), SimpleNamespace(exitcode=1)
+    queue.put(("published", 0)), queue.put(("published", 1))
+    assert sorted(_collect(queue, [running, done], "publish")) == [("published", 0), ("published", 1)]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(exit code 1\) failed during gather"):
+        _collect(queue, [running, failed], "gather")
+    assert time.monotonic() - start < 10  # not the 120 s a silent rank gets

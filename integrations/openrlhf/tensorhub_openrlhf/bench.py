@@ -24,9 +24,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import queue as queues
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
@@ -43,9 +45,14 @@ class BenchConfig:
     reps: int = 3
 
 
-def _rank(rank: int, cfg: BenchConfig, port: int, address: str, queue: mp.Queue, go: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cfg.ranks),
-                      LOCAL_RANK=str(rank))
+# How long a step of the ranks may take before the bench gives up: start-up
+# (imports, DeepSpeed, the model) takes 10-20 s here, a step under a second.
+_STEP_TIMEOUT_S = 120
+
+
+def _rank(rank: int, cfg: BenchConfig, dist_env: dict[str, str], address: str, queue: mp.Queue,
+          go: mp.Queue) -> None:
+    os.environ.update(dist_env, RANK=str(rank), WORLD_SIZE=str(cfg.ranks), LOCAL_RANK=str(rank))
     import deepspeed
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -55,7 +62,7 @@ def _rank(rank: int, cfg: BenchConfig, port: int, address: str, queue: mp.Queue,
 
     # A JIT-compiled CPU all-reduce (a minute of C++ on first use); gloo does the same collectives.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=_STEP_TIMEOUT_S))
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=torch.bfloat16):
@@ -89,16 +96,15 @@ def run(cfg: BenchConfig, json_path: str | None = None) -> int:
     from tensorhub import Hub
     from tensorhub.bench.report import Row, print_table, write_json
     from tensorhub.server import EmbeddedServer
-    from tensorhub.testing import free_port
+    from tensorhub.testing import rendezvous
 
     ctx = mp.get_context("spawn")
     samples: dict[str, list[float]] = {"tensorhub sync (publish + pull)": [], "tensorhub publish (slowest rank)": [],
                                        "openrlhf gather (trainer side only)": []}
     sent: dict[str, int] = {}
-    with EmbeddedServer() as server:
+    with EmbeddedServer() as server, rendezvous(cfg.ranks) as dist_env:
         queue, gos = ctx.Queue(), [ctx.Queue() for _ in range(cfg.ranks)]
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, cfg, port, server.address, queue, gos[r]), daemon=True)
+        procs = [ctx.Process(target=_rank, args=(r, cfg, dist_env, server.address, queue, gos[r]), daemon=True)
                  for r in range(cfg.ranks)]
         for p in procs:
             p.start()
@@ -108,22 +114,26 @@ def run(cfg: BenchConfig, json_path: str | None = None) -> int:
                 for go in gos:
                     go.put("publish")
                 start = time.perf_counter()
-                published = [queue.get(timeout=600) for _ in range(cfg.ranks)]
+                published = _collect(queue, procs, "publish")
                 reader.wait_for_version(MODEL, rep, timeout=120)
                 result = reader.pull(MODEL, rep, into=into)
                 sync_s = time.perf_counter() - start
                 into = result.tensors
                 for go in gos:
                     go.put("gather")
-                gathered = [queue.get(timeout=600) for _ in range(cfg.ranks)]
+                gathered = _collect(queue, procs, "gather")
                 if rep:
                     samples["tensorhub sync (publish + pull)"].append(sync_s)
                     samples["tensorhub publish (slowest rank)"].append(max(p[4] for p in published))
                     samples["openrlhf gather (trainer side only)"].append(max(g[4] for g in gathered))
                     sent = dict(result.bytes_by_source)
         nbytes = result.nbytes
-        for p in procs:
-            p.join(timeout=120)
+        deadline = time.monotonic() + _STEP_TIMEOUT_S
+        for r, p in enumerate(procs):
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.exitcode != 0:
+                p.kill()
+                raise RuntimeError(f"rank {r} did not finish cleanly after the last step (exit code {p.exitcode})")
     rows = [Row.of(method, 1, nbytes, values) for method, values in samples.items()]
     print_table(f"OpenRLHF weight sync, {cfg.ranks} ZeRO-3 ranks, {nbytes / 2**20:.0f} MiB model", rows,
                 {"tensorhub sync (publish + pull)": "openrlhf gather (trainer side only)"})
@@ -136,6 +146,25 @@ def run(cfg: BenchConfig, json_path: str | None = None) -> int:
     if json_path:
         write_json(json_path, rows, bench="openrlhf", config=asdict(cfg), bytes_sent_by_rank=per_rank)
     return 0
+
+
+def _collect(queue: mp.Queue, procs: list, step: str) -> list[tuple]:
+    """One message from every rank for ``step``. A rank that exits with an
+    error fails the bench at once, naming it (its traceback is on stderr),
+    rather than leaving the others and this process waiting out the deadline."""
+    deadline = time.monotonic() + _STEP_TIMEOUT_S
+    messages: list[tuple] = []
+    while len(messages) < len(procs):
+        try:
+            messages.append(queue.get(timeout=0.5))
+        except queues.Empty:
+            failed = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"{', '.join(failed)} failed during {step}: see its traceback above") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(procs) - len(messages)} rank(s) sent nothing for {step} within "
+                                   f"{_STEP_TIMEOUT_S} s") from None
+    return messages
 
 
 def main() -> None:
