@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,9 +28,8 @@ def digest(t: torch.Tensor) -> str:
 
 
 class ZeroRank:
-    def __init__(self, rank: int, world: int, port: int, model_dir: str, engines: list[Any]) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    def __init__(self, rank: int, world: int, dist_env: dict[str, str], model_dir: str, engines: list[Any]) -> None:
+        os.environ.update(dist_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         import deepspeed
         from openrlhf.models import Actor
         from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
@@ -37,7 +37,7 @@ class ZeroRank:
 
         # by module: `import deepspeed.comm.torch as x` binds deepspeed.comm's attribute `torch` (PyTorch)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
         torch.manual_seed(rank)
         config = get_train_ds_config(offload=False, adam_offload=False, stage=3, param_dtype="bf16", zpg=1)
         config.update(train_micro_batch_size_per_gpu=1, train_batch_size=world)

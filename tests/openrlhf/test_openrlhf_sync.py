@@ -40,6 +40,15 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def dist_env():
+    """The trainer ranks' torch.distributed rendezvous, held by this process."""
+    from tensorhub.testing import rendezvous
+
+    with rendezvous(WORLD) as env:
+        yield env
+
+
 def engines_of(count: int, model_dir) -> list:
     from tensorhub_openrlhf.engines import create_vllm_engines
 
@@ -71,14 +80,11 @@ def assert_engines_hold(address: str, ranks, engines, version: int) -> None:
             result.bytes_by_source
 
 
-def test_zero3_partitions_reach_engines_each_step(cluster, tiny_model):
-    from tensorhub.testing import free_port
-
+def test_zero3_partitions_reach_engines_each_step(cluster, dist_env, tiny_model):
     address = cluster
     engines = engines_of(2, tiny_model)
-    port = free_port()
     rank_actor = ray.remote(num_cpus=1)(ZeroRank)
-    ranks = [rank_actor.remote(r, WORLD, port, str(tiny_model), engines) for r in range(WORLD)]
+    ranks = [rank_actor.remote(r, WORLD, dist_env, str(tiny_model), engines) for r in range(WORLD)]
     partitions = ray.get([r.partitions.remote() for r in ranks], timeout=300)
     total_bytes = 2 * sum(numel for numel, _, _ in partitions[0].values())  # bf16
 
@@ -103,8 +109,9 @@ def test_zero3_partitions_reach_engines_each_step(cluster, tiny_model):
     assert stats[0]["engines_loaded"] == [0] and list(stats[0]["engines_failed"]) == [1]
 
     # An engine started now loads the latest version by itself: no group to rebuild.
+    # Its first answer waits for the actor to start: vLLM's start-up, then its pull.
     (late,) = engines_of(1, tiny_model)
-    assert ray.get(late.tensorhub_version.remote(), timeout=60) == version1
+    assert ray.get(late.tensorhub_version.remote(), timeout=300) == version1
     assert_engines_hold(address, ranks, [engines[0], late], version1)
 
     engines = [engines[0], engines[1], late]  # the dead one stays in OpenRLHF's list
