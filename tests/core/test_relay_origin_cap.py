@@ -62,10 +62,10 @@ class CountingMemcpy:
         return pending[1] <= 0
 
     def release(self, pending) -> None:
-        pass
+        """Nothing to release: ``post`` copied the bytes at once, with no handle."""
 
     def forget(self, key: str) -> None:
-        pass
+        """Nothing to forget: ``connect`` loaded no metadata."""
 
 
 class Wave(GrantingLeases):
