@@ -91,7 +91,8 @@ def test_the_bench_stops_at_once_when_a_rank_fails():
 
     queue = mp.get_context("spawn").Queue()
     running, done, failed = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=0), SimpleNamespace(exitcode=1)
-    queue.put(("published", 0)), queue.put(("published", 1))
+    queue.put(("published", 0))
+    queue.put(("published", 1))
     assert sorted(_collect(queue, [running, done], "publish")) == [("published", 0), ("published", 1)]
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 \(exit code 1\) failed during gather"):

@@ -105,7 +105,7 @@ def test_fsdp_trainer_sends_through_vllms_trainer_api(server, hub_server, tiny_m
     with rendezvous(2) as dist_env:
         env = {**os.environ, **dist_env, "OMP_NUM_THREADS": "1"}
         ranks = [subprocess.Popen([sys.executable, str(HERE / "vllm_fsdp_trainer.py"), hub_server.address,
-                                   server.url, str(tiny_model), MODEL_KEY, str(rank), "2", dist_env["MASTER_PORT"],
+                                   server.url, str(tiny_model), MODEL_KEY, str(rank), "2",
                                    str(tmp_path / f"{rank}.json"), "40"], env=env) for rank in range(2)]
         try:
             assert [r.wait(timeout=300) for r in ranks] == [0, 0]

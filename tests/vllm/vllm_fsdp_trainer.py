@@ -2,23 +2,22 @@
 vLLM server through vLLM's own trainer-side API: WeightTransferTrainerFactory
 with backend ``tensorhub`` and vLLM's HTTP client. ``DTensor.full_tensor`` is
 made to fail, so a gather anywhere fails the run. Writes what it published.
+The ranks meet at the rendezvous named by MASTER_ADDR and MASTER_PORT in the
+environment (the test's ``tensorhub.testing.rendezvous``).
 
-    python vllm_fsdp_trainer.py HUB SERVER_URL MODEL_DIR MODEL_KEY RANK WORLD PORT OUT_JSON VERSION
+    python vllm_fsdp_trainer.py HUB SERVER_URL MODEL_DIR MODEL_KEY RANK WORLD OUT_JSON VERSION
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 
-def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, port: int, out: str,
-         version: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, out: str, version: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -54,4 +53,4 @@ def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, po
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]), a[7], int(a[8]))
+    main(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), a[6], int(a[7]))
