@@ -4,6 +4,7 @@ server, and a trainer process that publishes versions on command."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +39,9 @@ def hub_server():
 class Trainer:
     """Drives vllm_trainer.py in its own process."""
 
-    def __init__(self, address: str, model_dir: Path, chunk_size: int = 1 << 20) -> None:
+    def __init__(self, address: str, model_dir: Path, chunk_size: int = 1 << 20, model_key: str = MODEL_KEY) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_trainer.py"), address, str(model_dir), MODEL_KEY, str(chunk_size)],
+            [sys.executable, str(HERE / "vllm_trainer.py"), address, str(model_dir), model_key, str(chunk_size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._expect("ready")
 
@@ -106,6 +107,45 @@ def engine(tiny_model, hub_server):
     llm.init_weight_transfer_engine({"init_info": {"hub": hub_server.address, "model": MODEL_KEY}})
     yield llm
     llm.shutdown_weight_transfer_engine()
+
+
+def perturbed_copy(model_dir: Path, path: Path) -> Path:
+    """``model_dir`` with the trainer's "perturbed" weights in its files, at ``path``."""
+    from safetensors.torch import save_file
+    from vllm_trainer import weights
+
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
+    save_file(weights(model_dir, "perturbed"), str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def tp_env():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP=2 needs two cores")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    # vLLM's automatic binding wants one NUMA node per worker; bind one core each instead
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # an engine started earlier in this session cached the old value
+    yield
+    if old is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+
+
+def tp_engine(model_dir: Path, hub_address: str, model_key: str = MODEL_KEY, tp: int = 2):
+    """A TP engine (workers in their own processes; needs ``tp_env``) on the tensorhub backend."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=tp,
+              weight_transfer_config={"backend": "tensorhub"},
+              worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
+    llm.init_weight_transfer_engine({"init_info": {"hub": hub_address, "model": model_key}})
+    return llm
 
 
 def update(llm, version, weight_version: str | None = None) -> None:

