@@ -215,8 +215,8 @@ class Hub:
     # ---------------------------------------------------------------- pull
 
     def pull(self, model: str, version: int | Literal["latest"] = "latest",
-             into: Mapping[str, Entry] | None = None, *, serve: bool = False,
-             group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
+             into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
+             serve: bool = False, group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
              timeout: float | None = None, before_write: Callable[[], None] | None = None) -> PullResult:
         """Pull a visible version of ``model`` from whoever holds it.
 
@@ -224,7 +224,11 @@ class Hub:
         ``Shard``s (regions of it: only those bytes are read, from whichever
         holders cover them). Checked against the manifest region by region
         before any byte moves; bytes land in place. Without it, new whole
-        tensors are allocated. ``serve=True`` publishes the destination as a
+        tensors are allocated. It may also be a function of the resolved
+        version's manifest that returns that mapping, for a destination whose
+        names depend on the publisher's (``tensorhub.experts.onto``: a
+        checkpoint's per-expert tensors onto a version of fused experts).
+        ``serve=True`` publishes the destination as a
         replica of exactly those regions as chunks land (pipeline replication):
         unpublish ``result.publication`` before modifying it.
         ``group``/``group_round``: all members of a group asking in the same
@@ -248,6 +252,8 @@ class Hub:
         chunk_size = min((r.chunk_size for r in resolved.replicas if r.chunk_size), default=self.config.chunk_size)
         publication = None
         try:
+            if callable(into):
+                into = into(manifest)
             parts = destination_parts(manifest, into, model=model, version=resolved.version)
             if before_write is not None:
                 before_write()

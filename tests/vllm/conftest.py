@@ -49,8 +49,9 @@ class Trainer:
         line = self.proc.stdout.readline().strip()
         assert line == reply, f"trainer said {line!r}, expected {reply!r}"
 
-    def publish(self, version: int, kind: str) -> None:
-        self.proc.stdin.write(f"publish {version} {kind}\n")
+    def publish(self, version: int, kind: str, model_dir: Path | None = None) -> None:
+        """``kind`` original|perturbed|wrong-vocab, or hf with the ``model_dir`` to load."""
+        self.proc.stdin.write(f"publish {version} {kind}{'' if model_dir is None else f' {model_dir}'}\n")
         self.proc.stdin.flush()
         self._expect(f"published {version}")
 

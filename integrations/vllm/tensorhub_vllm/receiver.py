@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tensorhub import Hub, HubConfig, Publication, PullResult
+from tensorhub import Hub, HubConfig, ManifestMismatch, Publication, PullResult, experts
+from tensorhub.manifest import Manifest
 from tensorhub_vllm.config import TensorHubInitInfo
 from tensorhub_vllm.readset import ReadSet
 
@@ -105,18 +106,35 @@ class VersionReceiver:
             # Fresh memory each time, dropped by the caller after the apply.
             self.staged = self.read_set.allocate(self.device)
             try:
-                return self.hub.pull(self.info.model, version, into=self.staged, group=self.group,
-                                     group_round=self._round)
+                return self._pull(version, self.staged)
             except BaseException:
                 self.staged = None  # nothing to apply: free it now, not at the next update
                 raise
         if self._staging is None:
             self._staging = self.read_set.allocate(self.device)
         self.staged = self._staging
-        result = self.hub.pull(self.info.model, version, into=self._staging, serve=True,
-                               group=self.group, group_round=self._round, before_write=withdrawn)
+        result = self._pull(version, self._staging, serve=True, before_write=withdrawn)
         self._publication = result.publication
         return result
+
+    def _pull(self, version: int | str, staging: dict, **kwargs) -> PullResult:
+        """Pull into ``staging`` (checkpoint names), whichever naming of the
+        experts the publisher used (``tensorhub.experts``: fused experts are
+        read into the per-expert staging as boxes of the fused tensors)."""
+        seen: list[Manifest] = []
+
+        def onto(manifest: Manifest) -> dict:
+            seen.append(manifest)
+            return experts.onto(staging, manifest)
+
+        try:
+            return self.hub.pull(self.info.model, version, into=onto, group=self.group, group_round=self._round,
+                                 **kwargs)
+        except ManifestMismatch as e:
+            hint = experts.mismatch_hint(list(staging), seen[0]) if seen else None
+            if hint is None:
+                raise
+            raise ManifestMismatch(f"{e} {hint}") from None
 
     def done(self) -> None:
         """The update was applied (or abandoned): without serving, free the staging now."""
