@@ -40,6 +40,8 @@ from tensorhub.shard import Entry, Shard
 PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+# Renamed by transformers 5 on load (Mixtral's router: block_sparse_moe.gate -> mlp.gate)
+_RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
 CONVENTIONS = ("per-expert '<layer>.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight' (Mixtral: "
                "'<layer>.block_sparse_moe.experts.{e}.w1/w3/w2.weight'), or fused transformers-5 "
@@ -77,10 +79,20 @@ def _moved(shard: Shard, home: str, full: tuple[int, ...], e: int, row: int) -> 
     return Shard(shard.tensor, full, box=((e, e + 1), (row + r0, row + r1), (c0, c1)))
 
 
+def _renamed(name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    for old, new in _RENAMES:
+        other = name.replace(old, new)
+        if other != name and shapes.get(other) == shape:
+            return other
+    return None
+
+
 def onto(into: Mapping[str, Entry], manifest: Manifest) -> dict[str, Entry]:
     """``into`` (names of a checkpoint) for a version whose manifest may hold
     the experts fused: each per-expert entry the manifest lacks but holds fused
-    becomes shards of the fused tensor over the same memory. Everything else is
+    becomes shards of the fused tensor over the same memory, and a name
+    transformers 5 renames (Mixtral's ``block_sparse_moe.gate``) takes the
+    manifest's name. Everything else is
     left as it is, so a name that matches neither convention still gets the
     manifest check's listing."""
     shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
@@ -89,6 +101,10 @@ def onto(into: Mapping[str, Entry], manifest: Manifest) -> dict[str, Entry]:
     for name, entry in into.items():
         shards = [entry] if isinstance(entry, (Shard, torch.Tensor)) else list(entry)
         full = tuple(shards[0].full_shape if isinstance(shards[0], Shard) else shards[0].shape)
+        renamed = None if name in shapes else _renamed(name, full, shapes)
+        if renamed is not None:
+            out[renamed] = entry
+            continue
         home = None if name in shapes else fused_home(name, full, shapes)
         if home is None:
             out[name] = entry

@@ -62,7 +62,8 @@ def test_every_region_of_an_expert_is_a_box_of_the_fused_tensor(names, block):
             into[name] = [Shard(torch.empty(2, 2, dtype=t.dtype), t.shape, box=((1, 3), (2, 4)))]
         else:
             into[name] = [Shard(torch.empty(7, dtype=t.dtype), t.shape, flat=(5, 12))]
-    into[f"{LAYER}.mlp.gate.weight"] = torch.empty(E, H, dtype=torch.bfloat16)
+    # the router: Mixtral's checkpoint names it block_sparse_moe.gate, its transformers-5 model mlp.gate
+    into[f"{LAYER}.{block}.gate.weight"] = torch.empty(E, H, dtype=torch.bfloat16)
     mapped = experts.onto(into, _fused_manifest())
     assert set(mapped) == {n for n, _, _ in FUSED_SPECS}  # every per-expert name went to its fused home
     _fused_manifest().check_destination(mapped, model="m", version=0)  # regions fit, nothing overlaps

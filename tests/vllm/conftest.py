@@ -138,12 +138,12 @@ def tp_env():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
-def tp_engine(model_dir: Path, hub_address: str, model_key: str = MODEL_KEY, tp: int = 2):
+def tp_engine(model_dir: Path, hub_address: str, model_key: str = MODEL_KEY, tp: int = 2, **engine_args):
     """A TP engine (workers in their own processes; needs ``tp_env``) on the tensorhub backend."""
     from vllm import LLM
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=tp,
-              weight_transfer_config={"backend": "tensorhub"},
+              weight_transfer_config={"backend": "tensorhub"}, **engine_args,
               worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
     llm.init_weight_transfer_engine({"init_info": {"hub": hub_address, "model": model_key}})
     return llm

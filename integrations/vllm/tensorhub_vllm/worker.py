@@ -43,7 +43,7 @@ class WorkerUpdater:
         layout = checkpoint_layout(model_dir(vllm_config.model_config.model, vllm_config.load_config.download_dir),
                                    vllm_config.model_config.dtype)
         self.device = model_device(model)
-        check_moe_updatable(model)  # before any pull: a MoE layer we cannot update right fails here
+        check_moe_updatable(model, vllm_config.parallel_config)  # before any pull: a MoE layer we cannot update right fails here
         start = time.perf_counter()
         self.read_set = dry_run(model, layout, self.device).coalesced(info.overread)
         log.info("tensorhub: read set of this worker: %d of %d bytes of the checkpoint (%d tensors in parts, "
