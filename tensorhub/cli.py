@@ -116,7 +116,8 @@ def _bench_server(args: argparse.Namespace) -> int:
 def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
-    cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps, tp=args.tp)
+    cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps, tp=args.tp,
+                                model=args.model, experts=args.experts)
     return bench.run(cfg, json_path=args.json)
 
 
@@ -272,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--vocab", type=int, default=16384, help="vocabulary size of the random Qwen2 model")
     vllm.add_argument("--reps", type=int, default=3, help="timed repetitions (median reported)")
     vllm.add_argument("--tp", type=int, default=1, help="tensor parallelism of the engine (one row per worker)")
+    vllm.add_argument("--model", choices=("dense", "moe"), default="dense",
+                      help="a random Qwen2 (dense) or Qwen3-MoE (moe) checkpoint")
+    vllm.add_argument("--experts", type=int, default=32, help="experts per layer of the random Qwen3-MoE")
     vllm.add_argument("--json", help="write the results here as JSON")
     vllm.set_defaults(func=_bench_vllm)
     return parser

@@ -5,7 +5,8 @@ safetensors file (``reload_weights(weights_path=...)``, page cache warm after
 the first repetition) in the same run.
 
 One process drives it: a trainer Hub publishing a random Qwen2-style
-checkpoint and an engine (its core in this process, its TP workers in their
+checkpoint (``--model moe``: a random Qwen3-MoE, ``--experts`` per layer, the
+checkpoint's per-expert tensors) and an engine (its core in this process, its TP workers in their
 own). The reference server runs in its own process, as it does in production:
 inside the driver its calls wait for the GIL while vLLM's engine core polls
 for the workers' replies (a worker's pull: 0.064-0.068 s so, 0.054-0.056 s
@@ -18,6 +19,9 @@ first repetition is a warm-up. JSON rows:
     {"method": "disk-reload", "seconds"}          vLLM's own reload from the local file (all workers)
 
 Every ``seconds`` is a median over repetitions; ``samples`` lists them.
+For MoE, ``disk-reload`` is vLLM's reload as it is, which on CPU skips the
+experts' repack (and so serves other weights: docs/vllm-moe-reload.md); the
+TensorHub update includes that repack.
 """
 
 from __future__ import annotations
@@ -42,9 +46,29 @@ class VllmBenchConfig:
     vocab: int = 16384
     reps: int = 3
     tp: int = 1
+    model: str = "dense"  # or "moe"
+    experts: int = 32  # per MoE layer (top-4), expert intermediate hidden / 4
+
+
+def _build_moe(path: Path, cfg: VllmBenchConfig) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 2,
+                            moe_intermediate_size=cfg.hidden // 4, num_experts=cfg.experts, num_experts_per_tok=4,
+                            num_hidden_layers=cfg.layers, num_attention_heads=max(1, cfg.hidden // 64),
+                            num_key_value_heads=max(cfg.tp, cfg.hidden // 512), head_dim=64,
+                            max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16")
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
 def _build_model(path: Path, cfg: VllmBenchConfig) -> None:
+    if cfg.model == "moe":
+        _build_moe(path, cfg)
+        return
+    if cfg.model != "dense":
+        raise ValueError(f"--model must be dense or moe, not {cfg.model!r}")
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -158,7 +182,7 @@ def _print(rows: list[dict], cfg: VllmBenchConfig) -> None:
 
     disk = next(r["seconds"] for r in rows if r["method"] == "disk-reload")
     ckpt = next(r["checkpoint_bytes"] for r in rows if r["method"] == "tensorhub")
-    table = Table(title=f"vLLM weight update, TP={cfg.tp}, {ckpt / 2**20:.0f} MiB checkpoint (median of {cfg.reps})")
+    table = Table(title=f"vLLM weight update ({cfg.model}), TP={cfg.tp}, {ckpt / 2**20:.0f} MiB checkpoint (median of {cfg.reps})")
     for col in ("method", "rank", "pulled / checkpoint", "pull s", "apply s", "seconds", "vs disk-reload"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:
