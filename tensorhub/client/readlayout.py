@@ -174,7 +174,7 @@ class ReadLayout:
             "remote_dev": replica.regions[h, 2].astype(np.int64),
         }
         order = np.argsort(cols["r_off"], kind="stable")
-        cols = {k: v[order] for k, v in cols.items()}
+        cols = _merge_contiguous({k: v[order] for k, v in cols.items()})
         cols = _cut(cols, "r_off", self.chunk_size)
         return _cut(cols, "h_off", replica.chunk_size) if replica.chunk_size else cols
 
@@ -279,6 +279,29 @@ def split(transfer: Transfer, max_bytes: int) -> list[Transfer]:
     sizes = [min(max_bytes, transfer.nbytes - at) for at in range(0, transfer.nbytes, max_bytes)]
     return [Transfer(transfer.replica_id, local[a:b], remote[a:b], n, None if h_off is None else h_off[a:b])
             for (a, b), n in zip(bounds, sizes)]
+
+
+def _merge_contiguous(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Join segments (sorted by ``r_off``) that continue one another on both
+    sides, in the reader's byte space, the holder's and both memories: where
+    a holder holds a region as the reader does (worker k of one engine to
+    worker k of the next, a column slice of 4,096 rows), its element runs are
+    one contiguous range, moved by one READ descriptor, not one per row."""
+    n = len(cols["length"])
+    if n < 2:
+        return cols
+    end = {k: cols[k][:-1] + cols["length"][:-1] for k in _SHIFTING}
+    joins = np.ones(n - 1, bool)
+    for k in _SHIFTING:
+        joins &= cols[k][1:] == end[k]
+    for k in _FIXED:
+        joins &= cols[k][1:] == cols[k][:-1]
+    if not joins.any():
+        return cols
+    first = np.concatenate([[0], np.nonzero(~joins)[0] + 1])
+    out = {k: cols[k][first] for k in (*_SHIFTING, *_FIXED)}
+    out["length"] = np.add.reduceat(cols["length"], first)
+    return out
 
 
 def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ from tensorhub.planner import Source
 from tensorhub.regions import Region, gaps, overlap
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
-from tensorhub.transport.memory import regions_of
+from tensorhub.transport.memory import MemoryRegion, regions_of
 
 # ---------------------------------------------------------------- regions
 
@@ -405,3 +405,26 @@ def test_run_count_is_the_number_of_runs() -> None:
         shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 4)))
         region = _random_region(rng, shape) if math.prod(shape) else Region()
         assert region.run_count(shape) == max(1, len(region.runs(shape)))
+
+
+def test_a_same_layout_holder_is_read_in_one_descriptor_per_contiguous_range():
+    """Worker k of one engine to worker k of the next: both hold the same column
+    slice of a 4,096-row tensor contiguously, so each chunk's piece of it is one
+    READ descriptor, not one per row; from a holder of whole rows it stays one
+    per row (its columns are not contiguous there). Byte-exact either way."""
+    full = torch.randn(4096, 256).to(torch.bfloat16)
+    manifest = Manifest.of({"w": full})
+    cols = Region.of((4096, 256), cols=(64, 128))
+    chunk_size = 128 << 10  # the slice is 512 KiB: 4 chunks
+    held = full[:, 64:128].contiguous()  # the holders' memory stays alive: replicas hold addresses only
+    same = _remote("same", manifest, [("w", cols, held)])
+    rows = _remote("rows", manifest, [("w", Region(), full)])
+    for holder, per_chunk in ((same, 1), (rows, 128 << 10 >> 7)):  # 128 B of each row
+        stats, (dest,), _ = _pull(manifest, [holder], [("w", cols)], chunk_size=chunk_size)
+        assert torch.equal(dest.view(4096, 64), full[:, 64:128])
+        assert stats.read_bytes == stats.nbytes == 4096 * 64 * 2
+        layout = ReadLayout(manifest, [ReadPart("w", 0, (4096, 256), cols.runs((4096, 256)), 2,
+                                                MemoryRegion(1 << 20, 4096 * 64 * 2, 0))], chunk_size)
+        table = layout.holder_table(holder)
+        assert len(table["length"]) == 4 * per_chunk, holder.agent_id
+        assert int(table["length"].sum()) == 4096 * 64 * 2
