@@ -174,7 +174,9 @@ class ReadLayout:
             "remote_dev": replica.regions[h, 2].astype(np.int64),
         }
         order = np.argsort(cols["r_off"], kind="stable")
-        cols = _merge_contiguous({k: v[order] for k, v in cols.items()})
+        # a READ descriptor must lie in one registration on either side: join within one part and one held region
+        within = (p * (len(held) + 1) + h)[order]
+        cols = _merge_contiguous({k: v[order] for k, v in cols.items()}, within)
         cols = _cut(cols, "r_off", self.chunk_size)
         return _cut(cols, "h_off", replica.chunk_size) if replica.chunk_size else cols
 
@@ -281,17 +283,20 @@ def split(transfer: Transfer, max_bytes: int) -> list[Transfer]:
             for (a, b), n in zip(bounds, sizes)]
 
 
-def _merge_contiguous(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Join segments (sorted by ``r_off``) that continue one another on both
-    sides, in the reader's byte space, the holder's and both memories: where
-    a holder holds a region as the reader does (worker k of one engine to
-    worker k of the next, a column slice of 4,096 rows), its element runs are
-    one contiguous range, moved by one READ descriptor, not one per row."""
+def _merge_contiguous(cols: dict[str, np.ndarray], within: np.ndarray) -> dict[str, np.ndarray]:
+    """Join segments (sorted by ``r_off``) of the same ``within`` group that
+    continue one another on both sides, in the reader's byte space, the
+    holder's and both memories: where a holder holds a region as the reader
+    does (worker k of one engine to worker k of the next, a column slice of
+    4,096 rows), its element runs are one contiguous range, moved by one READ
+    descriptor, not one per row. Segments of different groups never join, even
+    where their memory happens to be adjacent: NIXL finds a descriptor only
+    inside one registered region."""
     n = len(cols["length"])
     if n < 2:
         return cols
     end = {k: cols[k][:-1] + cols["length"][:-1] for k in _SHIFTING}
-    joins = np.ones(n - 1, bool)
+    joins = within[1:] == within[:-1]
     for k in _SHIFTING:
         joins &= cols[k][1:] == end[k]
     for k in _FIXED:

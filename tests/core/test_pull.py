@@ -129,3 +129,23 @@ def test_group_members_get_the_version_the_first_member_fixed(hubs):
     got = rank1.call("pull", model="m", specs=specs, expect_seed=1, group="engine", group_round=0)
     assert got["version"] == 1 and got["mismatched"] == []
     assert rank1.call("pull", model="m", specs=specs, group="engine", group_round=1)["version"] == 2
+
+
+def test_adjacent_registrations_are_read_in_separate_descriptors(server):
+    """Two tensors whose memories touch but are two storages (two NIXL
+    registrations): the reader, whose destinations also touch, must not join
+    their bytes into one READ descriptor (NIXL finds a descriptor only inside
+    one registration: NIXL_ERR_NOT_FOUND)."""
+    n = 1 << 16
+    raw = bytearray(2 * n * 4)
+    first = torch.frombuffer(memoryview(raw)[: n * 4], dtype=torch.float32)
+    second = torch.frombuffer(memoryview(raw)[n * 4:], dtype=torch.float32)
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert first.data_ptr() + n * 4 == second.data_ptr()
+    first.copy_(torch.arange(n, dtype=torch.float32))
+    second.copy_(-torch.arange(n, dtype=torch.float32))
+    dest = torch.zeros(2 * n)
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="reader") as reader:
+        trainer.publish("adjacent", 1, {"a": first, "b": second})
+        reader.pull("adjacent", 1, into={"a": dest[:n], "b": dest[n:]}, timeout=30)
+    assert torch.equal(dest[:n], first) and torch.equal(dest[n:], second)
