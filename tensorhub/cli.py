@@ -117,7 +117,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
     cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps, tp=args.tp,
-                                model=args.model, experts=args.experts)
+                                model=args.model, experts=args.experts, overread=args.overread)
     return bench.run(cfg, json_path=args.json)
 
 
@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--model", choices=("dense", "moe"), default="dense",
                       help="a random Qwen2 (dense) or Qwen3-MoE (moe) checkpoint")
     vllm.add_argument("--experts", type=int, default=32, help="experts per layer of the random Qwen3-MoE")
+    vllm.add_argument("--overread", type=float, default=0.2,
+                      help="the engine's overread: at most this share of its read set more, read as whole rows")
     vllm.add_argument("--json", help="write the results here as JSON")
     vllm.set_defaults(func=_bench_vllm)
     return parser

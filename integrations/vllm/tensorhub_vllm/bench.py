@@ -21,7 +21,8 @@ first repetition is a warm-up. JSON rows:
 Every ``seconds`` is a median over repetitions; ``samples`` lists them.
 For MoE, ``disk-reload`` is vLLM's reload as it is, which on CPU skips the
 experts' repack (and so serves other weights: docs/vllm-moe-reload.md); the
-TensorHub update includes that repack.
+TensorHub update includes that repack, and so does the extra row
+``{"method": "disk-reload-repack", "seconds"}`` (a correct reload from disk).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class VllmBenchConfig:
     tp: int = 1
     model: str = "dense"  # or "moe"
     experts: int = 32  # per MoE layer (top-4), expert intermediate hidden / 4
+    overread: float = 0.2  # the engine's init_info.overread: bytes read as whole rows beyond the read set
 
 
 def _build_moe(path: Path, cfg: VllmBenchConfig) -> None:
@@ -125,11 +127,20 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
                   enforce_eager=True, tensor_parallel_size=cfg.tp,
                   worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
         server = started.result(timeout=60)
-        llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL},))
+        llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL, "overread": cfg.overread},))
         try:
             yield llm, server, model_dir, state
         finally:
             llm.collective_rpc("tensorhub_close")
+
+
+def reload_with_repack(worker, weights_path: str) -> None:
+    """vLLM's reload from disk with the experts' repack our apply adds (run in
+    each worker by ``collective_rpc``): what a correct reload of a MoE model costs."""
+    from tensorhub_vllm.vllm_internals import moe_finalize_on_update
+
+    with moe_finalize_on_update(worker.model_runner.model):
+        worker.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
 
 
 def one_round(llm, trainer, version: int, state: dict, model_dir: Path) -> tuple[float, float, list[dict]]:
@@ -154,10 +165,15 @@ def measure(cfg: VllmBenchConfig) -> list[dict]:
     workers: list[list[dict]] = [[] for _ in range(cfg.tp)]
     updates: list[float] = []
     disk: list[float] = []
+    disk_repack: list[float] = []
     with bench_engine(cfg) as (llm, server, model_dir, state), \
             Hub.connect(server.address, name="bench-trainer") as trainer:
         for rep in range(cfg.reps + 1):  # the first is warm-up
             update, reload, stats = one_round(llm, trainer, rep, state, model_dir)
+            if cfg.model == "moe":
+                start = time.perf_counter()
+                llm.collective_rpc(reload_with_repack, args=(str(model_dir),))
+                disk_repack.append(time.perf_counter() - start)
             if rep:
                 disk.append(reload)
                 updates.append(update)
@@ -173,6 +189,9 @@ def measure(cfg: VllmBenchConfig) -> list[dict]:
                      "seconds": statistics.median(seconds), "samples": seconds})
     rows.append({"method": "tensorhub-update", "seconds": statistics.median(updates), "samples": updates})
     rows.append({"method": "disk-reload", "seconds": statistics.median(disk), "samples": disk})
+    if disk_repack:
+        rows.append({"method": "disk-reload-repack", "seconds": statistics.median(disk_repack[1:]),
+                     "samples": disk_repack[1:]})
     return rows
 
 
