@@ -154,3 +154,38 @@ def update(llm, version, weight_version: str | None = None) -> None:
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": version}})
     llm.finish_weight_update(weight_version=weight_version)
+
+
+def update_and_relay(a, b, trainer, versions: tuple[int, int], prompts: list[str], share: float):
+    """The TP flow both engine suites check: A (started on the original weights)
+    updated to the perturbed ones generates what B (a fresh engine on those)
+    generates, token for token, each worker pulling at most ``share`` of the
+    checkpoint; A back to the original; then, with the trainer's copy withdrawn,
+    B pulls it from A's workers, worker k mostly from worker k. Returns (A's
+    original tokens, B's fresh tokens, A's agents)."""
+    perturbed, original = versions
+    base = greedy_many(a, prompts)
+    fresh_perturbed = greedy_many(b, prompts)
+    assert base != fresh_perturbed
+
+    trainer.publish(perturbed, "perturbed")
+    update(a, perturbed, str(perturbed))
+    assert greedy_many(a, prompts) == fresh_perturbed  # token for token
+    for s in a.collective_rpc("tensorhub_stats", args=("backend",)):
+        assert 0 < s["nbytes"] <= share * s["checkpoint_nbytes"], s
+    trainer.unpublish(perturbed)
+
+    trainer.publish(original, "original")
+    update(a, original, str(original))
+    assert greedy_many(a, prompts) == base
+    trainer.unpublish(original)  # from now on only A's workers hold it, each its slices
+
+    update(b, original, str(original))
+    assert greedy_many(b, prompts) == base
+    a_agents = [s["agent"] for s in a.collective_rpc("tensorhub_stats", args=("backend",))]
+    for rank, s in enumerate(b.collective_rpc("tensorhub_stats", args=("backend",))):
+        sources = s["bytes_by_source"]
+        assert set(sources) <= set(a_agents) and sum(sources.values()) == s["nbytes"], (rank, sources, a_agents)
+        # its slices only worker k of A holds; replicated tensors (norms) either A worker may give
+        assert max(sources, key=sources.get) == a_agents[rank], (rank, sources, a_agents)
+    return base, fresh_perturbed, a_agents

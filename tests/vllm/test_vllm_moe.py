@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Trainer, greedy_many, perturbed_copy, tp_engine, update
+from conftest import Trainer, greedy_many, perturbed_copy, tp_engine, update, update_and_relay
 
 MOE_KEY = "tiny-qwen3-moe/policy"
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
@@ -80,29 +80,7 @@ def test_each_worker_reads_its_expert_slices(moe_engines):
 
 def test_moe_update_matches_a_fresh_engine_and_relays(moe_engines, moe_trainer, moe_perturbed):
     a, b = moe_engines
-    base = greedy_many(a, PROMPTS)
-    fresh_perturbed = greedy_many(b, PROMPTS)
-    assert base != fresh_perturbed
-
-    moe_trainer.publish(41, "perturbed")
-    update(a, 41, "41")
-    assert greedy_many(a, PROMPTS) == fresh_perturbed  # token for token
-    for s in a.collective_rpc("tensorhub_stats", args=("backend",)):
-        assert 0 < s["nbytes"] <= 0.65 * s["checkpoint_nbytes"], s
-    moe_trainer.unpublish(41)
-
-    moe_trainer.publish(42, "original")
-    update(a, 42, "42")
-    assert greedy_many(a, PROMPTS) == base  # and back: the second repack starts from the first's layout
-    moe_trainer.unpublish(42)  # from now on only A's workers hold version 42, each its slices
-
-    update(b, 42, "42")
-    assert greedy_many(b, PROMPTS) == base
-    a_agents = [s["agent"] for s in a.collective_rpc("tensorhub_stats", args=("backend",))]
-    for rank, s in enumerate(b.collective_rpc("tensorhub_stats", args=("backend",))):
-        sources = s["bytes_by_source"]
-        assert set(sources) <= set(a_agents) and sum(sources.values()) == s["nbytes"], (rank, sources, a_agents)
-        assert max(sources, key=sources.get) == a_agents[rank], (rank, sources, a_agents)
+    _, fresh_perturbed, a_agents = update_and_relay(a, b, moe_trainer, (41, 42), PROMPTS, share=0.65)
 
     # A trainer holding the transformers-5 model publishes its own state_dict():
     # experts fused ([E, 2I, H], [E, H, I]). Each worker reads its per-expert

@@ -11,7 +11,7 @@ B updated to the original version what A generated at start."""
 from __future__ import annotations
 
 import pytest
-from conftest import greedy_many, perturbed_copy, tp_engine, update
+from conftest import perturbed_copy, tp_engine, update_and_relay
 
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
 
@@ -59,27 +59,4 @@ def test_each_worker_reads_its_slices_only(engines):
 
 def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, trainer):
     a, b = engines
-    base = greedy_many(a, PROMPTS)
-    fresh_perturbed = greedy_many(b, PROMPTS)
-    assert base != fresh_perturbed
-
-    trainer.publish(31, "perturbed")
-    update(a, 31, "31")
-    assert greedy_many(a, PROMPTS) == fresh_perturbed  # token for token
-    for s in a.collective_rpc("tensorhub_stats", args=("backend",)):
-        assert 0 < s["nbytes"] <= 0.6 * s["checkpoint_nbytes"], s
-    trainer.unpublish(31)
-
-    trainer.publish(32, "original")
-    update(a, 32, "32")
-    assert greedy_many(a, PROMPTS) == base
-    trainer.unpublish(32)  # from now on only A's workers hold version 32, each its slices
-
-    update(b, 32, "32")
-    assert greedy_many(b, PROMPTS) == base
-    a_agents = [s["agent"] for s in a.collective_rpc("tensorhub_stats", args=("backend",))]
-    for rank, s in enumerate(b.collective_rpc("tensorhub_stats", args=("backend",))):
-        sources = s["bytes_by_source"]
-        assert set(sources) <= set(a_agents) and sum(sources.values()) == s["nbytes"], (rank, sources, a_agents)
-        # its slices only worker k of A holds; replicated tensors (norms) either A worker may give
-        assert max(sources, key=sources.get) == a_agents[rank], (rank, sources, a_agents)
+    update_and_relay(a, b, trainer, (31, 32), PROMPTS, share=0.6)
