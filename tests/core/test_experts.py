@@ -131,3 +131,26 @@ def test_a_per_expert_reader_pulls_a_fused_version_in_place(server, hubs):
         else:
             assert torch.equal(got, want[:half]), name
     assert torch.equal(router, make_tensors(FUSED_SPECS, 9)[f"{LAYER}.mlp.gate.weight"])
+
+
+def test_expert_sharded_trainer_ranks_serve_a_per_expert_reader(server, hubs):
+    """FSDP2 ``Shard(0)`` of fused experts, which is also an expert-parallel
+    trainer's layout: each rank holds whole experts (uneven here: 1 and 3).
+    A TP=2 reader of per-expert names reads its halves from both ranks."""
+    ranks = [hubs(f"rank{r}") for r in range(2)]
+    for r, rank in enumerate(ranks):
+        rank.call("publish_shard", model="moe", version=2, specs=FUSED_SPECS, seed=4, how="rows", rank=r, world=2)
+    reference = _per_expert(make_tensors(FUSED_SPECS, 4))
+    half = I // 2
+    into = {f"{LAYER}.mlp.gate.weight": torch.empty(E, H, dtype=torch.bfloat16)}
+    for name, t in reference.items():
+        if name.endswith("down_proj.weight"):
+            into[name] = [Shard(torch.empty(H, half, dtype=t.dtype), t.shape, cols=(half, I))]
+        else:
+            into[name] = [Shard(torch.empty(half, H, dtype=t.dtype), t.shape, rows=(half, I))]
+    with Hub.connect(server.address, name="reader") as hub:
+        result = hub.pull("moe", 2, into=lambda manifest: experts.onto(into, manifest))
+    assert set(result.bytes_by_source) == {"rank0", "rank1"}, result.bytes_by_source
+    for name, want in reference.items():
+        got = into[name][0].tensor
+        assert torch.equal(got, want[:, half:] if name.endswith("down_proj.weight") else want[half:]), name
