@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import vllm
 from vllm.config import ParallelConfig
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
@@ -109,7 +110,7 @@ def check_moe_updatable(model: torch.nn.Module, parallel_config: ParallelConfig)
     CPU experts, whose finalize ``moe_finalize_on_update`` re-runs. EPLB moves
     experts between workers at run time, so the read set found at init would
     go stale: refused, as vLLM's own ``sharded_rdt`` backend refuses it."""
-    if parallel_config.enable_eplb and any(True for _ in _moe_layers(model)):
+    if parallel_config.enable_eplb and next(_moe_layers(model), None) is not None:
         raise RuntimeError(
             "tensorhub: expert-parallel load balancing (enable_eplb) rearranges experts at run time, so a "
             "worker's read set would not stay what its loaders read at init; start the engine without EPLB")
@@ -123,7 +124,7 @@ def check_moe_updatable(model: torch.nn.Module, parallel_config: ParallelConfig)
     if unknown:
         raise RuntimeError(
             "tensorhub: these MoE layers cannot be updated in place safely with vLLM "
-            f"{vllm_version()}: its layer-wise reload skips their experts' finalize on an update, so they would "
+            f"{vllm.__version__}: its layer-wise reload skips their experts' finalize on an update, so they would "
             f"serve wrong weights: {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''}")
 
 
@@ -134,7 +135,7 @@ def moe_finalize_on_update(model: torch.nn.Module) -> Iterator[None]:
     tensors, before vLLM copies them into the live storage. Only layers the
     reload processes run it, so a layer it left untouched is not repacked twice."""
     patched = []
-    for _, layer, method in _moe_layers(model):
+    for _, _, method in _moe_layers(model):
         experts = _experts_of(method)
         if isinstance(experts, CPUUnquantizedExperts):
             def finalize(lay: torch.nn.Module, _method=method, _experts=experts) -> None:
@@ -147,12 +148,6 @@ def moe_finalize_on_update(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for method in patched:
             del method.process_weights_after_loading
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
 
 
 def module_of(source: WeightSource) -> torch.nn.Module | None:
