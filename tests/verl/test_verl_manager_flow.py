@@ -52,7 +52,8 @@ def run_in_own_session(cmd: list[str], timeout: float = 420, **kwargs) -> tuple[
 def tiny_moe_model(path: str) -> str:
     """The vLLM suite's tiny Qwen3-MoE (8 experts): verl's FSDP2 engine holds its
     experts fused (transformers 5) and unfuses them into per-expert names in
-    the stream it hands the checkpoint engine (``unfuse_moe_params``)."""
+    the stream it hands the checkpoint engine (``unfuse_moe_params``). Two steps
+    of the flow: the restart and the late replica do not depend on the model."""
     sys.path.insert(0, str(HERE.parent / "vllm"))
     from vllm_tiny_model import build_moe
 
@@ -60,35 +61,36 @@ def tiny_moe_model(path: str) -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("build", [save_tiny_model, tiny_moe_model], ids=["dense", "moe"])
-def test_manager_flow_on_cpu(tmp_path, build):
+@pytest.mark.parametrize(("build", "n_steps"), [(save_tiny_model, 5), (tiny_moe_model, 2)], ids=["dense", "moe"])
+def test_manager_flow_on_cpu(tmp_path, build, n_steps):
     model = build(str(tmp_path / "tiny-model"))
     pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **CPU_ENV, "PYTHONPATH": pythonpath}
     report_path = tmp_path / "report.json"
     for _ in range(2):
         returncode, stdout, stderr = run_in_own_session(
-            [sys.executable, str(HERE / "verl_ray_flow.py"), model, str(report_path)], env=env, cwd=tmp_path)
+            [sys.executable, str(HERE / "verl_ray_flow.py"), model, str(report_path), str(n_steps)], env=env,
+            cwd=tmp_path)
         # verl picks the trainer group's rendezvous port before torch binds it; on a
         # busy machine another process can take it in between. Only that is retried.
         if "EADDRINUSE" not in stderr:
             break
     assert returncode == 0, f"verl flow failed:\n{stdout[-6000:]}\n{stderr[-6000:]}"
     report = json.loads(report_path.read_text())
-    assert report["ok"] and sorted(report["steps"]) == ["1", "2", "3", "4", "5"]
+    assert report["ok"] and sorted(report["steps"]) == [str(s) for s in range(1, n_steps + 1)]
     if build is tiny_moe_model:  # the checkpoint's per-expert tensors: 2 layers x 8 experts x 3, and 21 others
         assert report["tensors"] == 2 * 8 * 3 + 21, report["tensors"]
     steps = report["steps"]
     print(json.dumps(report, indent=1))  # the figures of the README's verl row (pytest -s)
     # every rank keeps a part of every tensor: its slots are allocated at a trainer's first step ...
-    assert steps["1"]["allocations"] == steps["4"]["allocations"] == [report["tensors"]] * 2
-    assert all(steps[s]["allocations"] == [0, 0] for s in "235")  # ... and reused
+    assert all(steps[s]["allocations"] == [report["tensors"]] * 2 for s in "14" if s in steps)
+    assert all(steps[s]["allocations"] == [0, 0] for s in "235" if s in steps)  # ... and reused
     for s, step in steps.items():
         assert all(abs(share - 0.5) < 0.05 for share in step["shares"]), (s, step["shares"])
         assert sum(step["published_bytes"]) == step["model_bytes"]  # one copy of the model, split
     # the rollouts' pulls of the step before, in the trainer's metrics
     assert steps["1"]["pulls"] == {}
-    for s, workers in (("2", 2), ("3", 2), ("4", 2), ("5", 1)):
+    for s, workers in (("2", 2), ("3", 2), ("4", 2), ("5", 1))[:n_steps - 1]:
         pulls = steps[s]["pulls"]
         assert (pulls["workers"], pulls["version"]) == (workers, int(s) - 1), (s, pulls)
         assert pulls["mb_mean"] * 2**20 == pytest.approx(steps[s]["model_bytes"]) and pulls["seconds_max"] > 0

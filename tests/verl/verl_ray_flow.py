@@ -12,7 +12,10 @@ rollouts hold it). Replica B leaves for step 4 and comes back; replica C starts
 at step 5. Run by tests/verl/test_verl_manager_flow.py in its own process
 (Ray, the platform and the process groups are process-wide):
 
-    python tests/verl/verl_ray_flow.py MODEL_DIR REPORT_JSON
+    python tests/verl/verl_ray_flow.py MODEL_DIR REPORT_JSON [STEPS]
+
+STEPS (default 5) stops the flow early: 2 runs two plain updates (each rollout
+byte-identical, each rank about half), without the restart and the late replica.
 
 Writes a JSON report; exits non-zero if a check failed.
 """
@@ -100,7 +103,7 @@ def server_identity() -> dict:
     return ray.get(actor.describe.remote(), timeout=30)
 
 
-async def main(model_path: str) -> dict:
+async def main(model_path: str, steps: int = 5) -> dict:
     engine = CheckpointEngineConfig(
         backend="tensorhub", update_weights_bucket_megabytes=16, custom_backend_module="tensorhub_verl.engine",
         # address: auto (the default); port 0: a free port, not 50051, on this shared machine
@@ -120,7 +123,7 @@ async def main(model_path: str) -> dict:
 
     report: dict = {"steps": {}, "server": server["address"]}
     late = None
-    for step in range(1, 6):
+    for step in range(1, steps + 1):
         if step == 4:
             # The trainer group dies (as a crashed trainer job would) and a new one starts.
             for worker in trainer.workers:
@@ -169,7 +172,7 @@ async def main(model_path: str) -> dict:
 if __name__ == "__main__":
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True)
     try:
-        report = asyncio.run(main(sys.argv[1]))
+        report = asyncio.run(main(sys.argv[1], *(int(a) for a in sys.argv[3:4])))
         with open(sys.argv[2], "w") as f:
             json.dump(report, f)
     finally:
