@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Trainer, greedy_many, perturbed_copy, tp_engine, update, update_and_relay
+from conftest import Trainer, engine_pair, greedy_many, perturbed_copy, tp_engine, update, update_and_relay
 
 MOE_KEY = "tiny-qwen3-moe/policy"
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
@@ -43,11 +43,7 @@ def moe_trainer(hub_server, moe_model):
 
 @pytest.fixture(scope="module")
 def moe_engines(tp_env, moe_model, moe_perturbed, hub_server):
-    a = tp_engine(moe_model, hub_server.address, MOE_KEY)
-    b = tp_engine(moe_perturbed, hub_server.address, MOE_KEY)
-    yield a, b
-    for llm in (a, b):
-        llm.shutdown_weight_transfer_engine()
+    yield from engine_pair(moe_model, moe_perturbed, hub_server.address, MOE_KEY)
 
 
 def test_each_worker_reads_its_expert_slices(moe_engines):

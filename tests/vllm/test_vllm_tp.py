@@ -11,7 +11,7 @@ B updated to the original version what A generated at start."""
 from __future__ import annotations
 
 import pytest
-from conftest import perturbed_copy, tp_engine, update_and_relay
+from conftest import engine_pair, perturbed_copy, update_and_relay
 
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
 
@@ -24,11 +24,7 @@ def perturbed_model(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tp_env, tiny_model, perturbed_model, hub_server):
-    a = tp_engine(tiny_model, hub_server.address)
-    b = tp_engine(perturbed_model, hub_server.address)
-    yield a, b
-    for llm in (a, b):
-        llm.shutdown_weight_transfer_engine()
+    yield from engine_pair(tiny_model, perturbed_model, hub_server.address)
 
 
 def test_each_worker_reads_its_slices_only(engines):
