@@ -12,7 +12,15 @@ element ranges that are contiguous both in the full tensor and in local memory.
                                               with the offsets on both sides
     runs of every holder ──gaps()──▶ the elements nobody holds (visibility)
 
-A row slice is one run; a column slice of an [R, C] matrix is R runs.
+A row slice is one run; a column slice of an [R, C] matrix is R runs. So runs
+are made only where bytes move (the reader's layout, one holder at a time).
+Everything that only asks *which* elements (the server's coverage, visibility,
+retention and overlap checks) works on boxes instead, whose number grows with
+regions, not rows:
+
+    Region ──boxes(shape)──▶ disjoint boxes          (1 for a box, ≤ 2·ndim−1 for a flat range)
+    intersect(a, b) ─▶ box | None     subtract(a, b) ─▶ ≤ 2·ndim disjoint boxes
+    box_gaps(shape, boxes) ─▶ disjoint boxes nobody covers (visibility, "missing")
 """
 
 from __future__ import annotations
@@ -116,8 +124,15 @@ class Region:
         length = (box[j][1] - box[j][0]) * strides[j]
         return Runs.of(starts, np.full(len(starts), length, np.int64))
 
+    def boxes(self, shape: tuple[int, ...]) -> list[Bounds]:
+        """The region as disjoint boxes: itself for a box, at most 2·ndim−1
+        for a flat range (a partial row, whole rows, a partial row, recursively)."""
+        if self.flat is None:
+            return [self.bounds(tuple(shape))]
+        return flat_boxes(tuple(shape), *self.flat)
+
     def overlaps(self, other: Region, shape: tuple[int, ...]) -> bool:
-        return len(overlap(self.runs(shape), other.runs(shape)).start) > 0
+        return any(intersect(a, b) is not None for a in self.boxes(shape) for b in other.boxes(shape))
 
     def describe(self) -> str:
         if self.flat is not None:
@@ -237,6 +252,90 @@ def gaps(numel: int, runs: list[Runs]) -> list[tuple[int, int]]:
     if len(reach) and reach[-1] < numel:
         out.append((int(reach[-1]), numel))
     return out
+
+
+# ---------------------------------------------------------------- box algebra
+
+
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[Bounds]:
+    """The row-major element range [a, b) of a tensor of ``shape`` as disjoint boxes."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a, b),)] if shape else [()]
+    inner = math.prod(shape[1:])
+    rest = tuple((0, d) for d in shape[1:])
+    r0, o0 = divmod(a, inner)
+    r1, o1 = divmod(b, inner)
+    if r0 == r1:
+        return [((r0, r0 + 1), *box) for box in flat_boxes(shape[1:], o0, o1)]
+    out: list[Bounds] = []
+    if o0:
+        out += [((r0, r0 + 1), *box) for box in flat_boxes(shape[1:], o0, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, r1), *rest))
+    if o1:
+        out += [((r1, r1 + 1), *box) for box in flat_boxes(shape[1:], 0, o1)]
+    return out
+
+
+def intersect(a: Bounds, b: Bounds) -> Bounds | None:
+    """The box both boxes span, or None when they share no element."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def subtract(a: Bounds, b: Bounds) -> list[Bounds]:
+    """``a`` without ``b``, as at most 2·ndim disjoint boxes: along each
+    dimension in turn, the slabs of ``a`` below and above ``b``, with the
+    dimensions already cut narrowed to ``b``."""
+    if intersect(a, b) is None:
+        return [a]
+    out: list[Bounds] = []
+    core = list(a)
+    for d, ((a0, a1), (b0, b1)) in enumerate(zip(a, b)):
+        if a0 < b0:
+            out.append((*core[:d], (a0, b0), *core[d + 1:]))
+        if b1 < a1:
+            out.append((*core[:d], (b1, a1), *core[d + 1:]))
+        core[d] = (max(a0, b0), min(a1, b1))
+    return out
+
+
+def box_numel(box: Bounds) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def box_gaps(shape: tuple[int, ...], boxes: list[Bounds]) -> list[Bounds]:
+    """Disjoint boxes of a tensor of ``shape`` that no box in ``boxes`` covers
+    (empty when they cover it all). Each box is cut out of what is left."""
+    if math.prod(shape) == 0:
+        return []
+    left: list[Bounds] = [tuple((0, d) for d in shape)]
+    for box in sorted(set(boxes)):
+        left = [piece for rest in left for piece in subtract(rest, box)]
+        if not left:
+            break
+    return left
+
+
+def boxes_overlap(a: list[Bounds], b: list[Bounds]) -> bool:
+    return any(intersect(x, y) is not None for x in a for y in b)
+
+
+def describe_box(shape: tuple[int, ...], box: Bounds) -> str:
+    """A box in words: rows where it spans whole rows, else its bounds."""
+    if len(box) == 1:
+        return f"elements {box[0][0]}:{box[0][1]}"
+    if box and all(bd == (0, d) for bd, d in zip(box[1:], shape[1:])):
+        return f"rows {box[0][0]}:{box[0][1]}"
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
 def describe_elements(shape: tuple[int, ...], a: int, b: int) -> str:

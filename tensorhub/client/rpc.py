@@ -31,6 +31,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.regions import Region
+from tensorhub.regiontable import RegionTable, memory_addrs, shapes_of, whole_table
 from tensorhub.status import HubStatus
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind, MemoryRegion
@@ -39,8 +40,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _MANIFESTS_CACHED = 16
 _RELEASE_DELAY_S = 0.005
-# A holder's memory as a reader needs it: kind, (regions x 3) addr/nbytes/device, NIXL metadata.
-_Memory = tuple[MemoryKind, np.ndarray, bytes]
+# A holder's memory as the server sent it: kind, the regions (one per held
+# region: (regions x 3) addr/nbytes/device, or packed as address gaps and one
+# device, whose sizes are the held regions'), NIXL metadata.
+_Memory = tuple[MemoryKind, "np.ndarray | tuple[np.ndarray, int]", bytes]
 
 # Retry idempotent calls while the server restarts or briefly refuses.
 _SERVICE_CONFIG = json.dumps({
@@ -222,16 +225,25 @@ class ReferenceClient:
                 metadata: bytes, complete: bool, bitmap: bytes, origin: bool, retained: bool = False,
                 chunk_crc32: np.ndarray | None = None) -> None:
         """``held``: (tensor index, region) per memory region; empty: every tensor whole.
-        ``chunk_crc32``: CRC-32 of each of the replica's chunks, for its readers to check."""
+        ``chunk_crc32``: CRC-32 of each of the replica's chunks, for its readers to check.
+        Both go packed (``HeldRegions``, memory as address gaps) where the
+        regions lie on one device: a few bytes per region for the server to keep."""
+        shapes = shapes_of(manifest)
+        if regions and all(r.device_id == regions[0].device_id for r in regions):
+            memory = wire.memory_packed_to_wire(kind, np.array([r.addr for r in regions], np.int64),
+                                                np.array([r.size for r in regions], np.int64),
+                                                regions[0].device_id, metadata)
+        else:
+            memory = wire.memory_to_wire(kind, regions, metadata)
         self._call(self._stub.Publish, pb.PublishRequest(
             agent_id=agent_id,
             replica_id=replica_id,
             model=model,
             version=version,
             manifest=wire.manifest_to_wire(manifest),
-            held=[wire.region_to_wire(i, r) for i, r in held],
+            held_table=wire.held_to_wire(RegionTable.from_held(held, shapes), shapes) if held else None,
             chunk_size=chunk_size,
-            memory=wire.memory_to_wire(kind, regions, metadata),
+            memory=memory,
             state=pb.REPLICA_STATE_COMPLETE if complete else pb.REPLICA_STATE_FILLING,
             chunk_bitmap=bytes(bitmap),
             origin=origin,
@@ -389,6 +401,8 @@ class ReferenceClient:
 
 
 def _memory(msg: pb.ReplicaMemory) -> _Memory:
+    if msg.packed:
+        return wire.KIND_BACK[msg.kind], (np.array(msg.region_gap, np.int64), msg.device_id), msg.nixl_metadata
     regions = np.array([(r.addr, r.size, r.device_id) for r in msg.regions], dtype=np.uint64).reshape(-1, 3)
     return wire.KIND_BACK[msg.kind], regions, msg.nixl_metadata
 
@@ -403,8 +417,25 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
         origin=msg.origin,
         active_reads=msg.active_reads,
     )
-    held = tuple(wire.region_from_wire(r) for r in msg.held) if msg.held else tuple(wire.whole_model(manifest))
+    shapes = shapes_of(manifest)
+    if msg.HasField("held_table"):
+        table = wire.held_from_wire(msg.held_table, shapes)
+        held = tuple(table.held(shapes))
+    elif msg.held:
+        held = tuple(wire.region_from_wire(r) for r in msg.held)
+        table = RegionTable.from_held(list(held), shapes)
+    else:
+        held = tuple(wire.whole_model(manifest))
+        table = whole_table(shapes)
     kind, regions, metadata = memory
+    if isinstance(regions, tuple):  # packed: the sizes are the held regions'
+        gaps, device = regions
+        sizes = table.nbytes(shapes)
+        if len(gaps) != len(sizes):
+            raise TensorHubError(f"replica {msg.replica_id!r} has {len(gaps)} memory regions for {len(sizes)} held "
+                                 "regions; the server is broken")
+        regions = np.empty((len(sizes), 3), np.uint64)
+        regions[:, 0], regions[:, 1], regions[:, 2] = memory_addrs(gaps, sizes), sizes, device
     crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
     return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap),
                          crcs)

@@ -99,6 +99,16 @@ class TensorRegion(_message.Message):
     flat: bool
     def __init__(self, tensor: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., flat: _Optional[bool] = ...) -> None: ...
 
+class HeldRegions(_message.Message):
+    __slots__ = ("tensor_step", "cut", "flat_at")
+    TENSOR_STEP_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    FLAT_AT_FIELD_NUMBER: _ClassVar[int]
+    tensor_step: _containers.RepeatedScalarFieldContainer[int]
+    cut: _containers.RepeatedScalarFieldContainer[int]
+    flat_at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor_step: _Optional[_Iterable[int]] = ..., cut: _Optional[_Iterable[int]] = ..., flat_at: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "size", "device_id")
     ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -110,17 +120,23 @@ class MemoryRegion(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., size: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReplicaMemory(_message.Message):
-    __slots__ = ("kind", "regions", "nixl_metadata")
+    __slots__ = ("kind", "regions", "region_gap", "device_id", "packed", "nixl_metadata")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    REGION_GAP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     kind: MemoryKind
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
+    region_gap: _containers.RepeatedScalarFieldContainer[int]
+    device_id: int
+    packed: bool
     nixl_metadata: bytes
-    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., region_gap: _Optional[_Iterable[int]] = ..., device_id: _Optional[int] = ..., packed: _Optional[bool] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest", "chunk_crc32")
+    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest", "chunk_crc32", "held_table")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +151,7 @@ class ReplicaInfo(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
+    HELD_TABLE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     agent_name: str
@@ -149,7 +166,8 @@ class ReplicaInfo(_message.Message):
     chunk_size: int
     memory_digest: bytes
     chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ..., chunk_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+    held_table: HeldRegions
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("agent_id", "name", "labels", "reliability")
@@ -194,7 +212,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +226,7 @@ class PublishRequest(_message.Message):
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
+    HELD_TABLE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -221,7 +240,8 @@ class PublishRequest(_message.Message):
     retained: bool
     held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
     chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+    held_table: HeldRegions
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.regions import Region
+from tensorhub.regiontable import RegionTable, Shapes, memory_addrs, memory_gaps
 from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport.memory import MemoryKind, MemoryRegion
@@ -70,6 +73,56 @@ def region_from_wire(msg: pb.TensorRegion) -> Held:
     if not msg.start:
         return msg.tensor, Region()
     return msg.tensor, Region(box=tuple(zip(msg.start, msg.stop)))
+
+
+def held_to_wire(table: RegionTable, shapes: Shapes) -> pb.HeldRegions:
+    step, cut, flat_at = table.to_packed(shapes)
+    return pb.HeldRegions(tensor_step=step.tolist(), cut=cut.tolist(), flat_at=flat_at.tolist())
+
+
+def held_table_field(held: bytes) -> bytes:
+    """A serialized ``HeldRegions`` as ReplicaInfo field ``held_table``, to
+    append to a serialized ReplicaInfo (the server keeps only these bytes)."""
+    number = pb.ReplicaInfo.DESCRIPTOR.fields_by_name["held_table"].number
+    return _varint(number << 3 | 2) + _varint(len(held)) + held
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def held_from_wire(msg: pb.HeldRegions, shapes: Shapes) -> RegionTable:
+    """ValueError when the columns do not fit together (the bounds are checked by the caller)."""
+    return RegionTable.from_packed(np.array(msg.tensor_step, np.int64), np.array(msg.cut, np.int64),
+                                   np.array(msg.flat_at, np.int64), shapes)
+
+
+def memory_packed_to_wire(kind: MemoryKind, addr: np.ndarray, size: np.ndarray, device_id: int,
+                          metadata: bytes) -> pb.ReplicaMemory:
+    """Memory regions of one device, one per held region, as address gaps (sizes are the regions' bytes)."""
+    return pb.ReplicaMemory(kind=KIND[kind], packed=True, region_gap=memory_gaps(addr, size).tolist(),
+                            device_id=device_id, nixl_metadata=metadata)
+
+
+def memory_regions_from_wire(msg: pb.ReplicaMemory, sizes: np.ndarray) -> np.ndarray:
+    """(regions x 3) addr, nbytes, device id; ``sizes``: the held regions' bytes
+    (what packed regions are). ValueError when the counts differ."""
+    if msg.packed:
+        if len(msg.region_gap) != len(sizes):
+            raise ValueError(f"{len(msg.region_gap)} memory regions for {len(sizes)} held regions")
+        sizes = np.asarray(sizes, np.int64)
+        addr = memory_addrs(np.array(msg.region_gap, np.int64), sizes)
+        if len(addr) and addr.min() < 0:
+            raise ValueError("a packed memory region has a negative address")
+        out = np.empty((len(sizes), 3), np.uint64)
+        out[:, 0], out[:, 1], out[:, 2] = addr, sizes, msg.device_id
+        return out
+    return np.array([(r.addr, r.size, r.device_id) for r in msg.regions], dtype=np.uint64).reshape(-1, 3)
 
 
 def whole_model(manifest: Manifest) -> list[Held]:

@@ -14,12 +14,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from tensorhub.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from tensorhub.manifest import Manifest
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
+from tensorhub.regiontable import RegionTable, shapes_of
 from tensorhub.server.metrics import NoMetrics
 from tensorhub.server.state import Held, Lease, Replica, State, StateError, check_held, held_bytes
 from tensorhub.topology import Labels, Reliability
@@ -67,7 +69,23 @@ def _require_version(version: int) -> int:
     return version
 
 
-def _manifest(msg: pb.Manifest) -> Manifest:
+_MANIFESTS_KEPT = 8
+
+
+def _manifest(msg: pb.Manifest, kept: dict[bytes, Manifest] | None = None) -> Manifest:
+    """The request's manifest, checked. ``kept``: manifests already checked, by
+    a digest of their wire form; each rank of a trainer publishes the same
+    one, which for 10^5 tensors takes longer to check than the rest."""
+    if kept is not None:
+        digest = hashlib.blake2b(msg.SerializeToString(deterministic=True), digest_size=16).digest()
+        found = kept.get(digest)
+        if found is not None:
+            return found
+        manifest = _manifest(msg)
+        if len(kept) >= _MANIFESTS_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[digest] = manifest
+        return manifest
     if len(msg.tensors) > MAX_TENSORS:
         raise Invalid(f"manifest has {len(msg.tensors)} tensors, more than {MAX_TENSORS}")
     for t in msg.tensors:  # before any arithmetic on them
@@ -106,26 +124,41 @@ def _reliability(value: int) -> Reliability:
         raise Invalid(str(e)) from None
 
 
-def _held(manifest: Manifest, msgs: Any) -> list[Held]:
-    """The request's held regions, checked against the manifest; empty: every tensor whole."""
-    if len(msgs) > MAX_HELD:
-        raise Invalid(f"{len(msgs)} held regions, more than {MAX_HELD}")
-    held = []
-    for msg in msgs:
-        if len(msg.start) > MAX_DIMS or len(msg.stop) > MAX_DIMS:
-            raise Invalid(f"held region of tensor #{msg.tensor} has more than {MAX_DIMS} dimensions")
+def _held(manifest: Manifest, request: pb.PublishRequest) -> RegionTable:
+    """The request's held regions (a list or packed), checked against the
+    manifest; none: every tensor whole."""
+    if request.held and request.HasField("held_table"):
+        raise Invalid("held and held_table both set: give the held regions one way")
+    if request.HasField("held_table"):
+        msg = request.held_table
+        if len(msg.tensor_step) > MAX_HELD:
+            raise Invalid(f"{len(msg.tensor_step)} held regions, more than {MAX_HELD}")
         try:
-            held.append(wire.region_from_wire(msg))
+            held: RegionTable | list[Held] = wire.held_from_wire(msg, shapes_of(manifest))
         except ValueError as e:
             raise Invalid(str(e)) from None
+    else:
+        if len(request.held) > MAX_HELD:
+            raise Invalid(f"{len(request.held)} held regions, more than {MAX_HELD}")
+        held = []
+        for msg in request.held:
+            if len(msg.start) > MAX_DIMS or len(msg.stop) > MAX_DIMS:
+                raise Invalid(f"held region of tensor #{msg.tensor} has more than {MAX_DIMS} dimensions")
+            try:
+                held.append(wire.region_from_wire(msg))
+            except ValueError as e:
+                raise Invalid(str(e)) from None
     try:
         return check_held(manifest, held)
     except StateError as e:
         raise Invalid(str(e)) from None
 
 
-def _check_memory(manifest: Manifest, held: list[Held], mem: pb.ReplicaMemory, whole_model: bool) -> list[int]:
-    """Sizes of the held regions in bytes; Invalid unless ``mem`` has one region of that size each."""
+def _check_memory(manifest: Manifest, held: RegionTable, mem: pb.ReplicaMemory,
+                  whole_model: bool) -> tuple[int, pb.ReplicaMemory]:
+    """The held regions' bytes in all, and ``mem`` as the server keeps it
+    (packed when its regions are on one device); Invalid unless ``mem`` has
+    one region of the right size per held region."""
     if mem.kind not in (pb.MEMORY_KIND_DRAM, pb.MEMORY_KIND_VRAM):
         raise Invalid("memory.kind must be DRAM or VRAM")
     if not mem.nixl_metadata:
@@ -133,15 +166,26 @@ def _check_memory(manifest: Manifest, held: list[Held], mem: pb.ReplicaMemory, w
     if len(mem.nixl_metadata) > MAX_NIXL_METADATA:
         raise Invalid(f"memory.nixl_metadata is {len(mem.nixl_metadata)} bytes, over {MAX_NIXL_METADATA}")
     what = "tensors" if whole_model else "held regions"
-    if len(mem.regions) != len(held):
-        raise Invalid(f"{len(mem.regions)} memory regions for {len(held)} {what}")
+    count = len(mem.region_gap) if mem.packed else len(mem.regions)
+    if count != len(held):
+        raise Invalid(f"{count} memory regions for {len(held)} {what}")
     sizes = held_bytes(manifest, held)
-    for region, size, (index, part) in zip(mem.regions, sizes, held):
-        if region.size != size:
-            name = manifest.tensors[index].name
-            of = repr(name) if part.whole else f"{part.describe()} of {name!r}"
-            raise Invalid(f"memory region of {of} is {region.size} bytes, the region is {size}")
-    return sizes
+    try:
+        regions = wire.memory_regions_from_wire(mem, sizes)
+    except ValueError as e:
+        raise Invalid(str(e)) from None
+    wrong = np.flatnonzero(regions[:, 1] != sizes.astype(np.uint64))
+    if len(wrong):
+        k = int(wrong[0])
+        index = int(held.tensor[k])
+        name = manifest.tensors[index].name
+        part = held.region(k, shapes_of(manifest))
+        of = repr(name) if part.whole else f"{part.describe()} of {name!r}"
+        raise Invalid(f"memory region of {of} is {int(regions[k, 1])} bytes, the region is {int(sizes[k])}")
+    if not mem.packed and len(regions) and (regions[:, 2] == regions[0, 2]).all():
+        mem = wire.memory_packed_to_wire(wire.KIND_BACK[mem.kind], regions[:, 0].astype(np.int64), sizes,
+                                         int(regions[0, 2]), mem.nixl_metadata)
+    return int(sizes.sum()), mem
 
 
 def _changing(replica: Replica) -> bytes:
@@ -167,6 +211,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
     def __init__(self, state: State, metrics: NoMetrics | None = None) -> None:
         self.state = state
         self.metrics = metrics or NoMetrics()
+        self._manifests: dict[bytes, Manifest] = {}  # checked manifests by wire digest (_manifest)
 
     # ------------------------------------------------------------ plumbing
 
@@ -222,14 +267,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             version = _require_version(request.version)
             if not request.HasField("manifest"):
                 raise Invalid("manifest is missing")
-            manifest = _manifest(request.manifest)
+            manifest = _manifest(request.manifest, self._manifests)
             if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
                 raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-            held = _held(manifest, request.held)
-            sizes = _check_memory(manifest, held, request.memory, whole_model=not request.held)
+            held = _held(manifest, request)
+            total, memory = _check_memory(manifest, held, request.memory,
+                                          whole_model=not request.held and not request.HasField("held_table"))
             if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
                 raise Invalid("state must be FILLING or COMPLETE")
-            num_chunks = -(-sum(sizes) // request.chunk_size)
+            num_chunks = -(-total // request.chunk_size)
             if len(request.chunk_bitmap) > -(-num_chunks // 8):
                 raise Invalid(f"chunk_bitmap is longer than the replica's {num_chunks} chunks")
             if request.chunk_crc32 and len(request.chunk_crc32) != num_chunks:
@@ -242,14 +288,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 manifest=manifest,
                 held=held,
                 chunk_size=request.chunk_size,
-                memory=request.memory,
+                memory=memory,
                 complete=request.state == pb.REPLICA_STATE_COMPLETE,
                 bitmap=request.chunk_bitmap,
                 origin=request.origin,
                 retained=request.retained,
             )
             # A whole-model replica goes out with an empty held list, to keep Resolve small.
-            replica.wire_held = [] if replica.whole else [wire.region_to_wire(i, r) for i, r in replica.held]
+            replica.wire_held = b"" if replica.held is None else wire.held_table_field(
+                wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
             replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
             entry = self.state.models[model][version]
             if entry.wire_manifest is None:
@@ -392,13 +439,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 labels=wire.labels_to_wire(agent.labels),
                 reliability=wire.reliability_to_wire(agent.reliability),
                 origin=replica.origin,
-                held=replica.wire_held,
                 chunk_size=replica.chunk_size,
                 memory_digest=digest,
                 chunk_crc32=replica.chunk_crc32 or [],
             )
-            full = lean.SerializeToString() + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
-            cached = replica.wire_info = (agent, digest, lean.SerializeToString(), full)
+            lean_bytes = lean.SerializeToString() + replica.wire_held
+            full = lean_bytes + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
+            cached = replica.wire_info = (agent, digest, lean_bytes, full)
         _, digest, lean_bytes, full_bytes = cached
         return (lean_bytes if digest in known_memory else full_bytes) + _changing(replica)
 

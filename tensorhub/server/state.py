@@ -17,32 +17,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_set
-from tensorhub.manifest import Manifest, itemsize
-from tensorhub.regions import Region, Runs, describe_elements, gaps, overlap
+from tensorhub.manifest import Manifest
+from tensorhub.regions import Bounds, Region, describe_box, intersect
+from tensorhub.regiontable import RegionTable, Shapes, shapes_of, whole_table
 from tensorhub.server.config import ServerConfig
+from tensorhub.server.coverage import Coverage
 from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
-MAX_RUNS = 1 << 24  # element runs per replica (a column slice of an [R, C] matrix is R runs)
 MISSING_SHOWN = 8  # missing regions named in a "not complete" message
 
 Held = tuple[int, Region]  # (index of the tensor in the manifest, region)
 
-_itemsize = functools.cache(itemsize)
-_WHOLE = Region()
 
 
 class StateError(Exception):
@@ -54,58 +52,65 @@ class StateError(Exception):
 # ---------------------------------------------------------------- held regions
 
 
-def check_held(manifest: Manifest, held: list[Held]) -> list[Held]:
+def check_held(manifest: Manifest, held: list[Held] | RegionTable) -> RegionTable:
     """The held regions, checked against the manifest (StateError
     INVALID_ARGUMENT naming the tensor and region) and normalized: a region
-    spanning its whole tensor becomes ``Region()``. Empty means every tensor whole."""
+    spanning its whole tensor becomes the whole tensor. Empty means every tensor whole."""
     tensors = manifest.tensors
-    if not held:
-        return [(i, _WHOLE) for i in range(len(tensors))]
-    out: list[Held] = []
-    runs = 0
-    by_tensor: dict[int, list[Region]] = {}
-    for index, region in held:
-        if not 0 <= index < len(tensors):
+    shapes = shapes_of(manifest)
+    if isinstance(held, RegionTable):
+        table = held
+    elif not held:
+        return whole_table(shapes)
+    else:
+        for index, region in held:
+            if not 0 <= index < len(tensors):
+                raise StateError("INVALID_ARGUMENT", f"held region {region.describe()} names tensor #{index}; "
+                                 f"the manifest has {len(tensors)}")
+            if region.box is not None and len(region.box) != len(tensors[index].shape):
+                spec = tensors[index]
+                raise StateError("INVALID_ARGUMENT", f"held region {region.describe()} of {spec.name!r} "
+                                 f"{list(spec.shape)}: {region.problem(spec.shape)}")
+        table = RegionTable.from_held(held, shapes)
+    bad = table.problem(shapes)
+    if bad is not None:
+        k, problem = bad
+        spec = tensors[int(table.tensor[k])]
+        raise StateError("INVALID_ARGUMENT", f"held region {table.region(k, shapes).describe()} of {spec.name!r} "
+                         f"{list(spec.shape)}: {problem}")
+    whole = table.whole(shapes)
+    if whole.any():  # normalized to the whole tensor's box
+        flat, lo, hi = table.flat.copy(), table.lo.copy(), table.hi.copy()
+        flat[whole], lo[whole], hi[whole] = False, 0, shapes.dims[table.tensor[whole]]
+        table = RegionTable(table.tensor, flat, lo, hi)
+    counts = np.bincount(table.tensor, minlength=len(tensors))
+    for index in np.flatnonzero(counts > 1):
+        at = np.flatnonzero(table.tensor == index)
+        regions = [table.region(int(k), shapes) for k in at]
+        clash = _first_clash(regions, tensors[int(index)].shape)
+        if clash is not None:
             raise StateError("INVALID_ARGUMENT",
-                             f"held region {region.describe()} names tensor #{index}; the manifest has {len(tensors)}")
-        spec = tensors[index]
-        problem = region.problem(spec.shape)
-        if problem is not None:
-            raise StateError("INVALID_ARGUMENT",
-                             f"held region {region.describe()} of {spec.name!r} {list(spec.shape)}: {problem}")
-        if region.numel(spec.shape) == math.prod(spec.shape):
-            region = _WHOLE
-        runs += region.run_count(spec.shape)
-        if runs > MAX_RUNS:
-            raise StateError("INVALID_ARGUMENT", f"held regions make more than {MAX_RUNS} element runs")
-        by_tensor.setdefault(index, []).append(region)
-        out.append((index, region))
-    for index, regions in by_tensor.items():
-        if len(regions) < 2:
-            continue
-        shape = tensors[index].shape
-        all_runs = [r.runs(shape) for r in regions]
-        start = np.concatenate([r.start for r in all_runs])
-        end = start + np.concatenate([r.length for r in all_runs])
-        owner = np.concatenate([np.full(len(r), k) for k, r in enumerate(all_runs)])
-        order = np.argsort(start, kind="stable")
-        start, end, owner = start[order], end[order], owner[order]
-        clash = np.nonzero(start[1:] < np.maximum.accumulate(end)[:-1])[0]
-        if len(clash):
-            k = int(owner[clash[0] + 1])
-            raise StateError("INVALID_ARGUMENT",
-                             f"held region {regions[k].describe()} of {tensors[index].name!r} overlaps another "
-                             "region this replica holds of the same tensor")
-    return out
+                             f"held region {regions[clash].describe()} of {tensors[int(index)].name!r} overlaps "
+                             "another region this replica holds of the same tensor")
+    return table.compact()
 
 
-def held_bytes(manifest: Manifest, held: list[Held]) -> list[int]:
+def _first_clash(regions: list[Region], shape: tuple[int, ...]) -> int | None:
+    """The index of a region that overlaps an earlier one, or None. A sweep
+    along dimension 0: only boxes whose row ranges meet are compared."""
+    boxes = sorted((box[0] if box else (0, 1), k, box) for k, r in enumerate(regions) for box in r.boxes(shape))
+    open_: list[tuple[int, int, Bounds]] = []  # (row stop, region, box) of boxes still in reach
+    for (row_start, _), k, box in boxes:
+        open_ = [o for o in open_ if o[0] > row_start]
+        if any(j != k and intersect(box, other) is not None for _, j, other in open_):
+            return k
+        open_.append((box[0][1] if box else 1, k, box))
+    return None
+
+
+def held_bytes(manifest: Manifest, held: RegionTable) -> np.ndarray:
     """Bytes of each held region (its memory region's size)."""
-    out = []
-    for index, region in held:
-        spec = manifest.tensors[index]
-        out.append(region.numel(spec.shape) * _itemsize(spec.dtype))
-    return out
+    return held.nbytes(shapes_of(manifest))
 
 
 # ---------------------------------------------------------------- records
@@ -130,17 +135,30 @@ class Replica:
     complete: bool
     bitmap: bytearray
     origin: bool
-    held: list[Held]  # normalized by check_held, in memory order; empty when whole
+    held: RegionTable | None  # normalized by check_held, in memory order; None when every tensor whole
+    shapes: Shapes  # of the version's manifest (shared)
     chunk_size: int  # chunks cover the held regions' bytes back to back
     num_chunks: int
-    whole: bool  # holds every tensor whole
-    runs: dict[int, list[Runs]]  # per tensor index, for coverage; empty when whole
     retained: bool = False  # a copy kept only to keep a retained version pullable
     withdrawn: bool = False
     # A reader reported it failed while its holder is alive and others lease it:
     # hidden like a withdrawn replica, its leases kept until they end (see report_lost).
     lost: bool = False
-    wire_held: Any = None  # opaque: the service's wire form of ``held``
+    wire_held: bytes = b""  # the service's wire form of ``held`` (a serialized ReplicaInfo field)
+
+    @property
+    def whole(self) -> bool:
+        """Holds every tensor whole."""
+        return self.held is None
+
+    def held_list(self) -> list[Held]:
+        """(tensor index, region) per held region, in memory order."""
+        table = self.held if self.held is not None else whole_table(self.shapes)
+        return table.held(self.shapes)
+
+    def held_count(self) -> int:
+        """Held regions; 0 for a replica of every tensor whole (as on the wire)."""
+        return 0 if self.held is None else len(self.held)
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
     chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
     # When its holder last said it holds it (publish, chunk report, a heartbeat
@@ -158,8 +176,9 @@ class Version:
     fingerprint: str
     replicas: dict[str, Replica] = field(default_factory=dict)
     visible: bool = False  # the live complete replicas cover every element
-    missing: list[tuple[int, int, int]] = field(default_factory=list)  # first (tensor, a, b) nobody complete holds
+    missing: list[tuple[int, Bounds]] = field(default_factory=list)  # first (tensor, box) nobody complete holds
     missing_count: int = 0
+    coverage: Coverage | None = None  # of the complete live replicas, while not visible (see State._refresh)
     wire_manifest: Any = None  # cached protobuf form, filled in by the service
     # Reader agent id -> (live holders, their fixed keys) as of State._holders_changed == ranked_at: State._ranking.
     ranked: dict[str, tuple[list[Replica], list[int]]] = field(default_factory=dict)
@@ -169,9 +188,9 @@ class Version:
         if not self.missing_count:
             return "nothing"
         parts = []
-        for index, a, b in self.missing:
+        for index, box in self.missing:
             spec = self.manifest.tensors[index]
-            parts.append(f"{spec.name} {describe_elements(spec.shape, a, b)}")
+            parts.append(f"{spec.name} {describe_box(spec.shape, box)}")
         more = self.missing_count - len(self.missing)
         return ", ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
@@ -249,7 +268,7 @@ class State:
         model: str,
         version: int,
         manifest: Manifest,
-        held: list[Held],
+        held: RegionTable | list[Held],
         chunk_size: int,
         memory: Any,
         complete: bool,
@@ -257,8 +276,11 @@ class State:
         origin: bool,
         retained: bool = False,
     ) -> Replica:
-        """Record a replica holding ``held`` (as returned by ``check_held``)."""
+        """Record a replica holding ``held`` (as returned by ``check_held``; a
+        list of (tensor, region) is checked here)."""
         self._agent(agent_id)
+        if not isinstance(held, RegionTable):
+            held = check_held(manifest, held)
         if chunk_size <= 0:
             raise StateError("INVALID_ARGUMENT", f"chunk_size {chunk_size} must be positive")
         fingerprint = manifest.fingerprint
@@ -291,14 +313,12 @@ class State:
         bits = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
+        shapes = shapes_of(entry.manifest)
         # Every tensor whole, in manifest order: what an empty held list means on the wire.
-        whole = len(held) == len(manifest.tensors) and all(i == k and r.whole for k, (i, r) in enumerate(held))
-        runs: dict[int, list[Runs]] = {}
-        if not whole:
-            for index, region in held:
-                runs.setdefault(index, []).append(region.runs(manifest.tensors[index].shape))
+        whole = (len(held) == len(shapes.ndim) and bool((held.tensor == np.arange(len(held))).all())
+                 and bool(held.whole(shapes).all()))
         replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin,
-                          [] if whole else list(held), chunk_size, num_chunks, whole, runs, retained)
+                          None if whole else held, shapes, chunk_size, num_chunks, retained)
         replica.confirmed_at = time.monotonic()
         if existing is not None:  # idempotent re-publish keeps the reads in flight
             replica.leases = existing.leases
@@ -308,7 +328,7 @@ class State:
         self.replicas[replica_id] = replica
         self._holders_changed += 1
         if complete or existing is not None:  # a replaced replica may have held more
-            self._refresh(entry, added=existing is None)
+            self._refresh(entry, added=replica if existing is None else None)
         return replica
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
@@ -338,7 +358,7 @@ class State:
                     f"{replica.num_chunks} chunks",
                 )
             replica.complete = True
-            self._refresh(self.models[replica.model][replica.version], added=True)
+            self._refresh(self.models[replica.model][replica.version], added=replica)
 
     # ------------------------------------------------------------ retention
 
@@ -361,19 +381,7 @@ class State:
         entry = self.models[replica.model][replica.version]
         others = [r for r in entry.replicas.values()
                   if r is not replica and r.complete and self._live(r) and self._reliable(r)]
-        union = _union(others)
-        if replica.whole:
-            return any(True for _ in _gaps(entry, union, range(len(entry.manifest.tensors))))
-        for index, own in replica.runs.items():
-            holes = list(_gaps(entry, union, [index]))
-            if not holes:
-                continue
-            # Region runs are in ascending order, as overlap() needs.
-            hole_runs = Runs.of(np.array([a for _, a, _ in holes], np.int64),
-                                np.array([b - a for _, a, b in holes], np.int64))
-            if any(len(overlap(r, hole_runs).start) for r in own):
-                return True
-        return False
+        return _coverage(entry, others).touches_holes(replica.held)
 
     def releasable(self, agent_id: str) -> list[str]:
         """The agent's retained copies whose version fell out of the latest K:
@@ -427,18 +435,19 @@ class State:
     def _live(self, replica: Replica) -> bool:
         return not replica.withdrawn and replica.agent_id in self.agents
 
-    def _refresh(self, entry: Version, *, added: bool = False) -> None:
-        """Recompute whether the version is visible. ``added``: the change can
-        only have added coverage, so a visible version stays visible."""
-        if added and entry.visible:
+    def _refresh(self, entry: Version, *, added: Replica | None = None) -> None:
+        """Recompute whether the version is visible. ``added``: the only change
+        is this replica becoming a complete holder, so a visible version stays
+        visible and the coverage kept so far only needs its regions (one
+        publish costs its own regions, not all the holders' again)."""
+        if added is not None and entry.visible:
             return
         holders = [r for r in entry.replicas.values() if r.complete and self._live(r)]
-        missing: list[tuple[int, int, int]] = []
-        count = 0
-        for hole in _gaps(entry, _union(holders), range(len(entry.manifest.tensors))):
-            if len(missing) < MISSING_SHOWN:
-                missing.append(hole)
-            count += 1
+        if added is not None and entry.coverage is not None:
+            entry.coverage.add(added.held)
+        else:
+            entry.coverage = _coverage(entry, holders)
+        missing, count = entry.coverage.missing(MISSING_SHOWN)
         visible = count == 0 and bool(holders)
         entry.missing, entry.missing_count = missing, count
         if visible != entry.visible:
@@ -536,13 +545,14 @@ class State:
         order = sorted(range(len(live)), key=keys.__getitem__)
         chosen = [live[i] for i in order[:k]]
         complete = [r for r in chosen if r.complete]
-        if self._covers(entry, complete):
+        coverage = _coverage(entry, complete)  # grown holder by holder below, not recomputed
+        if complete and coverage.complete:
             return chosen
         for i in order[k:]:
             if live[i].complete:
                 chosen.append(live[i])
-                complete.append(live[i])
-                if self._covers(entry, complete):
+                coverage.add(live[i].held)
+                if coverage.complete:
                     break
         return chosen
 
@@ -589,7 +599,7 @@ class State:
 
     @staticmethod
     def _covers(entry: Version, holders: list[Replica]) -> bool:
-        return bool(holders) and next(_gaps(entry, _union(holders), range(len(entry.manifest.tensors))), None) is None
+        return bool(holders) and _coverage(entry, holders).complete
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> Lease:
         self._agent(agent_id)
@@ -706,8 +716,9 @@ class State:
                 replicas = tuple(ReplicaView(
                     replica_id=r.replica_id, agent_id=r.agent_id, complete=r.complete,
                     chunks_present=r.num_chunks if r.complete else bitmap_count(r.bitmap), num_chunks=r.num_chunks,
-                    origin=r.origin, retained=r.retained, withdrawn=r.withdrawn, held_regions=len(r.held),
-                    held_bytes=sum(held_bytes(entry.manifest, r.held)) if r.held else entry.manifest.total_bytes,
+                    origin=r.origin, retained=r.retained, withdrawn=r.withdrawn, held_regions=r.held_count(),
+                    held_bytes=int(held_bytes(entry.manifest, r.held).sum()) if r.held is not None
+                    else entry.manifest.total_bytes,
                     active_reads=len(r.leases)) for r in entry.replicas.values())
                 versions.append(VersionView(
                     version=version, visible=entry.visible, fingerprint=entry.fingerprint,
@@ -733,23 +744,11 @@ class State:
 # ---------------------------------------------------------------- coverage
 
 
-def _union(holders: list[Replica]) -> dict[int, list[Runs]] | None:
-    """The holders' runs per tensor index; None when one of them holds every tensor whole."""
-    if any(r.whole for r in holders):
-        return None
-    per: dict[int, list[Runs]] = {}
+def _coverage(entry: Version, holders: list[Replica]) -> Coverage:
+    """What the holders leave uncovered of the version."""
+    coverage = Coverage(shapes_of(entry.manifest))
     for r in holders:
-        for index, runs in r.runs.items():
-            per.setdefault(index, []).extend(runs)
-    return per
-
-
-def _gaps(entry: Version, union: dict[int, list[Runs]] | None,
-          tensors: Iterable[int]) -> Iterator[tuple[int, int, int]]:
-    """(tensor, a, b): element ranges of ``tensors`` outside ``union``."""
-    if union is None:
-        return
-    for index in tensors:
-        spec = entry.manifest.tensors[index]
-        for a, b in gaps(math.prod(spec.shape), union.get(index, [])):
-            yield index, a, b
+        coverage.add(r.held)
+        if coverage.complete:
+            break
+    return coverage

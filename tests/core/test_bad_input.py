@@ -77,6 +77,29 @@ def test_held_regions_that_do_not_fit_are_refused(server, stub):
         code, detail = _code(s.Publish, _publish(agent="a2", replica="a2.0", shape=shape, **fields))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (fields, code, detail)
         assert needle in detail, (needle, detail)
+    # The packed form (HeldRegions, memory as address gaps) gets the same checks.
+    packed_bad = [
+        (pb.HeldRegions(tensor_step=[3], cut=[0, 4, 0, 0]), None, "tensor #3"),
+        (pb.HeldRegions(tensor_step=[0], cut=[4, 0]), None, "2 cuts for 1 held regions"),
+        (pb.HeldRegions(tensor_step=[0], cut=[4, -1, 0, 0]), None, "outside [0:8)"),
+        (pb.HeldRegions(tensor_step=[0], cut=[16, 16], flat_at=[0]), None, "inverted"),
+        (pb.HeldRegions(tensor_step=[0], cut=[0, 0, 0, 0], flat_at=[5]), None, "flat region position"),
+        (pb.HeldRegions(tensor_step=[0, 0], cut=[4, 0, 0, 0, 6, 1, 0, 0]), [0, 0], "overlaps"),
+        (pb.HeldRegions(tensor_step=[0], cut=[4, 0, 0, 0]), [0, 0], "2 memory regions for 1 held regions"),
+        (pb.HeldRegions(tensor_step=[0], cut=[4, 0, 0, 0]), [-8192], "negative address"),
+    ]
+    for table, gaps, needle in packed_bad:
+        request = _publish(agent="a2", replica="a2.0", shape=shape)
+        request.held_table.CopyFrom(table)
+        request.memory.ClearField("regions")
+        request.memory.packed = True
+        request.memory.region_gap.extend([4096] if gaps is None else gaps)
+        code, detail = _code(s.Publish, request)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (table, code, detail)
+        assert needle in detail, (needle, detail)
+    both = _publish(agent="a2", replica="a2.0", shape=shape, held=[_rows(4, 8)], regions=_mem(64))
+    both.held_table.CopyFrom(pb.HeldRegions(tensor_step=[0], cut=[4, 0, 0, 0]))
+    assert "both set" in _code(s.Publish, both)[1]
     # Half the rows are held: the version exists but is not visible, and says what is missing.
     code, detail = _code(s.Resolve, pb.ResolveRequest(agent_id="a2", model="m", latest=True))
     assert code == grpc.StatusCode.NOT_FOUND
@@ -95,7 +118,9 @@ def test_held_regions_that_do_not_fit_are_refused(server, stub):
     assert s.WaitForVersion(pb.WaitForVersionRequest(model="m", at_least=1, timeout_s=5), timeout=10).version == 1
     res = s.Resolve(pb.ResolveRequest(agent_id="a1", model="m", latest=True), timeout=10)
     [info] = res.replicas  # a1's own replica is left out
-    assert info.chunk_size == 8 << 10 and list(info.held[0].start) == [16] and info.held[0].flat
+    assert info.chunk_size == 8 << 10 and not info.held  # the server answers with the packed form:
+    assert list(info.held_table.cut) == [16, 0] and list(info.held_table.flat_at) == [0]  # elements 16:32 of 32
+    assert info.memory.packed and list(info.memory.region_gap) == [4096]
 
 
 def test_bad_requests_get_clear_statuses_and_nothing_is_lost(server, stub):

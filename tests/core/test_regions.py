@@ -428,3 +428,75 @@ def test_a_same_layout_holder_is_read_in_one_descriptor_per_contiguous_range():
         table = layout.holder_table(holder)
         assert len(table["length"]) == 4 * per_chunk, holder.agent_id
         assert int(table["length"].sum()) == 4096 * 64 * 2
+
+
+# ---------------------------------------------------------------- box algebra, against torch indexing
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tensorhub.regions import box_gaps, flat_boxes, intersect, subtract  # noqa: E402
+
+_shapes = st.lists(st.integers(1, 5), min_size=1, max_size=4).map(tuple)
+
+
+@st.composite
+def _box(draw, shape):
+    out = []
+    for d in shape:
+        a = draw(st.integers(0, d - 1))
+        out.append((a, draw(st.integers(a + 1, d))))
+    return tuple(out)
+
+
+def _mask(shape, boxes):
+    mask = torch.zeros(shape, dtype=torch.int32)
+    for box in boxes:
+        mask[tuple(slice(a, b) for a, b in box)] += 1
+    return mask
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_intersect_and_subtract_match_torch_masks(data):
+    shape = data.draw(_shapes)
+    a, b = data.draw(_box(shape)), data.draw(_box(shape))
+    ma, mb = _mask(shape, [a]).bool(), _mask(shape, [b]).bool()
+    both = intersect(a, b)
+    assert torch.equal(_mask(shape, [both] if both else []).bool(), ma & mb)
+    pieces = subtract(a, b)
+    assert len(pieces) <= 2 * len(shape)
+    counted = _mask(shape, pieces)
+    assert counted.max() <= 1  # disjoint
+    assert torch.equal(counted.bool(), ma & ~mb)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_box_gaps_are_the_disjoint_complement_of_the_union(data):
+    shape = data.draw(_shapes)
+    boxes = data.draw(st.lists(_box(shape), max_size=6))
+    holes = box_gaps(shape, boxes)
+    counted = _mask(shape, holes)
+    assert counted.max() <= 1
+    assert torch.equal(counted.bool(), ~_mask(shape, boxes).bool())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_flat_ranges_as_boxes_hold_exactly_the_range(data):
+    shape = data.draw(_shapes)
+    n = math.prod(shape)
+    a = data.draw(st.integers(0, n - 1))
+    b = data.draw(st.integers(a + 1, n))
+    boxes = flat_boxes(shape, a, b)
+    assert len(boxes) <= 2 * len(shape) - 1
+    counted = _mask(shape, boxes)
+    assert counted.max() <= 1
+    want = torch.zeros(n, dtype=torch.bool)
+    want[a:b] = True
+    assert torch.equal(counted.bool().flatten(), want)
+    region = Region(flat=(a, b))
+    other = data.draw(_box(shape))
+    assert region.overlaps(Region(box=other), shape) == bool((counted.bool() & _mask(shape, [other]).bool()).any())
+

@@ -72,8 +72,12 @@ def test_missing_list_is_capped_and_names_both_tensors():
     assert "layers.0.w rows 100:200, layers.0.w rows 300:1000, b elements 0:10" in msg, msg
     s2 = state()
     publish(s2, "a0", [(W, Region.of((1000, 8), cols=(0, 4))), (B, Region())])
-    msg = not_found(s2, 1)  # a column slice leaves 1000 holes
-    assert "layers.0.w elements 4:8, layers.0.w elements 12:16" in msg and "(and 992 more)" in msg, msg
+    msg = not_found(s2, 1)  # a column slice leaves one box out, not 1000 element ranges
+    assert "layers.0.w [0:1000, 4:8]; " in msg and "more" not in msg, msg
+    s3 = state()
+    publish(s3, "a0", [(W, Region.of((1000, 8), rows=(k, k + 1))) for k in range(0, 1000, 2)] + [(B, Region())])
+    msg = not_found(s3, 1)  # every other row: 500 holes, 8 named
+    assert "layers.0.w rows 1:2, layers.0.w rows 3:4" in msg and "(and 492 more)" in msg, msg
 
 
 def test_overlapping_regions_cover():
@@ -169,7 +173,7 @@ def test_whole_model_replica_and_num_chunks():
     assert r2.whole
     # Whole tensors in another memory order are not the wire's "every tensor whole".
     r3 = publish(s, "a2", [(B, Region()), (W, Region())])
-    assert not r3.whole and r3.held == [(B, Region()), (W, Region())]
+    assert not r3.whole and r3.held_list() == [(B, Region()), (W, Region())]
 
 
 def test_manifest_disagreement_and_one_replica_per_agent():

@@ -1,0 +1,243 @@
+"""Many held regions as one table of numbers: what a replica holds when it holds
+10^5 tensor slices (a TP=8 worker of a MoE model).
+
+A list of ``(tensor, Region)`` costs hundreds of bytes per region in Python and
+tens on the wire; the server keeps one per replica and sends it to every
+reader. A ``RegionTable`` keeps the same regions as numpy columns, and its wire
+form (``HeldRegions`` in the proto) as packed varints that are 0 for a whole
+dimension:
+
+    [(tensor, Region), ...] ──from_held──▶ RegionTable ──to_packed──▶ tensor_step, cut, flat
+                                 ▲             │                      (about 6 bytes a region)
+                                 └──held()─────┘◀──from_packed──────── (checked: problem())
+
+``cut`` lists, per region and per dimension of its tensor, the start and the
+distance from the stop to the dimension's end; a flat region lists its element
+range the same way against the tensor's element count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorhub.manifest import Manifest, itemsize
+from tensorhub.regions import Bounds, Region
+
+Held = tuple[int, Region]
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    """A manifest's shapes as arrays: ``dims`` (T, D) padded with 1 to the
+    manifest's largest rank D, ``ndim``, ``numel`` and ``itemsize`` per tensor."""
+
+    dims: np.ndarray
+    ndim: np.ndarray
+    numel: np.ndarray
+    itemsize: np.ndarray
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Shapes:
+        tensors = manifest.tensors
+        width = max((len(t.shape) for t in tensors), default=0) or 1
+        dims = np.ones((len(tensors), width), np.int64)
+        ndim = np.zeros(len(tensors), np.int64)
+        sizes: dict[str, int] = {}
+        items = np.zeros(len(tensors), np.int64)
+        for i, t in enumerate(tensors):
+            n = len(t.shape)
+            if n:
+                dims[i, :n] = t.shape
+            ndim[i] = n
+            items[i] = sizes[t.dtype] if t.dtype in sizes else sizes.setdefault(t.dtype, itemsize(t.dtype))
+        return cls(dims, ndim, dims.prod(axis=1), items)
+
+    @property
+    def width(self) -> int:
+        return self.dims.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionTable:
+    """``tensor`` (n,), ``flat`` (n,) bool, ``lo``/``hi`` (n, D): a box's bounds
+    per dimension (1 past a tensor's rank: 0:1), or a flat range in column 0."""
+
+    tensor: np.ndarray
+    flat: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def from_held(cls, held: list[Held], shapes: Shapes) -> RegionTable:
+        n, width = len(held), shapes.width
+        tensor = np.fromiter((i for i, _ in held), np.int64, n)
+        flat = np.zeros(n, bool)
+        lo = np.zeros((n, width), np.int64)
+        hi = np.ones((n, width), np.int64)
+        for k, (index, region) in enumerate(held):
+            if region.flat is not None:
+                flat[k] = True
+                lo[k, 0], hi[k, 0] = region.flat
+            elif region.box is not None:
+                for d, (a, b) in enumerate(region.box[:width]):
+                    lo[k, d], hi[k, d] = a, b
+            elif 0 <= index < len(shapes.dims):
+                hi[k] = shapes.dims[index]
+        return cls(tensor, flat, lo, hi)
+
+    @classmethod
+    def from_packed(cls, tensor_step: np.ndarray, cut: np.ndarray, flat_at: np.ndarray,
+                    shapes: Shapes) -> RegionTable:
+        """ValueError when the columns do not fit together or name unknown
+        tensors; the bounds themselves are checked by ``problem()``."""
+        n = len(tensor_step)
+        tensor = np.cumsum(np.asarray(tensor_step, np.int64))
+        if n and (tensor.min() < 0 or tensor.max() >= len(shapes.ndim)):
+            bad = int(tensor[(tensor < 0) | (tensor >= len(shapes.ndim))][0])
+            raise ValueError(f"a held region names tensor #{bad}; the manifest has {len(shapes.ndim)}")
+        flat = np.zeros(n, bool)
+        flat_at = np.asarray(flat_at, np.int64)
+        if len(flat_at) and (flat_at.min() < 0 or flat_at.max() >= n):
+            raise ValueError(f"flat region position outside the {n} held regions")
+        flat[flat_at] = True
+        ndim = np.where(flat, 1, shapes.ndim[tensor])
+        cut = np.asarray(cut, np.int64)
+        if int(2 * ndim.sum()) != len(cut):
+            raise ValueError(f"{len(cut)} cuts for {n} held regions of {int(ndim.sum())} dimensions in all")
+        width = shapes.width
+        base = np.zeros(n, np.int64)
+        if n > 1:
+            np.cumsum(2 * ndim[:-1], out=base[1:])
+        size = np.where(flat[:, None], 1, shapes.dims[tensor])
+        size[flat, 0] = shapes.numel[tensor[flat]]
+        lo = np.zeros((n, width), np.int64)
+        hi = np.ones((n, width), np.int64)
+        for d in range(width):
+            has = ndim > d
+            lo[has, d] = cut[base[has] + 2 * d]
+            hi[has, d] = size[has, d] - cut[base[has] + 2 * d + 1]
+        return cls(tensor, flat, lo, hi)
+
+    def to_packed(self, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tensor_step, cut, flat positions): the columns of ``HeldRegions``."""
+        n, width = len(self), shapes.width
+        step = np.diff(self.tensor, prepend=0)
+        ndim = np.where(self.flat, 1, shapes.ndim[self.tensor])
+        size = np.where(self.flat[:, None], 1, shapes.dims[self.tensor])
+        size[self.flat, 0] = shapes.numel[self.tensor[self.flat]]
+        pairs = np.stack([self.lo, size - self.hi], axis=2).reshape(n, 2 * width)
+        keep = np.arange(2 * width)[None, :] < 2 * ndim[:, None]
+        return step, pairs[keep], np.flatnonzero(self.flat)
+
+    def compact(self) -> RegionTable:
+        """The same table in 32-bit columns where the numbers fit (what the
+        server keeps per replica: 21 bytes a 2-D region instead of 41)."""
+        small = np.iinfo(np.int32).max
+        if len(self) and max(int(self.hi.max()), int(self.tensor.max())) > small:
+            return self
+        return RegionTable(self.tensor.astype(np.int32), self.flat, self.lo.astype(np.int32),
+                           self.hi.astype(np.int32))
+
+    # ------------------------------------------------------------ reading
+
+    def region(self, k: int, shapes: Shapes) -> Region:
+        index = int(self.tensor[k])
+        if self.flat[k]:
+            return Region(flat=(int(self.lo[k, 0]), int(self.hi[k, 0])))
+        n = int(shapes.ndim[index])
+        box = tuple(zip(self.lo[k, :n].tolist(), self.hi[k, :n].tolist()))
+        return Region() if box == tuple((0, int(d)) for d in shapes.dims[index, :n]) else Region(box=box)
+
+    def held(self, shapes: Shapes) -> list[Held]:
+        return [(int(self.tensor[k]), self.region(k, shapes)) for k in range(len(self))]
+
+    def boxes(self, k: int, shapes: Shapes) -> list[Bounds]:
+        index = int(self.tensor[k])
+        shape = tuple(int(d) for d in shapes.dims[index, :int(shapes.ndim[index])])
+        return self.region(k, shapes).boxes(shape)
+
+    def numel(self) -> np.ndarray:
+        """Elements of each region."""
+        span = self.hi.astype(np.int64) - self.lo
+        return np.where(self.flat, span[:, 0], span.prod(axis=1))
+
+    def nbytes(self, shapes: Shapes) -> np.ndarray:
+        return self.numel() * shapes.itemsize[self.tensor]
+
+    def whole(self, shapes: Shapes) -> np.ndarray:
+        """Which regions span their whole tensor."""
+        return self.numel() == shapes.numel[self.tensor]
+
+    def problem(self, shapes: Shapes) -> tuple[int, str] | None:
+        """The first region that does not fit its tensor, and why; None when all fit."""
+        if not len(self):
+            return None
+        numel = shapes.numel[self.tensor]
+        size = np.where(self.flat[:, None], 1, shapes.dims[self.tensor])
+        size[:, 0] = np.where(self.flat, numel, size[:, 0])
+        bad = ((self.lo < 0) | (self.lo >= self.hi) | (self.hi > size)).any(axis=1)
+        if not bad.any():
+            return None
+        k = int(np.flatnonzero(bad)[0])
+        index = int(self.tensor[k])
+        shape = tuple(int(d) for d in shapes.dims[index, :int(shapes.ndim[index])])
+        if self.flat[k]:
+            region = Region(flat=(int(self.lo[k, 0]), int(self.hi[k, 0])))
+        else:
+            n = len(shape)
+            region = Region(box=tuple(zip(self.lo[k, :n].tolist(), self.hi[k, :n].tolist())))
+        return k, region.problem(shape) or f"region {region.describe()} does not fit {list(shape)}"
+
+    def shape_of(self, k: int, shapes: Shapes) -> tuple[int, ...]:
+        index = int(self.tensor[k])
+        return tuple(int(d) for d in shapes.dims[index, :int(shapes.ndim[index])])
+
+
+def memory_gaps(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Each region's address less the previous one's end (its own address for
+    the first): 0 for regions back to back, so a packed varint of 1 byte."""
+    addr = np.asarray(addr, np.int64)
+    prev_end = np.concatenate([[0], addr[:-1] + np.asarray(size, np.int64)[:-1]])
+    return addr - prev_end
+
+
+def memory_addrs(gaps: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """The inverse of ``memory_gaps``."""
+    gaps = np.asarray(gaps, np.int64)
+    size = np.asarray(size, np.int64)
+    if not len(gaps):
+        return gaps
+    # addr[k] = gaps[k] + addr[k-1] + size[k-1]  =>  addr = cumsum(gaps) + cumsum(size) shifted by one
+    shifted = np.concatenate([[0], np.cumsum(size[:-1])])
+    return np.cumsum(gaps) + shifted
+
+
+
+_SHAPES: dict[int, tuple[Manifest, Shapes]] = {}
+_SHAPES_KEPT = 16
+
+
+def shapes_of(manifest: Manifest) -> Shapes:
+    """``Shapes.of(manifest)``, kept for the last few manifests (by identity:
+    the server and the client keep one Manifest object per version)."""
+    kept = _SHAPES.get(id(manifest))
+    if kept is not None and kept[0] is manifest:
+        return kept[1]
+    shapes = Shapes.of(manifest)
+    if len(_SHAPES) >= _SHAPES_KEPT:
+        _SHAPES.pop(next(iter(_SHAPES)))
+    _SHAPES[id(manifest)] = (manifest, shapes)
+    return shapes
+
+
+def whole_table(shapes: Shapes) -> RegionTable:
+    """Every tensor whole, in manifest order: what an empty held list means."""
+    n = len(shapes.ndim)
+    return RegionTable(np.arange(n, dtype=np.int64), np.zeros(n, bool), np.zeros_like(shapes.dims), shapes.dims.copy())
