@@ -431,11 +431,13 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
     if isinstance(regions, tuple):  # packed: the sizes are the held regions'
         gaps, device = regions
         sizes = table.nbytes(shapes)
-        if len(gaps) != len(sizes):
+        if len(gaps) > len(sizes):
             raise TensorHubError(f"replica {msg.replica_id!r} has {len(gaps)} memory regions for {len(sizes)} held "
                                  "regions; the server is broken")
+        every = np.zeros(len(sizes), np.int64)
+        every[:len(gaps)] = gaps  # the gaps left out are 0: back to back
         regions = np.empty((len(sizes), 3), np.uint64)
-        regions[:, 0], regions[:, 1], regions[:, 2] = memory_addrs(gaps, sizes), sizes, device
+        regions[:, 0], regions[:, 1], regions[:, 2] = memory_addrs(every, sizes), sizes, device
     crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
     return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap),
                          crcs)

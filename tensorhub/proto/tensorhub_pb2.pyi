@@ -100,14 +100,28 @@ class TensorRegion(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., flat: _Optional[bool] = ...) -> None: ...
 
 class HeldRegions(_message.Message):
-    __slots__ = ("tensor_step", "cut", "flat_at")
+    __slots__ = ("tensor_step", "cut", "flat_at", "rules", "rule_of")
     TENSOR_STEP_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
     FLAT_AT_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    RULE_OF_FIELD_NUMBER: _ClassVar[int]
     tensor_step: _containers.RepeatedScalarFieldContainer[int]
     cut: _containers.RepeatedScalarFieldContainer[int]
     flat_at: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tensor_step: _Optional[_Iterable[int]] = ..., cut: _Optional[_Iterable[int]] = ..., flat_at: _Optional[_Iterable[int]] = ...) -> None: ...
+    rules: _containers.RepeatedCompositeFieldContainer[HeldRule]
+    rule_of: bytes
+    def __init__(self, tensor_step: _Optional[_Iterable[int]] = ..., cut: _Optional[_Iterable[int]] = ..., flat_at: _Optional[_Iterable[int]] = ..., rules: _Optional[_Iterable[_Union[HeldRule, _Mapping]]] = ..., rule_of: _Optional[bytes] = ...) -> None: ...
+
+class HeldRule(_message.Message):
+    __slots__ = ("dim", "parts", "part")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    parts: int
+    part: int
+    def __init__(self, dim: _Optional[int] = ..., parts: _Optional[int] = ..., part: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "size", "device_id")

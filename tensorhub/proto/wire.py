@@ -3,6 +3,7 @@ and the server (``server/service.py``). Only the RPC modules import this."""
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.regions import Region
-from tensorhub.regiontable import RegionTable, Shapes, memory_addrs, memory_gaps
+from tensorhub.regiontable import MAX_RULES, RegionTable, Shapes, memory_addrs, memory_gaps, rules_of, table_of_rules
 from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport.memory import MemoryKind, MemoryRegion
@@ -76,6 +77,12 @@ def region_from_wire(msg: pb.TensorRegion) -> Held:
 
 
 def held_to_wire(table: RegionTable, shapes: Shapes) -> pb.HeldRegions:
+    """Chunk rules where the regions are such (a few bytes for 10^5 tensors), else packed columns."""
+    ruled = rules_of(table, shapes)
+    if ruled is not None:
+        rules, rule_of = ruled
+        return pb.HeldRegions(rules=[pb.HeldRule(dim=d, parts=n, part=k) for d, n, k in rules],
+                              rule_of=zlib.compress(rule_of.tobytes(), 6))
     step, cut, flat_at = table.to_packed(shapes)
     return pb.HeldRegions(tensor_step=step.tolist(), cut=cut.tolist(), flat_at=flat_at.tolist())
 
@@ -97,7 +104,21 @@ def _varint(n: int) -> bytes:
 
 
 def held_from_wire(msg: pb.HeldRegions, shapes: Shapes) -> RegionTable:
-    """ValueError when the columns do not fit together (the bounds are checked by the caller)."""
+    """ValueError when the columns or rules do not fit together (the bounds are checked by the caller)."""
+    if msg.rules or msg.rule_of:
+        if msg.tensor_step or msg.cut or msg.flat_at:
+            raise ValueError("held regions given as both columns and rules")
+        if len(msg.rules) > MAX_RULES:
+            raise ValueError(f"{len(msg.rules)} held rules, more than {MAX_RULES}")
+        inflate = zlib.decompressobj()
+        try:
+            raw = inflate.decompress(msg.rule_of, len(shapes.ndim) + 1)  # a bomb stops at one byte too many
+        except zlib.error as e:
+            raise ValueError(f"held rule_of does not inflate: {e}") from None
+        if len(raw) != len(shapes.ndim) or inflate.unconsumed_tail:
+            raise ValueError(f"held rule_of names {len(raw)}+ tensors; the manifest has {len(shapes.ndim)}")
+        rules = [(r.dim, r.parts, r.part) for r in msg.rules]
+        return table_of_rules(rules, np.frombuffer(raw, np.uint8), shapes)
     return RegionTable.from_packed(np.array(msg.tensor_step, np.int64), np.array(msg.cut, np.int64),
                                    np.array(msg.flat_at, np.int64), shapes)
 
@@ -105,7 +126,9 @@ def held_from_wire(msg: pb.HeldRegions, shapes: Shapes) -> RegionTable:
 def memory_packed_to_wire(kind: MemoryKind, addr: np.ndarray, size: np.ndarray, device_id: int,
                           metadata: bytes) -> pb.ReplicaMemory:
     """Memory regions of one device, one per held region, as address gaps (sizes are the regions' bytes)."""
-    return pb.ReplicaMemory(kind=KIND[kind], packed=True, region_gap=memory_gaps(addr, size).tolist(),
+    gaps = memory_gaps(addr, size)
+    used = int(np.flatnonzero(gaps)[-1]) + 1 if gaps.any() else min(1, len(gaps))  # trailing zeros left out
+    return pb.ReplicaMemory(kind=KIND[kind], packed=True, region_gap=gaps[:used].tolist(),
                             device_id=device_id, nixl_metadata=metadata)
 
 
@@ -113,10 +136,12 @@ def memory_regions_from_wire(msg: pb.ReplicaMemory, sizes: np.ndarray) -> np.nda
     """(regions x 3) addr, nbytes, device id; ``sizes``: the held regions' bytes
     (what packed regions are). ValueError when the counts differ."""
     if msg.packed:
-        if len(msg.region_gap) != len(sizes):
+        if len(msg.region_gap) > len(sizes) or (len(sizes) and not msg.region_gap):
             raise ValueError(f"{len(msg.region_gap)} memory regions for {len(sizes)} held regions")
         sizes = np.asarray(sizes, np.int64)
-        addr = memory_addrs(np.array(msg.region_gap, np.int64), sizes)
+        gaps = np.zeros(len(sizes), np.int64)
+        gaps[:len(msg.region_gap)] = msg.region_gap
+        addr = memory_addrs(gaps, sizes)
         if len(addr) and addr.min() < 0:
             raise ValueError("a packed memory region has a negative address")
         out = np.empty((len(sizes), 3), np.uint64)

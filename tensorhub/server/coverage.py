@@ -1,19 +1,21 @@
-"""What of a version no holder covers yet, kept per tensor as a shared *class*.
+"""What of a version no holder covers yet, per *group* of tensors cut alike.
 
-Visibility, the "not complete" message and retention all ask the same thing:
-which elements of which tensors do the holders leave out? With 10^5 tensors
-and hundreds of holders, asking it region by region in Python costs seconds
-per publish. But the tensors of a model fall into a few kinds (same shape, cut
-the same way by the same ranks), so the answer is shared: each tensor points
-at a class, the boxes still uncovered of a tensor of that shape, and adding a
-holder moves every tensor it touches to the class its region leaves, computed
-once per distinct (class, region) pair:
+Visibility, the "not complete" message, retention and the choice of sources
+for a reader all ask: which elements do these holders leave out? A version of
+10^5 tensors with hundreds of holders cannot afford to ask it tensor by tensor.
+But the tensors of a model fall into a few groups: same shape, and every holder
+so far cuts them the same way (an FSDP rank takes the same rows of all the
+[2048, 7168] tensors; a TP worker the same columns of every expert's down_proj).
+So the answer is kept per group, and per group as a shared *class* (the boxes
+still uncovered of a tensor of that shape):
 
-    tensor ──of[t]──▶ class id ──▶ (shape, uncovered boxes)      class 0: nothing left
-    add(table):  unique (class, region) rows ─▶ box algebra once each ─▶ of[t] = new class
+    Grouping (per version)   tensor ──of[t]──▶ group; refined by each publish so that
+                             every holder's regions are alike within a group
+    Coverage (per question)  group ──of[g]──▶ class ──▶ (shape, uncovered boxes); 0: nothing left
+    add(holder):             per group its region (the same for all the group's tensors),
+                             box algebra once per distinct (class, region) pair
 
-The work per holder is numpy over its regions plus box algebra per distinct
-pair, so it grows with regions, never with rows.
+Adding a holder costs its number of groups (tens), not its regions or rows.
 """
 
 from __future__ import annotations
@@ -21,69 +23,150 @@ from __future__ import annotations
 import numpy as np
 
 from tensorhub.regions import Bounds, Region, intersect, subtract
-from tensorhub.regiontable import RegionTable, Shapes
+from tensorhub.regiontable import RegionTable, Shapes, unique_rows
 
 _Shape = tuple[int, ...]
+_WHOLE = -1  # a holder's "region" of a group when it holds every tensor whole
+_NONE = -2  # ... when it holds nothing of it
+
+
+class Grouping:
+    """Groups of a version's tensors that every holder published so far cuts alike."""
+
+    def __init__(self, shapes: Shapes) -> None:
+        self.shapes = shapes
+        self.epoch = 0  # bumped by every refinement: per-holder keys of older epochs are stale
+        n = len(shapes.ndim)
+        self.of = np.zeros(n, np.int64)
+        self.rep = np.zeros(0, np.int64)
+        if n:
+            _, self.of = unique_rows(np.column_stack([shapes.ndim, shapes.dims]))
+            self._set_reps()
+
+    def _set_reps(self) -> None:
+        rep = np.full(int(self.of.max()) + 1 if len(self.of) else 0, -1, np.int64)
+        rep[self.of[::-1]] = np.arange(len(self.of))[::-1]  # the first tensor of each group
+        self.rep = rep
+
+    @property
+    def count(self) -> int:
+        return len(self.rep)
+
+    def refine(self, table: RegionTable | None) -> None:
+        """Split groups so that ``table``'s regions are alike within each."""
+        if table is None or not len(self.of):
+            return
+        key = region_keys(table, len(self.of))
+        _, of = unique_rows(np.column_stack([self.of, key]))
+        if int(of.max()) + 1 > self.count:
+            self.of = of
+            self._set_reps()
+            self.epoch += 1
+
+    def members(self, group: int) -> np.ndarray:
+        return np.flatnonzero(self.of == group)
+
+
+def region_keys(table: RegionTable, tensors: int) -> np.ndarray:
+    """Per tensor an id of the table's region of it: -1 for none, distinct ids
+    for distinct regions, and an id of its own for a tensor held in several regions."""
+    key = np.full(tensors, -1, np.int64)
+    if not len(table):
+        return key
+    rows = np.column_stack([table.flat, table.lo, table.hi]).astype(np.int64)
+    _, ids = unique_rows(rows)
+    key[table.tensor] = ids
+    counts = np.bincount(table.tensor, minlength=tensors)
+    several = np.flatnonzero(counts > 1)
+    key[several] = int(ids.max()) + 1 + np.arange(len(several))
+    return key
+
+
+class HolderKeys:
+    """A holder's regions per group of a ``Grouping`` (of one epoch): for each
+    group the table rows of its representative tensor, and as boxes (``lo``,
+    ``hi``: G x D, the group's box where it holds one box of it, else empty)."""
+
+    def __init__(self, table: RegionTable | None, grouping: Grouping) -> None:
+        self.epoch = grouping.epoch
+        self.table = table
+        shapes = grouping.shapes
+        if table is None:
+            self.first = np.full(grouping.count, _WHOLE, np.int64)
+            self.several: dict[int, np.ndarray] = {}
+            self.lo = np.zeros_like(shapes.dims[grouping.rep])
+            self.hi = shapes.dims[grouping.rep].copy()
+            self.odd: dict[int, list[Bounds]] = {}
+            return
+        n = len(grouping.of)
+        pos = np.full(n, _NONE, np.int64)
+        pos[table.tensor[::-1]] = np.arange(len(table))[::-1]
+        self.first = pos[grouping.rep]
+        counts = np.bincount(table.tensor, minlength=n)[grouping.rep]
+        self.several = {int(g): np.flatnonzero(table.tensor == grouping.rep[g]) for g in np.flatnonzero(counts > 1)}
+        held = self.first >= 0
+        self.lo = np.zeros_like(shapes.dims[grouping.rep])
+        self.hi = np.zeros_like(self.lo)  # an empty box where it holds nothing
+        self.lo[held], self.hi[held] = table.lo[self.first[held]], table.hi[self.first[held]]
+        # Groups where its regions are not one box (a flat range, several regions): listed as boxes.
+        self.odd = {}
+        for g in set(self.several) | {int(g) for g in np.flatnonzero(held & table.flat[np.maximum(self.first, 0)])}:
+            shape = _shape(shapes, int(grouping.rep[g]))
+            self.odd[g] = [b for row in self.rows(g) or [] for b in _row_boxes(row, shape)]
+            self.hi[g] = self.lo[g]
+
+    def rows(self, group: int) -> list[np.ndarray] | None:
+        """The key rows (flat, lo..., hi...) of the holder's regions of ``group``; None: whole."""
+        k = int(self.first[group])
+        if k == _WHOLE:
+            return None
+        if k == _NONE:
+            return []
+        t = self.table
+        assert t is not None
+        at = self.several.get(group, (k,))
+        return [np.concatenate([[int(t.flat[j])], t.lo[j], t.hi[j]]).astype(np.int64) for j in at]
 
 
 class Coverage:
-    def __init__(self, shapes: Shapes) -> None:
-        self.shapes = shapes
+    """What a set of holders leaves uncovered, per group of ``grouping``."""
+
+    def __init__(self, grouping: Grouping) -> None:
+        self.grouping = grouping
+        self.epoch = grouping.epoch
         self._classes: list[tuple[_Shape, tuple[Bounds, ...]]] = [((), ())]  # class 0: covered
         self._ids: dict[tuple[_Shape, tuple[Bounds, ...]], int] = {}
         self._steps: dict[tuple[int, bytes], int] = {}
-        self.of = np.zeros(len(shapes.ndim), np.int64)
-        rows = np.column_stack([shapes.ndim, shapes.dims])
-        if len(rows):
-            uniq, inverse = unique_rows(rows)
-            ids = []
-            for row in uniq:
-                shape = tuple(int(d) for d in row[1:1 + int(row[0])])
-                whole = tuple((0, d) for d in shape)
-                ids.append(self._intern(shape, (whole,)) if all(shape) else 0)  # an empty tensor is covered
-            self.of = np.asarray(ids, np.int64)[inverse]
+        shapes = grouping.shapes
+        of = []
+        for t in grouping.rep:
+            shape = _shape(shapes, int(t))
+            of.append(self._intern(shape, (tuple((0, d) for d in shape),)) if all(shape) else 0)  # empty: covered
+        self.of = np.asarray(of, np.int64)
 
-    # ------------------------------------------------------------ adding holders
-
-    def add_whole(self) -> None:
-        self.of[:] = 0
-
-    def add(self, table: RegionTable | None) -> None:
-        """Count a holder's regions as covered (None: it holds every tensor whole)."""
-        if table is None:
-            self.add_whole()
+    def add(self, keys: HolderKeys) -> None:
+        """Count a holder's regions (its keys for this grouping's epoch) as covered."""
+        assert keys.epoch == self.epoch, "holder keys of another epoch"
+        first = keys.first
+        if (first == _WHOLE).all():
+            self.of[:] = 0
             return
-        n = len(table)
-        if not n:
-            return
-        # A replica may hold several regions of one tensor: apply them in rounds,
-        # each round at most one region per tensor.
-        order = np.argsort(table.tensor, kind="stable")
-        t = table.tensor[order]
-        first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
-        rank = np.arange(n) - np.repeat(first, np.diff(np.r_[first, n]))
-        for r in range(int(rank.max()) + 1):
-            self._apply(table, order[rank == r])
+        for g in np.flatnonzero((self.of != 0) & (first != _NONE)):
+            rows = keys.rows(int(g))
+            if rows is None:
+                self.of[g] = 0
+                continue
+            for row in rows:
+                self.of[g] = self._step(int(self.of[g]), row)
 
-    def _apply(self, table: RegionTable, sel: np.ndarray) -> None:
-        tensors = table.tensor[sel]
-        cls = self.of[tensors]
-        live = cls != 0
-        sel, tensors, cls = sel[live], tensors[live], cls[live]
-        if not len(sel):
-            return
-        keys = np.column_stack([cls, table.flat[sel], table.lo[sel], table.hi[sel]]).astype(np.int64)
-        uniq, inverse = unique_rows(keys)
-        after = np.fromiter((self._step(row) for row in uniq), np.int64, len(uniq))
-        self.of[tensors] = after[inverse]
-
-    def _step(self, row: np.ndarray) -> int:
-        key = (int(row[0]), row[1:].tobytes())
+    def _step(self, cls: int, row: np.ndarray) -> int:
+        if cls == 0:
+            return 0
+        key = (cls, row.tobytes())
         done = self._steps.get(key)
         if done is None:
-            shape, left = self._classes[key[0]]
-            cut = _region_boxes(row, shape)
-            for box in cut:
+            shape, left = self._classes[cls]
+            for box in _row_boxes(row, shape):
                 left = tuple(piece for rest in left for piece in subtract(rest, box))
             done = self._steps[key] = self._intern(shape, tuple(sorted(left)))
         return done
@@ -104,56 +187,127 @@ class Coverage:
     def complete(self) -> bool:
         return not self.of.any()
 
-    def holes(self, tensor: int) -> tuple[Bounds, ...]:
-        """The boxes of ``tensor`` nobody covers."""
-        return self._classes[int(self.of[tensor])][1]
-
     def missing(self, shown: int) -> tuple[list[tuple[int, Bounds]], int]:
         """The first ``shown`` uncovered (tensor, box) pairs, and how many there are."""
         open_ = np.flatnonzero(self.of)
-        counts = np.fromiter((len(left) for _, left in self._classes), np.int64, len(self._classes))
-        total = int(counts[self.of[open_]].sum())
+        sizes = np.bincount(self.grouping.of, minlength=self.grouping.count)
+        total = sum(int(sizes[g]) * len(self._classes[int(self.of[g])][1]) for g in open_)
+        tensors = np.flatnonzero(self.of[self.grouping.of] != 0)
         out: list[tuple[int, Bounds]] = []
-        for t in open_:
-            for box in self.holes(int(t)):
+        for t in tensors[:shown]:
+            for box in self._classes[int(self.of[self.grouping.of[t]])][1]:
                 if len(out) == shown:
                     return out, total
                 out.append((int(t), box))
         return out, total
 
-    def touches_holes(self, table: RegionTable | None) -> bool:
-        """Whether any region of ``table`` (None: every tensor whole) has an element nobody covers."""
-        if table is None:
-            return not self.complete
-        cls = self.of[table.tensor]
-        live = cls != 0
-        if not live.any():
-            return False
-        keys = np.column_stack([cls[live], table.flat[live], table.lo[live], table.hi[live]]).astype(np.int64)
-        for row in unique_rows(keys)[0]:
-            shape, left = self._classes[int(row[0])]
-            if any(intersect(a, b) is not None for a in _region_boxes(row, shape) for b in left):
+    def touches_holes(self, keys: HolderKeys) -> bool:
+        """Whether any region of the holder has an element nobody covers."""
+        for g in np.flatnonzero(self.of):
+            rows = keys.rows(int(g))
+            shape, left = self._classes[int(self.of[g])]
+            mine = [tuple((0, d) for d in shape)] if rows is None else [b for r in rows for b in _row_boxes(r, shape)]
+            if any(intersect(a, b) is not None for a in mine for b in left):
                 return True
         return False
 
 
-def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(rows, axis=0, return_inverse=True)``, through a lexsort of
-    the columns: np.unique compares rows as opaque bytes, 50x slower at 10^5."""
-    if not len(rows):
-        return rows, np.zeros(0, np.int64)
-    order = np.lexsort(rows.T[::-1])
-    ordered = rows[order]
-    new = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
-    inverse = np.empty(len(rows), np.int64)
-    inverse[order] = np.cumsum(new) - 1
-    return ordered[new], inverse
+def group_numel(keys: HolderKeys) -> np.ndarray:
+    """Elements the holder has of one tensor of each group (per group)."""
+    span = np.maximum(keys.hi - keys.lo, 0).astype(np.int64)
+    out = span.prod(axis=1)
+    for g, boxes in keys.odd.items():
+        out[g] = sum(int(np.prod([b - a for a, b in box])) for box in boxes)
+    return out
 
 
-def _region_boxes(row: np.ndarray, shape: _Shape) -> list[Bounds]:
-    """The boxes of a key row (class, flat, lo..., hi...) of a tensor of ``shape``."""
-    width = (len(row) - 2) // 2
-    lo, hi = row[2:2 + width], row[2 + width:]
-    if row[1]:
+def covering_prefix(grouping: Grouping, base: list[HolderKeys], more: list[HolderKeys]) -> int | None:
+    """The fewest of ``more``, in order, that with ``base`` cover every tensor;
+    None when all of them do not. Element counts give a first candidate (no
+    fewer can cover); boxes check it, then a galloping search past it."""
+    rep_numel = grouping.shapes.numel[grouping.rep]
+    have = sum((group_numel(k) for k in base), np.zeros(grouping.count, np.int64))
+    if len(more):
+        running = have + np.cumsum(np.stack([group_numel(k) for k in more]), axis=0)
+        enough = np.flatnonzero((running >= rep_numel).all(axis=1))
+        start = int(enough[0]) + 1 if len(enough) else len(more)
+    else:
+        start = 0
+    if (have >= rep_numel).all():
+        start = 0
+
+    def ok(p: int) -> bool:
+        return covers(grouping, base + more[:p])
+
+    if ok(start):
+        return start
+    if start >= len(more) or not ok(len(more)):
+        return None
+    lo, step = start, 1  # ok(lo) is False
+    while True:
+        hi = min(lo + step, len(more))
+        if ok(hi):
+            break
+        lo, step = hi, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def covers(grouping: Grouping, holders: list[HolderKeys]) -> bool:
+    """Whether the holders cover every tensor: per group, the holders' boxes on
+    a grid of their own boundaries (coordinate compression), with a difference
+    array; no order, no remainders, a few numpy calls per group."""
+    if not holders:
+        return len(grouping.of) == 0
+    lo = np.stack([k.lo for k in holders])  # H x G x D
+    hi = np.stack([k.hi for k in holders])
+    shapes = grouping.shapes
+    for g in range(grouping.count):
+        shape = _shape(shapes, int(grouping.rep[g]))
+        if not all(shape):
+            continue
+        width = len(shape)
+        glo, ghi = lo[:, g, :width], hi[:, g, :width]
+        keep = (ghi > glo).all(axis=1) if width else np.ones(len(holders), bool)
+        extra = [b for k in holders for b in k.odd.get(g, ())]
+        if extra:
+            glo = np.concatenate([glo[keep], np.array([[a for a, _ in b] for b in extra], np.int64).reshape(-1, width)])
+            ghi = np.concatenate([ghi[keep], np.array([[b for _, b in x] for x in extra], np.int64).reshape(-1, width)])
+        else:
+            glo, ghi = glo[keep], ghi[keep]
+        if not len(glo):
+            return False
+        if width and not _grid_covered(shape, glo, ghi):
+            return False
+    return True
+
+
+def _grid_covered(shape: _Shape, lo: np.ndarray, hi: np.ndarray) -> bool:
+    cuts = [np.unique(np.concatenate([[0, n], lo[:, d], hi[:, d]])) for d, n in enumerate(shape)]
+    a = [np.searchsorted(cuts[d], lo[:, d]) for d in range(len(shape))]
+    b = [np.searchsorted(cuts[d], hi[:, d]) for d in range(len(shape))]
+    grid = np.zeros([len(c) for c in cuts], np.int64)
+    for corner in range(1 << len(shape)):  # +1 / -1 at the box's 2^D corners
+        at = tuple(b[d] if corner >> d & 1 else a[d] for d in range(len(shape)))
+        np.add.at(grid, at, -1 if corner.bit_count() % 2 else 1)
+    for d in range(len(shape)):
+        grid = np.cumsum(grid, axis=d)
+    return bool((grid[tuple(slice(0, len(c) - 1) for c in cuts)] > 0).all())
+
+
+def _shape(shapes: Shapes, t: int) -> _Shape:
+    return tuple(int(d) for d in shapes.dims[t, :int(shapes.ndim[t])])
+
+
+def _row_boxes(row: np.ndarray, shape: _Shape) -> list[Bounds]:
+    """The boxes of a key row (flat, lo..., hi...) of a tensor of ``shape``."""
+    width = (len(row) - 1) // 2
+    lo, hi = row[1:1 + width], row[1 + width:]
+    if row[0]:
         return Region(flat=(int(lo[0]), int(hi[0]))).boxes(shape)
     return [tuple((int(a), int(b)) for a, b in zip(lo[:len(shape)], hi[:len(shape)]))]

@@ -166,9 +166,10 @@ def _check_memory(manifest: Manifest, held: RegionTable, mem: pb.ReplicaMemory,
     if len(mem.nixl_metadata) > MAX_NIXL_METADATA:
         raise Invalid(f"memory.nixl_metadata is {len(mem.nixl_metadata)} bytes, over {MAX_NIXL_METADATA}")
     what = "tensors" if whole_model else "held regions"
-    count = len(mem.region_gap) if mem.packed else len(mem.regions)
-    if count != len(held):
-        raise Invalid(f"{count} memory regions for {len(held)} {what}")
+    if not mem.packed and len(mem.regions) != len(held):
+        raise Invalid(f"{len(mem.regions)} memory regions for {len(held)} {what}")
+    if mem.packed and (len(mem.region_gap) > len(held) or (len(held) and not mem.region_gap)):
+        raise Invalid(f"{len(mem.region_gap)} memory regions for {len(held)} {what}")
     sizes = held_bytes(manifest, held)
     try:
         regions = wire.memory_regions_from_wire(mem, sizes)

@@ -32,7 +32,7 @@ from tensorhub.manifest import Manifest
 from tensorhub.regions import Bounds, Region, describe_box, intersect
 from tensorhub.regiontable import RegionTable, Shapes, shapes_of, whole_table
 from tensorhub.server.config import ServerConfig
-from tensorhub.server.coverage import Coverage
+from tensorhub.server.coverage import Coverage, Grouping, HolderKeys, covering_prefix, covers
 from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 
@@ -144,6 +144,7 @@ class Replica:
     # A reader reported it failed while its holder is alive and others lease it:
     # hidden like a withdrawn replica, its leases kept until they end (see report_lost).
     lost: bool = False
+    group_keys: HolderKeys | None = None  # its regions per group of the version's grouping (see _keys)
     wire_held: bytes = b""  # the service's wire form of ``held`` (a serialized ReplicaInfo field)
 
     @property
@@ -179,6 +180,7 @@ class Version:
     missing: list[tuple[int, Bounds]] = field(default_factory=list)  # first (tensor, box) nobody complete holds
     missing_count: int = 0
     coverage: Coverage | None = None  # of the complete live replicas, while not visible (see State._refresh)
+    grouping: Grouping | None = None  # tensors every replica so far cuts alike (coverage.py), set by publish
     wire_manifest: Any = None  # cached protobuf form, filled in by the service
     # Reader agent id -> (live holders, their fixed keys) as of State._holders_changed == ranked_at: State._ranking.
     ranked: dict[str, tuple[list[Replica], list[int]]] = field(default_factory=dict)
@@ -326,6 +328,7 @@ class State:
             replica.drained.set()
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
+        _grouping(entry).refine(replica.held)  # its cuts split the groups they differ in
         self._holders_changed += 1
         if complete or existing is not None:  # a replaced replica may have held more
             self._refresh(entry, added=replica if existing is None else None)
@@ -381,7 +384,7 @@ class State:
         entry = self.models[replica.model][replica.version]
         others = [r for r in entry.replicas.values()
                   if r is not replica and r.complete and self._live(r) and self._reliable(r)]
-        return _coverage(entry, others).touches_holes(replica.held)
+        return _coverage(entry, others).touches_holes(_keys(entry, replica))
 
     def releasable(self, agent_id: str) -> list[str]:
         """The agent's retained copies whose version fell out of the latest K:
@@ -443,8 +446,8 @@ class State:
         if added is not None and entry.visible:
             return
         holders = [r for r in entry.replicas.values() if r.complete and self._live(r)]
-        if added is not None and entry.coverage is not None:
-            entry.coverage.add(added.held)
+        if added is not None and entry.coverage is not None and entry.coverage.epoch == _grouping(entry).epoch:
+            entry.coverage.add(_keys(entry, added))
         else:
             entry.coverage = _coverage(entry, holders)
         missing, count = entry.coverage.missing(MISSING_SHOWN)
@@ -544,17 +547,13 @@ class State:
         keys = [key | len(r.leases) << 32 for key, r in zip(fixed, live)]
         order = sorted(range(len(live)), key=keys.__getitem__)
         chosen = [live[i] for i in order[:k]]
-        complete = [r for r in chosen if r.complete]
-        coverage = _coverage(entry, complete)  # grown holder by holder below, not recomputed
-        if complete and coverage.complete:
-            return chosen
-        for i in order[k:]:
-            if live[i].complete:
-                chosen.append(live[i])
-                coverage.add(live[i].held)
-                if coverage.complete:
-                    break
-        return chosen
+        grouping = _grouping(entry)
+        base = [_keys(entry, r) for r in chosen if r.complete]
+        rest = [live[i] for i in order[k:] if live[i].complete]
+        # The fewest more holders, best first, that make the answer cover the
+        # version (all of them when nothing covers it).
+        extra = covering_prefix(grouping, base, [_keys(entry, r) for r in rest])
+        return chosen + rest[:len(rest) if extra is None else extra]
 
     def _ranking(self, entry: Version, reader_agent_id: str, k: int) -> tuple[list[Replica], list[int] | None]:
         """The version's live holders other than the reader (None for the keys
@@ -599,7 +598,7 @@ class State:
 
     @staticmethod
     def _covers(entry: Version, holders: list[Replica]) -> bool:
-        return bool(holders) and _coverage(entry, holders).complete
+        return bool(holders) and covers(_grouping(entry), [_keys(entry, r) for r in holders])
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> Lease:
         self._agent(agent_id)
@@ -744,11 +743,26 @@ class State:
 # ---------------------------------------------------------------- coverage
 
 
+def _grouping(entry: Version) -> Grouping:
+    if entry.grouping is None:
+        entry.grouping = Grouping(shapes_of(entry.manifest))
+    return entry.grouping
+
+
+def _keys(entry: Version, replica: Replica) -> HolderKeys:
+    """The replica's regions per group, kept while the grouping does not change."""
+    grouping = _grouping(entry)
+    keys = replica.group_keys
+    if keys is None or keys.epoch != grouping.epoch:
+        keys = replica.group_keys = HolderKeys(replica.held, grouping)
+    return keys
+
+
 def _coverage(entry: Version, holders: list[Replica]) -> Coverage:
     """What the holders leave uncovered of the version."""
-    coverage = Coverage(shapes_of(entry.manifest))
+    coverage = Coverage(_grouping(entry))
     for r in holders:
-        coverage.add(r.held)
+        coverage.add(_keys(entry, r))
         if coverage.complete:
             break
     return coverage
