@@ -145,6 +145,7 @@ class ReferenceClient:
         self._background = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-rpc")
         # Manifests by fingerprint: the server omits one the client already has.
         self._manifests: dict[str, Manifest] = {}
+        self._manifests_sent: dict[str, None] = {}  # fingerprints this server took a publish of (LRU)
         self._last_fingerprint: dict[str, str] = {}
         # Per model, the memory of the last answer's holders by digest: the server
         # leaves out what the client has (a re-resolve during a pull then costs a
@@ -235,12 +236,11 @@ class ReferenceClient:
                                                 regions[0].device_id, metadata)
         else:
             memory = wire.memory_to_wire(kind, regions, metadata)
-        self._call(self._stub.Publish, pb.PublishRequest(
+        request = pb.PublishRequest(
             agent_id=agent_id,
             replica_id=replica_id,
             model=model,
             version=version,
-            manifest=wire.manifest_to_wire(manifest),
             held_table=wire.held_to_wire(RegionTable.from_held(held, shapes), shapes) if held else None,
             chunk_size=chunk_size,
             memory=memory,
@@ -249,7 +249,25 @@ class ReferenceClient:
             origin=origin,
             retained=retained,
             chunk_crc32=[] if chunk_crc32 is None else chunk_crc32.tolist(),
-        ), not_found=lambda d: VersionNotFound(model, version, d))
+        )
+        # A manifest this server acknowledged goes by its fingerprint (megabytes
+        # of names for 10^5 tensors); the server says when it does not have it.
+        fingerprint = manifest.fingerprint
+        if fingerprint in self._manifests_sent:
+            request.manifest_fingerprint = fingerprint
+            try:
+                self._call(self._stub.Publish, request, not_found=lambda d: VersionNotFound(model, version, d))
+                return
+            except TensorHubError as e:
+                if "manifest unknown" not in str(e):
+                    raise
+            request.ClearField("manifest_fingerprint")
+        request.manifest.CopyFrom(wire.manifest_to_wire(manifest))
+        self._call(self._stub.Publish, request, not_found=lambda d: VersionNotFound(model, version, d))
+        with self._cache_lock:
+            self._manifests_sent[fingerprint] = None
+            while len(self._manifests_sent) > _MANIFESTS_CACHED:
+                self._manifests_sent.pop(next(iter(self._manifests_sent)))
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
                       chunk_crc32: list[int] | None = None) -> None:

@@ -226,7 +226,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class PublishRequest(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
     HELD_TABLE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -255,7 +256,8 @@ class PublishRequest(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[TensorRegion]
     chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
     held_table: HeldRegions
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ...) -> None: ...
+    manifest_fingerprint: str
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)

@@ -214,6 +214,18 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self.metrics = metrics or NoMetrics()
         self._manifests: dict[bytes, Manifest] = {}  # checked manifests by wire digest (_manifest)
 
+    def _known_manifest(self, fingerprint: str) -> Manifest:
+        """A manifest this server holds, by fingerprint: kept checked ones, or a version's."""
+        for manifest in self._manifests.values():
+            if manifest.fingerprint == fingerprint:
+                return manifest
+        for versions in self.state.models.values():
+            for entry in versions.values():
+                if entry.fingerprint == fingerprint:
+                    return entry.manifest
+        raise StateError("FAILED_PRECONDITION", f"manifest unknown: this server holds no manifest with fingerprint "
+                         f"{fingerprint[:80]!r}; send the manifest itself")
+
     # ------------------------------------------------------------ plumbing
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Resp]]) -> Resp:
@@ -266,9 +278,12 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             replica_id = _require_id(request.replica_id, "replica_id")
             model = _require_model(request.model)
             version = _require_version(request.version)
-            if not request.HasField("manifest"):
+            if request.HasField("manifest"):
+                manifest = _manifest(request.manifest, self._manifests)
+            elif request.manifest_fingerprint:
+                manifest = self._known_manifest(request.manifest_fingerprint)
+            else:
                 raise Invalid("manifest is missing")
-            manifest = _manifest(request.manifest, self._manifests)
             if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
                 raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
             held = _held(manifest, request)

@@ -106,3 +106,28 @@ def test_resolve_of_a_replica_of_1e5_column_slices_is_under_1_mib(stub):
             box=((0, ROWS), (WIDTH * k, WIDTH * (k + 1))))
         addrs = wire.memory_regions_from_wire(info.memory, table.nbytes(shapes))
         assert int(addrs[-1, 0]) == (1 << 32) + (N - 1) * BYTES and int(addrs[-1, 1]) == BYTES
+
+
+def test_a_publish_may_name_a_manifest_the_server_holds_by_its_fingerprint(stub):
+    """Each of 256 FSDP ranks would otherwise send the names of 10^5 tensors per version."""
+    manifest = _manifest()
+    fingerprint = wire.manifest_from_wire(manifest).fingerprint
+    stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="w0", name="w0"), timeout=10)
+    by_name = _publish("w0", 0, manifest)
+    by_name.ClearField("manifest")
+    by_name.manifest_fingerprint = fingerprint
+    with pytest.raises(grpc.RpcError) as err:  # nothing published with it yet
+        stub.Publish(by_name, timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "manifest unknown" in err.value.details()
+    stub.Publish(_publish("w0", 0, manifest), timeout=60)
+    stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="w1", name="w1"), timeout=10)
+    second = _publish("w1", 1, manifest)
+    second.ClearField("manifest")
+    second.manifest_fingerprint = fingerprint
+    shapes = _shapes(wire.manifest_from_wire(manifest))
+    second.held_table.CopyFrom(wire.held_to_wire(wire.held_from_wire(_columns(1), shapes), shapes))  # as rules
+    del second.memory.region_gap[1:]  # back to back: the first address says it all
+    assert second.ByteSize() < 4096  # rules for the held columns, one address, NIXL metadata
+    stub.Publish(second, timeout=60)
+    [summary] = stub.ListVersions(pb.ListVersionsRequest(model="m"), timeout=10).versions
+    assert summary.complete_replicas == 2
