@@ -68,6 +68,9 @@ class RegionTable:
     flat: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
+    # Set when the table came from chunk rules: per manifest tensor its rule id
+    # (0: not held). Tensors of one shape and one rule hold the same box.
+    rule_of: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tensor)
@@ -143,7 +146,7 @@ class RegionTable:
         if len(self) and max(int(self.hi.max()), int(self.tensor.max())) > small:
             return self
         return RegionTable(self.tensor.astype(np.int32), self.flat, self.lo.astype(np.int32),
-                           self.hi.astype(np.int32))
+                           self.hi.astype(np.int32), self.rule_of)
 
     # ------------------------------------------------------------ reading
 
@@ -295,7 +298,7 @@ def table_of_rules(rules: list[Rule], rule_of: np.ndarray, shapes: Shapes) -> Re
     lo = np.zeros_like(dims)
     hi = dims.copy()
     lo[rows, d], hi[rows, d] = start, stop
-    return RegionTable(tensor, np.zeros(len(tensor), bool), lo, hi)
+    return RegionTable(tensor, np.zeros(len(tensor), bool), lo, hi, np.asarray(rule_of, np.uint8))
 
 
 def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

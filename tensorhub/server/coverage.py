@@ -39,6 +39,10 @@ class Grouping:
         n = len(shapes.ndim)
         self.of = np.zeros(n, np.int64)
         self.rep = np.zeros(0, np.int64)
+        # Tables already refined by (kept alive here, so their ids stay theirs), and
+        # their keys for this epoch: relays of one cut share one table (service.py).
+        self._refined: dict[int, RegionTable] = {}
+        self._keys: dict[int, tuple[RegionTable | None, HolderKeys]] = {}
         if n:
             _, self.of = unique_rows(np.column_stack([shapes.ndim, shapes.dims]))
             self._set_reps()
@@ -54,14 +58,23 @@ class Grouping:
 
     def refine(self, table: RegionTable | None) -> None:
         """Split groups so that ``table``'s regions are alike within each."""
-        if table is None or not len(self.of):
-            return
+        if table is None or not len(self.of) or id(table) in self._refined:
+            return  # a table refines once: later splits keep its regions alike within groups
+        self._refined[id(table)] = table
         key = region_keys(table, len(self.of))
         _, of = unique_rows(np.column_stack([self.of, key]))
         if int(of.max()) + 1 > self.count:
             self.of = of
             self._set_reps()
             self.epoch += 1
+            self._keys.clear()
+
+    def keys(self, table: RegionTable | None) -> HolderKeys:
+        """``HolderKeys(table, self)``, kept per table for this epoch."""
+        kept = self._keys.get(id(table))
+        if kept is None or kept[0] is not table:
+            kept = self._keys[id(table)] = (table, HolderKeys(table, self))
+        return kept[1]
 
     def members(self, group: int) -> np.ndarray:
         return np.flatnonzero(self.of == group)
@@ -70,6 +83,8 @@ class Grouping:
 def region_keys(table: RegionTable, tensors: int) -> np.ndarray:
     """Per tensor an id of the table's region of it: -1 for none, distinct ids
     for distinct regions, and an id of its own for a tensor held in several regions."""
+    if table.rule_of is not None:  # chunk rules: one region per tensor, alike per (shape, rule)
+        return table.rule_of.astype(np.int64) - 1
     key = np.full(tensors, -1, np.int64)
     if not len(table):
         return key

@@ -70,6 +70,7 @@ def _require_version(version: int) -> int:
 
 
 _MANIFESTS_KEPT = 8
+_RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP worker's, per manifest)
 
 
 def _manifest(msg: pb.Manifest, kept: dict[bytes, Manifest] | None = None) -> Manifest:
@@ -155,7 +156,7 @@ def _held(manifest: Manifest, request: pb.PublishRequest) -> RegionTable:
 
 
 def _check_memory(manifest: Manifest, held: RegionTable, mem: pb.ReplicaMemory,
-                  whole_model: bool) -> tuple[int, pb.ReplicaMemory]:
+                  whole_model: bool, sizes: np.ndarray | None = None) -> tuple[int, pb.ReplicaMemory]:
     """The held regions' bytes in all, and ``mem`` as the server keeps it
     (packed when its regions are on one device); Invalid unless ``mem`` has
     one region of the right size per held region."""
@@ -170,7 +171,8 @@ def _check_memory(manifest: Manifest, held: RegionTable, mem: pb.ReplicaMemory,
         raise Invalid(f"{len(mem.regions)} memory regions for {len(held)} {what}")
     if mem.packed and (len(mem.region_gap) > len(held) or (len(held) and not mem.region_gap)):
         raise Invalid(f"{len(mem.region_gap)} memory regions for {len(held)} {what}")
-    sizes = held_bytes(manifest, held)
+    if sizes is None:
+        sizes = held_bytes(manifest, held)
     try:
         regions = wire.memory_regions_from_wire(mem, sizes)
     except ValueError as e:
@@ -213,6 +215,32 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self.state = state
         self.metrics = metrics or NoMetrics()
         self._manifests: dict[bytes, Manifest] = {}  # checked manifests by wire digest (_manifest)
+        self._rule_tables: dict[bytes, tuple[RegionTable, np.ndarray, bytes]] = {}  # _held_of
+
+    def _held_of(self, manifest: Manifest, request: pb.PublishRequest) -> tuple[RegionTable, np.ndarray | None, bytes]:
+        """The request's held regions, checked; with their bytes and wire form
+        when they came as chunk rules seen before (every worker w of 128
+        engines publishes the same rules: checked once, kept as one table)."""
+        msg = request.held_table
+        if not (request.HasField("held_table") and msg.rules):
+            return _held(manifest, request), None, b""
+        key = hashlib.blake2b(manifest.fingerprint.encode() + msg.SerializeToString(deterministic=True),
+                              digest_size=16).digest()
+        kept = self._rule_tables.get(key)
+        if kept is None:
+            if request.held:
+                raise Invalid("held and held_table both set: give the held regions one way")
+            if len(msg.rules) > MAX_HELD:
+                raise Invalid(f"{len(msg.rules)} held rules, more than {MAX_HELD}")
+            try:  # rules make in-bounds, non-empty boxes, one per tensor in manifest order: nothing to normalize
+                table = wire.held_from_wire(msg, shapes_of(manifest)).compact()
+            except ValueError as e:
+                raise Invalid(str(e)) from None
+            kept = (table, held_bytes(manifest, table), wire.held_table_field(msg.SerializeToString()))
+            if len(self._rule_tables) >= _RULE_TABLES_KEPT:
+                self._rule_tables.pop(next(iter(self._rule_tables)))
+            self._rule_tables[key] = kept
+        return kept
 
     def _known_manifest(self, fingerprint: str) -> Manifest:
         """A manifest this server holds, by fingerprint: kept checked ones, or a version's."""
@@ -286,9 +314,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise Invalid("manifest is missing")
             if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
                 raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-            held = _held(manifest, request)
+            held, sizes, wire_held = self._held_of(manifest, request)
             total, memory = _check_memory(manifest, held, request.memory,
-                                          whole_model=not request.held and not request.HasField("held_table"))
+                                          whole_model=not request.held and not request.HasField("held_table"),
+                                          sizes=sizes)
             if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
                 raise Invalid("state must be FILLING or COMPLETE")
             num_chunks = -(-total // request.chunk_size)
@@ -311,8 +340,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 retained=request.retained,
             )
             # A whole-model replica goes out with an empty held list, to keep Resolve small.
-            replica.wire_held = b"" if replica.held is None else wire.held_table_field(
-                wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
+            if replica.held is None:
+                replica.wire_held = b""
+            else:
+                replica.wire_held = wire_held or wire.held_table_field(
+                    wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
             replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
             entry = self.state.models[model][version]
             if entry.wire_manifest is None:

@@ -144,7 +144,6 @@ class Replica:
     # A reader reported it failed while its holder is alive and others lease it:
     # hidden like a withdrawn replica, its leases kept until they end (see report_lost).
     lost: bool = False
-    group_keys: HolderKeys | None = None  # its regions per group of the version's grouping (see _keys)
     wire_held: bytes = b""  # the service's wire form of ``held`` (a serialized ReplicaInfo field)
 
     @property
@@ -311,7 +310,7 @@ class State:
         if entry is None or not entry.replicas:
             entry = Version(manifest, fingerprint)
             self.models.setdefault(model, {})[version] = entry
-        num_chunks = -(-sum(held_bytes(manifest, held)) // chunk_size)
+        num_chunks = -(-int(held_bytes(manifest, held).sum()) // chunk_size)
         bits = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
@@ -751,11 +750,7 @@ def _grouping(entry: Version) -> Grouping:
 
 def _keys(entry: Version, replica: Replica) -> HolderKeys:
     """The replica's regions per group, kept while the grouping does not change."""
-    grouping = _grouping(entry)
-    keys = replica.group_keys
-    if keys is None or keys.epoch != grouping.epoch:
-        keys = replica.group_keys = HolderKeys(replica.held, grouping)
-    return keys
+    return _grouping(entry).keys(replica.held)
 
 
 def _coverage(entry: Version, holders: list[Replica]) -> Coverage:

@@ -1,0 +1,275 @@
+"""``tensorhub bench scale``: a paper-scale update simulated with the real
+reference server (its own process) and the real wire codec, the data path
+replaced by the link model (``links.py``).
+
+Per model and layout (FSDP ranks -> TP=8 engines), on a fresh server:
+
+    1. every FSDP rank publishes its rows of every tensor (rules; the first with
+       the manifest, the rest by fingerprint)             -> server CPU, request bytes
+    2. a sample of TP workers resolve                      -> response bytes, server CPU each,
+       and decode the answer and plan their reads (box       the client's decode + planning time
+       overlaps with every holder, per group of tensors)
+    3. every engine's workers publish as relays, a sample of late workers resolve
+    4. the link model turns bytes, descriptors and the measured control plane
+       into a predicted update time against the link limit
+
+The server's work for all readers is the sample's CPU per resolve times the
+readers (each resolves twice: at the start and when relays appear), done one
+after another on its one core. Planning is per reader and in parallel: one
+reader's. What is not the real code: the holders publish no bytes (their NIXL
+metadata is a placeholder of 2 KB), and planning here intersects boxes per
+group of alike tensors, as the server's coverage does; today's ReadLayout
+expands every region into element runs, which for a TP=8 worker of Kimi-K2
+would be 10^8 runs (the next step for the client, noted in the results).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from tensorhub.bench.scale import cuts, links
+from tensorhub.bench.scale.models import MODELS, Config, manifest, parameters, tensors
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.proto import wire
+from tensorhub.regiontable import shapes_of
+from tensorhub.testing import ServerProcess
+from tensorhub.transport.cost import BACKENDS
+
+NIXL_METADATA = b"\0" * 2048  # what a real agent's partial metadata is about (a placeholder: no bytes move)
+CHUNK = 64 << 20
+
+
+@dataclass
+class ScaleConfig:
+    models: list[str] = field(default_factory=lambda: list(MODELS))
+    engines: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
+    trainer_ranks: list[int] | None = None  # per engines entry; default 2 x engines, in [64, 256]
+    nic_gbit: float = 400.0
+    sample: int = 8  # readers that resolve for real per stage
+    link: str = "rdma"
+
+    def ranks_for(self, engines: int, i: int) -> int:
+        if self.trainer_ranks:
+            return self.trainer_ranks[i]
+        return min(256, max(64, 2 * engines))
+
+
+def run(cfg: ScaleConfig, out: str | None = None, console: Console | None = None) -> list[dict]:
+    console = console or Console()
+    base = BACKENDS[cfg.link]
+    link = type(base)(base.name, base.per_descriptor_s, cfg.nic_gbit * 1e9 / 8, base.cut_bandwidth)
+    rows: list[dict] = []
+    for name in cfg.models:
+        model_cfg = MODELS[name]
+        model = tensors(model_cfg)
+        for i, engines in enumerate(cfg.engines):
+            ranks = cfg.ranks_for(engines, i)
+            with console.status(f"{model_cfg.name}: {ranks} FSDP ranks -> {engines} TP=8 engines"):
+                row = _one(model_cfg, model, engines, ranks, cfg, link)
+            rows.append(row)
+            console.print(f"{row['model']:16} {row['gpus']:5} GPUs  predicted {row['predicted_s']:.2f} s  "
+                          f"link limit {row['link_limit_s']:.2f} s  ({row['predicted_over_limit']:.2f}x)  "
+                          f"control plane {row['control_plane_s']:.3f} s ({row['control_plane_share']:.1%})")
+    _table(rows, console)
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "scale.json").write_text(json.dumps({"link": asdict(link), "sample_readers": cfg.sample,
+                                                       "results": rows}, indent=1))
+        _plot(rows, folder / "scale.png")
+        console.print(f"wrote {folder / 'scale.json'} and {folder / 'scale.png'}")
+    return rows
+
+
+def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleConfig, link) -> dict:
+    man = manifest(model)
+    shapes = shapes_of(man)
+    fingerprint = man.fingerprint
+    wire_manifest = wire.manifest_to_wire(man)
+    dims0 = shapes.dims[:, 0]
+    kinds = np.array([cuts.KINDS.index(t.tp) for t in model], np.int64)
+    kv_heads = model_cfg.kv_heads
+
+    def publish_request(agent: str, rules, rule_of, base_addr: int, origin: bool, with_manifest: bool):
+        held = pb.HeldRegions(rules=[pb.HeldRule(dim=d, parts=n, part=k) for d, n, k in rules],
+                              rule_of=zlib.compress(rule_of.tobytes(), 6))
+        req = pb.PublishRequest(agent_id=agent, replica_id=f"{agent}.1", model="m", version=1, chunk_size=CHUNK,
+                                state=pb.REPLICA_STATE_COMPLETE, origin=origin, held_table=held,
+                                memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_VRAM, packed=True, region_gap=[base_addr],
+                                                        nixl_metadata=NIXL_METADATA))
+        if with_manifest:
+            req.manifest.CopyFrom(wire_manifest)
+        else:
+            req.manifest_fingerprint = fingerprint
+        return req
+
+    readers = engines * cuts.TP
+    sample = min(cfg.sample, readers)
+    out: dict = {"model": model_cfg.name, "parameters": parameters(model), "tensors": len(model),
+                 "gpus": readers, "engines": engines, "trainer_ranks": ranks, "sample_readers": sample}
+    with ServerProcess(agent_ttl_s=3600, lease_ttl_s=3600, retain=0) as server, \
+            grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 256 << 20),
+                                                           ("grpc.max_send_message_length", 256 << 20)]) as ch:
+        stub = pb_grpc.ReferenceServiceStub(ch)
+        pid = server.proc.pid
+
+        # 1. the trainer's ranks
+        request_bytes = []
+        cpu0 = _cpu(pid)
+        for r in range(ranks):
+            agent = f"rank{r}"
+            stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent,
+                                                       labels=pb.Labels(host=f"t{r // 8}", rack="trainer")), timeout=60)
+            req = publish_request(agent, *cuts.trainer_rules(dims0, ranks, r), 1 << 40, True, r == 0)
+            request_bytes.append(req.ByteSize())
+            stub.Publish(req, timeout=120)
+            if r == 0:
+                rss_after_first, cpu_first = _rss(pid), _cpu(pid)
+        publish_cpu = _cpu(pid) - cpu0
+        out.update(publish_request_bytes_first=request_bytes[0],
+                   publish_request_bytes=int(np.median(request_bytes[1:])) if ranks > 1 else request_bytes[0],
+                   server_cpu_publish_s=publish_cpu,
+                   server_cpu_publish_per_rank_s=(_cpu(pid) - cpu_first) / max(1, ranks - 1),
+                   server_bytes_per_trainer_replica=(_rss(pid) - rss_after_first) / max(1, ranks - 1))
+
+        # 2. a sample of TP workers resolve from the trainer alone
+        first = _resolve_sample(stub, pid, [f"w{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
+
+        # 3. every engine's workers publish as relays; late workers resolve
+        rss0, cpu0 = _rss(pid), _cpu(pid)
+        for e in range(engines):
+            for w in range(cuts.TP):
+                agent = f"engine{e}.{w}"
+                stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent,
+                                                           labels=pb.Labels(host=f"e{e}", rack=f"r{e // 16}")),
+                                   timeout=60)
+                stub.Publish(publish_request(agent, *cuts.worker_rules(kinds, kv_heads, w), 1 << 41, False, False),
+                             timeout=120)
+        relay_cpu = _cpu(pid) - cpu0
+        out.update(server_cpu_relay_publish_per_replica_s=relay_cpu / readers,
+                   server_bytes_per_relay_replica=(_rss(pid) - rss0) / readers)
+        late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
+
+    # 4. the reader's READs and the link model
+    t0 = time.perf_counter()
+    hop = cuts.first_hop(model, ranks, kv_heads, 0, link)
+    plan_s = time.perf_counter() - t0
+    planning_s = max(first["decode_s"], late["decode_s"]) + plan_s
+    resolve_cpu = max(first["cpu_per_resolve_s"], late["cpu_per_resolve_s"])
+    server_s = publish_cpu + relay_cpu + 2 * readers * resolve_cpu
+    control_s = server_s + planning_s
+    p = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
+                      first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
+                      control_plane_s=control_s)
+    out.update(
+        predicted_s=p.predicted_s, link_limit_s=p.link_limit_s, predicted_over_limit=p.predicted_s / p.link_limit_s,
+        control_plane_s=control_s, control_plane_share=control_s / p.link_limit_s,
+        server_cpu_s=server_s, planning_s=planning_s, planning_boxes_s=plan_s,
+        server_cpu_per_resolve_s=resolve_cpu,
+        resolve_request_bytes=max(first["request_bytes"], late["request_bytes"]),
+        resolve_response_bytes_max=max(first["response_bytes_max"], late["response_bytes_max"]),
+        resolve_holders_first=first["holders"], resolve_holders_late=late["holders"],
+        server_bytes_per_replica_max=max(out["server_bytes_per_trainer_replica"], out["server_bytes_per_relay_replica"]),
+        bytes_per_gpu=hop.wanted_bytes, first_hop_read_bytes=hop.read_bytes,
+        descriptors_per_reader_max=hop.descriptors, descriptors_exact_runs=hop.exact_descriptors,
+        descriptors_relay=math.ceil(hop.wanted_bytes / CHUNK),
+        first_hop_s=p.first_hop_s, relay_hop_s=p.relay_hop_s, depth=p.depth, wave0_engines=p.wave0_engines,
+        trainer_egress_bytes=p.trainer_egress_bytes, relay_bytes=p.relay_bytes,
+    )
+    return out
+
+
+def _spread(engines: int, sample: int) -> list[tuple[int, int]]:
+    """``sample`` (engine, worker) pairs spread over the engines and the 8 workers."""
+    step = max(1, engines * cuts.TP // sample)
+    return [divmod(k * step, cuts.TP) for k in range(sample)]
+
+
+def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes) -> dict:
+    response, holders, decode = [], [], []
+    cpu0 = _cpu(pid)
+    request = None
+    for agent in agents:
+        stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent, labels=pb.Labels(host=agent)),
+                           timeout=60)
+        request = pb.ResolveRequest(agent_id=agent, model="m", version=1, known_fingerprint=fingerprint)
+        answer = stub.Resolve(request, timeout=120)
+        response.append(answer.ByteSize())
+        holders.append(len(answer.replicas))
+        t0 = time.perf_counter()  # the client's decode: every holder's regions and memory
+        for info in answer.replicas:
+            table = wire.held_from_wire(info.held_table, shapes)
+            wire.memory_regions_from_wire(info.memory, table.nbytes(shapes))
+        decode.append(time.perf_counter() - t0)
+    cpu = _cpu(pid) - cpu0  # includes the sample's RegisterAgent calls: an upper bound
+    return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
+            "cpu_per_resolve_s": cpu / len(agents), "request_bytes": request.ByteSize() if request else 0}
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _table(rows: list[dict], console: Console) -> None:
+    table = Table(title="tensorhub bench scale: predicted update time (link model) over the real server and codec")
+    for col in ("model", "GPUs", "FSDP ranks", "predicted s", "link limit s", "x limit", "control plane",
+                "Resolve max", "server B/replica", "descriptors/reader", "depth"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        table.add_row(r["model"], str(r["gpus"]), str(r["trainer_ranks"]), f"{r['predicted_s']:.2f}",
+                      f"{r['link_limit_s']:.2f}", f"{r['predicted_over_limit']:.2f}",
+                      f"{r['control_plane_s']:.3f} s ({r['control_plane_share']:.1%})",
+                      _size(r["resolve_response_bytes_max"]), _size(r["server_bytes_per_replica_max"]),
+                      f"{r['descriptors_per_reader_max']:,}", str(r["depth"]))
+    console.print(table)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        line, = ax.plot([r["gpus"] for r in mine], [r["predicted_s"] for r in mine], marker="o", label=name)
+        ax.plot([r["gpus"] for r in mine], [r["link_limit_s"] for r in mine], ls="--", color=line.get_color(),
+                alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rollout GPUs (TP=8 engines x 8)")
+    ax.set_ylabel("update time, s (dashed: link limit)")
+    ax.set_title("Predicted update time at paper scale (link model, real server)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
