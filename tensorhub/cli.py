@@ -66,13 +66,30 @@ def _bench_pull(args: argparse.Namespace) -> int:
     from tensorhub.bench import pull
     from tensorhub.bench.payload import parse_size
 
+    if args.layout == "moe" or args.reader_slice == "tp8":
+        return _bench_pull_moe(args)
     for readers in args.readers:
-        cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, publishers=args.publishers,
+        cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, publishers=args.publishers or 1,
                                    reader_slice=args.reader_slice, reps=args.reps,
                                    chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
                                    verify=not args.no_verify)
         json_path = args.json if len(args.readers) == 1 else (args.json and args.json.replace(".json", f"-r{readers}.json"))
         pull.run(cfg, json_path=json_path)
+    return 0
+
+
+def _bench_pull_moe(args: argparse.Namespace) -> int:
+    from tensorhub.bench import moe
+    from tensorhub.bench.payload import parse_size
+
+    if args.layout != "moe" or args.reader_slice != "tp8" or args.readers != [1]:
+        print("tensorhub bench pull: the moe layout is read as --reader-slice tp8 by one reader "
+              "(--layout moe --reader-slice tp8)", file=sys.stderr)
+        return 2
+    cfg = moe.MoeBenchConfig(experts=args.experts, publishers=args.publishers or 2, reps=args.reps,
+                             chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
+                             verify=not args.no_verify)
+    moe.run(cfg, json_path=args.json)
     return 0
 
 
@@ -110,6 +127,23 @@ def _bench_server(args: argparse.Namespace) -> int:
         print(f"tensorhub bench server: {e}", file=sys.stderr)
         return 2
     server.run(cfg, json_path=args.json)
+    return 0
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from tensorhub.bench.scale import run as scale
+    from tensorhub.bench.scale.models import MODELS
+
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        print(f"tensorhub bench scale: unknown model(s) {unknown}; known: {sorted(MODELS)}", file=sys.stderr)
+        return 2
+    if args.trainer_ranks and len(args.trainer_ranks) != len(args.engines):
+        print("tensorhub bench scale: give one --trainer-ranks entry per --engines entry", file=sys.stderr)
+        return 2
+    cfg = scale.ScaleConfig(models=args.models, engines=args.engines, trainer_ranks=args.trainer_ranks,
+                            nic_gbit=args.nic_gbit, sample=args.sample)
+    scale.run(cfg, out=args.out)
     return 0
 
 
@@ -212,11 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     pull = bench_sub.add_parser("pull", help="TensorHub pull vs raw NIXL READ of the same bytes")
     pull.add_argument("--size", default="1GiB", help="bytes per version (default 1GiB)")
     pull.add_argument("--readers", type=_readers, default=[1], help="reader processes, or a list like 1,2,4")
-    pull.add_argument("--publishers", type=int, default=1,
-                      help="publisher processes, each holding its rows of every tensor (default 1: the whole model)")
-    pull.add_argument("--reader-slice", choices=["whole", "tp2"], default="whole",
+    pull.add_argument("--layout", choices=["dense", "moe"], default="dense",
+                      help="dense: --size bytes of transformer-like tensors; moe: the 384 expert tensors of one "
+                           "Qwen3-30B-A3B layer (1,152 MiB; --size does not apply)")
+    pull.add_argument("--experts", type=int, default=128,
+                      help="moe layout: experts in the layer (default 128, Qwen3-30B-A3B's)")
+    pull.add_argument("--publishers", type=int, default=None,
+                      help="publisher processes, each holding its rows of every tensor (default 1: the whole model; "
+                           "2 for the moe layout)")
+    pull.add_argument("--reader-slice", choices=["whole", "tp2", "tp8"], default="whole",
                       help="what each reader pulls: whole tensors, or TP rank 0 of 2 (rows of half the matrices, "
-                           "columns of the other half)")
+                           "columns of the other half); tp8 (moe layout): rank 0 of 8 as vLLM reads experts, "
+                           "rows of gate and up, columns of down, beside raw NIXL READs of the exact runs and of "
+                           "whole rows")
     pull.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
     pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
     pull.add_argument("--read-workers", type=int, default=2, help="READs in flight per reader: twice this")
@@ -266,6 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "its own, the generators on the others)")
     srv.add_argument("--json", help="write the results here as JSON")
     srv.set_defaults(func=_bench_server)
+
+    scale = bench_sub.add_parser("scale", help="a paper-scale update (up to Kimi-K2 on 1,024 GPUs) simulated: the "
+                                 "real server in its own process and the real codec, a link model for the bytes")
+    scale.add_argument("--models", type=lambda s: s.split(","),
+                       default=["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"],
+                       help="comma-separated (default all four)")
+    scale.add_argument("--engines", type=_readers, default=[16, 32, 64, 128],
+                       help="TP=8 rollout engines per row, e.g. 16,32,64,128 (default)")
+    scale.add_argument("--trainer-ranks", type=_readers,
+                       help="FSDP ranks per --engines entry (default 2 x engines, within 64-256)")
+    scale.add_argument("--nic-gbit", type=float, default=400.0, help="per-GPU NIC rate (default 400 Gbit/s)")
+    scale.add_argument("--sample", type=int, default=8, help="readers that resolve for real per stage (default 8)")
+    scale.add_argument("--out", help="folder for scale.json and scale.png")
+    scale.set_defaults(func=_bench_scale)
 
     vllm = bench_sub.add_parser("vllm", help="vLLM weight update through TensorHub vs vLLM's reload from safetensors")
     vllm.add_argument("--hidden", type=int, default=1024, help="hidden size of the random Qwen2 model")

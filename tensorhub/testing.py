@@ -271,7 +271,8 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
     out = {"version": result.version, "nbytes": result.nbytes, "seconds": result.seconds, "start": start,
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
            "verified": result.verified_bytes, "unverified": result.unverified_bytes,
-           "checks_failed": result.checks_failed,
+           "checks_failed": result.checks_failed, "read_bytes": result.read_bytes,
+           "descriptors": result.descriptors,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
     if expect_seed is not None and specs is not None:
         expected = make_tensors(specs, result.version if expect_seed == "version" else expect_seed)

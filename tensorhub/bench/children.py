@@ -28,3 +28,16 @@ def receive(conns: list[Connection], timeout_s: float, late: str) -> list[Any]:
             raise RuntimeError(f"{late} within {timeout_s:.0f} s")
         out.append(conn.recv())
     return out
+
+
+def stop(readers: list[Connection], reader_msg: Any, publishers: list[Connection], procs: list[Any]) -> None:
+    """Ask every child to stop (readers with ``reader_msg``, publishers with
+    "stop"), then join each for 30 s and kill the ones still running."""
+    for conn in readers:
+        conn.send(reader_msg)
+    for conn in publishers:
+        conn.send("stop")
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()

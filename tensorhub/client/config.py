@@ -27,6 +27,11 @@ class HubConfig:
     # readers check each chunk they read against it, failing over from a source
     # whose bytes do not match. Off: publish sends none and pulls check nothing.
     verify_chunks: bool = True
+    # How a pull weighs reading a holder's exact element runs (a descriptor each)
+    # against a wider contiguous span cut locally (tensorhub.transport.cost):
+    # "auto" (shared memory within a host, TCP between hosts), a backend's name
+    # ("shm", "tcp", "rdma", "nvlink"), or "exact": never read more than asked.
+    read_cost: str = "auto"
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

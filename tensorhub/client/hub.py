@@ -29,12 +29,15 @@ from tensorhub.client.holdings import Holdings
 from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
-from tensorhub.client.rpc import ReferenceClient, Resolved
+from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
+from tensorhub.client.scratch import ScratchPool
+from tensorhub.client.wideread import WideReads
 from tensorhub.errors import AlreadyPublished, InvalidRequest, ServerUnavailable, TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
-from tensorhub.transport import NixlAgent
+from tensorhub.transport import MemoryKind, NixlAgent
+from tensorhub.transport.cost import SETTINGS, LinkCost, pick
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -66,8 +69,10 @@ class PullResult:
     # ended byte-exact); of them, those read from several holders (no culprit).
     checks_failed: int = 0
     checks_failed_unplaced: int = 0
-    # Bytes of every READ that landed, including any read again: ``nbytes`` when none was.
+    # Bytes of every READ that landed, including any read again, and the rows
+    # around columns read wide (HubConfig.read_cost): ``nbytes`` when none was.
     read_bytes: int = 0
+    descriptors: int = 0  # READ descriptors posted (of the READs that landed)
 
     @property
     def gbps(self) -> float:
@@ -139,6 +144,8 @@ class Hub:
 
     def __init__(self, address: str, config: HubConfig) -> None:
         self.address = _address(address)
+        if config.read_cost not in SETTINGS:  # before anything starts
+            raise ValueError(f"HubConfig.read_cost {config.read_cost!r} is not one of {', '.join(SETTINGS)}")
         self.config = config
         self.name = config.name or f"{socket.gethostname()}:{os.getpid()}"
         self.agent_id = f"{re.sub(r'[^A-Za-z0-9._:@/+-]', '_', self.name)[:80]}-{uuid.uuid4().hex[:12]}"
@@ -152,6 +159,9 @@ class Hub:
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
         self._destinations = Destinations(self._nixl)
+        # A slot per READ in flight (HubConfig.read_workers): wide READs land there, then are cut into place.
+        self._scratch = ScratchPool(2 * max(1, config.read_workers), register=self._nixl.register,
+                                    deregister=self._nixl.deregister)
         try:
             self._holdings.register(wait_s=config.connect_timeout_s)
         except BaseException:
@@ -272,8 +282,8 @@ class Hub:
         reports = _LandedReports(self._holdings, publication) if publication is not None else None
         index = manifest.index()
         read_parts = [
-            ReadPart(p.name, index[p.name], p.full_shape, p.region.runs(p.full_shape),
-                     itemsize(manifest.tensors[index[p.name]].dtype), memory)
+            ReadPart(p.name, index[p.name], p.full_shape, None, itemsize(manifest.tensors[index[p.name]].dtype),
+                     memory, p.region)
             for p, memory in zip(parts, registration.regions)
         ]
         job = PullJob(
@@ -284,7 +294,7 @@ class Hub:
             seeds_per_zone=self.config.seeds_per_zone, progress=progress, verify=self.config.verify_chunks,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=reports.submit if reports is not None else None,
-            failure_detection_s=self._nixl.failure_detection_s,
+            failure_detection_s=self._nixl.failure_detection_s, wide=self._wide_reads(registration.kind),
         )
         try:
             stats = job.run()
@@ -309,7 +319,20 @@ class Hub:
                           lost_sources=stats.lost_sources, publication=publication,
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
-                          read_bytes=stats.read_bytes)
+                          read_bytes=stats.read_bytes, descriptors=stats.descriptors)
+
+    def _wide_reads(self, dest_kind: MemoryKind) -> WideReads:
+        """Wide READs into host memory only: the cut is a host copy (a GPU
+        destination reads its exact runs)."""
+        if dest_kind != MemoryKind.DRAM or self.config.read_cost == "exact":
+            return WideReads()
+        labels, setting = self.config.labels, self.config.read_cost
+
+        def cost(replica: RemoteReplica) -> LinkCost | None:
+            return pick(setting, same_host=labels.tier(replica.source.labels) == 0,
+                        device_memory=replica.kind == MemoryKind.VRAM)
+
+        return WideReads(self._scratch, cost)
 
     def _refuse_second_replica(self, model: str, resolved: Resolved) -> None:
         """The server takes one replica per process and version: a serving pull
@@ -398,6 +421,7 @@ class Hub:
     def _shutdown_local(self) -> None:
         self._holdings.shutdown_local()
         self._destinations.close()
+        self._scratch.close()
         self._nixl.close()
         self._rpc.close()
 

@@ -35,6 +35,7 @@ from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.verify import ChunkVerifier, Mismatch
+from tensorhub.client.wideread import WideReads
 from tensorhub.errors import (
     IntegrityError,
     ServerUnavailable,
@@ -118,8 +119,10 @@ class PullStats:
     checks_failed: int = 0
     checks_failed_unplaced: int = 0
     # Every byte of every READ that landed, read again or not: a pull that read
-    # nothing twice reads ``nbytes`` (an extra copy of the weights shows here).
+    # nothing twice, nor wide (``wideread``), reads ``nbytes`` (an extra copy of
+    # the weights shows here, and so do the rows around a wide read's columns).
     read_bytes: int = 0
+    descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
 
 
 def drain_s(chunk_timeout_s: float, failure_detection_s: float | None) -> float:
@@ -157,6 +160,8 @@ class PullJob:
     # The longest the transport takes to fail a READ whose source vanished
     # (NixlAgent.failure_detection_s); None: not known. Bounds the drain.
     failure_detection_s: float | None = None
+    # Which READs go wide, and the scratch they land in; the default reads exact runs only.
+    wide: WideReads = field(default_factory=WideReads)
     _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
     _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
     # Read leases are kept until the pull ends: a holder that unpublishes
@@ -371,7 +376,8 @@ class PullJob:
                     if ranked:
                         unavailable.append(chunk)
                 else:
-                    transfers[chunk] = self._checks.pieces(planned)  # checked READs: cut to be checked in cache
+                    # checked READs: cut to be checked in cache; then wide where the link makes it pay
+                    transfers[chunk] = self.wide.plan(self._checks.pieces(planned), maps)
             if unavailable:
                 self._leases.drop_upfront()  # the holders it leased cannot fill this round
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
@@ -557,11 +563,14 @@ class PullJob:
             try:
                 deadline = self._read_deadline(transfer.replica_id, time.monotonic())
                 remote = self.nixl.connect(transfer.replica_id, replica.metadata)
-                handle = self.nixl.post(remote, transfer.local, self.dest_kind, transfer.remote, replica.kind)
+                local, remote_descs = self.wide.posted(transfer)
+                handle = self.nixl.post(remote, local, self.dest_kind, remote_descs, replica.kind)
             except TransferFailed as e:
+                self.wide.ended(transfer, reusable=True)
                 lost(replica, e)
                 failed.add(chunk)
             except TensorHubError as e:  # the lease could not be renewed: lease again next round
+                self.wide.ended(transfer, reusable=True)
                 log.info("chunk %d deferred: %s", chunk, e)
                 self._leases.forget(transfer.replica_id)
                 failed.add(chunk)
@@ -626,13 +635,16 @@ class PullJob:
                             raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
                                                  stalled=True)
                     except TransferFailed as e:
+                        self.wide.ended(transfer, reusable=not e.stalled)  # a stalled READ may land later
                         lost(replica, e)
                         failed.add(chunk)
                         finished.append(entry)
                         if e.stalled:
                             self._given_up.append(handle)
                         continue
-                    stats.read_bytes += transfer.nbytes
+                    read, descriptors = self.wide.landed(transfer)  # wide groups cut into place first
+                    stats.read_bytes += read
+                    stats.descriptors += descriptors
                     if not self._leases.still_leased(transfer.replica_id):
                         # Its bytes may come from memory the holder reused: read
                         # again, under a new lease (refused if the holder is gone).
@@ -756,6 +768,8 @@ class PullJob:
             except TransferFailed:  # failed: nothing more will land
                 pass
             self.nixl.release(handle)
+        for entry in self._flying:  # a READ released unfinished may land later: its scratch is not reused
+            self.wide.ended(entry[1], reusable=False)
         self._flying.clear()
         self._given_up.clear()
 

@@ -21,15 +21,21 @@ both sides are plain offsets.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tensorhub.client.boxsegments import Boxes, box_segments, columns
 from tensorhub.client.rpc import RemoteReplica
 from tensorhub.manifest import Manifest, itemsize
-from tensorhub.regions import Runs, describe_elements, overlap
+from tensorhub.regions import Region, Runs, describe_elements, overlap
 from tensorhub.transport.memory import MemoryRegion
+
+if TYPE_CHECKING:
+    from tensorhub.client.wideread import WidePlan
 
 # Columns of a segment table; the first four move together when a segment is cut.
 _SHIFTING = ("r_off", "h_off", "local", "remote")
@@ -43,24 +49,32 @@ class ReadPart:
     name: str
     tensor: int
     shape: tuple[int, ...]
-    runs: Runs
+    runs: Runs | None  # None: made from ``region`` if ever needed (the box path needs none)
     itemsize: int
     memory: MemoryRegion
+    region: Region | None = None  # the region ``runs`` come from: given, holder tables take the box path
 
     @property
     def nbytes(self) -> int:
         return self.memory.size
 
+    def element_runs(self) -> Runs:
+        return self.runs if self.runs is not None else self.region.runs(self.shape)
+
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """One READ: ``local`` and ``remote`` are N x 3 descriptor arrays (addr, bytes, device)."""
+    """One READ: ``local`` and ``remote`` are N x 3 descriptor arrays (addr, bytes, device)
+    of the exact segments it fills, in reader order: what checks and accounting see."""
 
     replica_id: str
     local: np.ndarray
     remote: np.ndarray
     nbytes: int
     h_off: np.ndarray | None = None  # per descriptor: its offset in the holder's own bytes (checksums)
+    # How the segments move when some groups of them are read wide and cut
+    # locally (``wideread``); None: as they are, one descriptor each.
+    wide: WidePlan | None = None
 
 
 class HolderMap:
@@ -92,14 +106,20 @@ class ReadLayout:
         self.total_bytes = int(self.part_base[-1])
         self.num_chunks = -(-self.total_bytes // chunk_size)
         # Every tensor's elements laid end to end (the "model space"): the runs of
-        # all parts, or of all held regions, then overlap in one vectorised call.
+        # all parts, or of all held regions, then overlap in one vectorised call
+        # (for the tensors the box path does not take; made on first use).
         numels = [math.prod(t.shape) for t in manifest.tensors]
         self._tensor_base = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)]).astype(np.int64)
         self._itemsize = np.array([itemsize(t.dtype) for t in manifest.tensors], np.int64)
-        self._runs, self._run_part = self._model_space([(p.tensor, p.runs) for p in parts])
+        self._reader_runs: tuple[Runs, np.ndarray] | None = None
         self._part_addr = np.array([p.memory.addr for p in parts], np.int64)
         self._part_dev = np.array([p.memory.device_id for p in parts], np.int64)
         self._part_tensor = np.array([p.tensor for p in parts], np.int64)
+        self._shapes = [tuple(t.shape) for t in manifest.tensors]
+        self._cols = columns(self._shapes)
+        self._part_boxes = Boxes.of([(p.tensor, p.region) for p in parts], self._shapes)
+        sizes = set(self._itemsize[self._part_tensor].tolist())
+        self._part_size = sizes.pop() if len(sizes) == 1 else 0  # one dtype size (bf16 weights): no gather
 
     def _model_space(self, pieces: list[tuple[int, Runs]]) -> tuple[Runs, np.ndarray]:
         """The runs of ``(tensor, runs)`` pieces in model space, sorted, with the
@@ -111,6 +131,8 @@ class ReadLayout:
         length = np.concatenate([r.length for _, r in pieces])
         offset = np.concatenate([r.offset for _, r in pieces])
         owner = np.repeat(np.arange(len(pieces)), [len(r.start) for _, r in pieces])
+        if bool((np.diff(start) >= 0).all()):  # pieces in manifest order: sorted already
+            return Runs(start, length, offset), owner
         order = np.argsort(start, kind="stable")
         return Runs(start[order], length[order], offset[order]), owner[order]
 
@@ -156,29 +178,53 @@ class ReadLayout:
     def holder_table(self, replica: RemoteReplica) -> dict[str, np.ndarray]:
         """Every segment of the read set ``replica``'s regions cover, cut at the
         reader's chunks and the replica's own; depends only on its regions."""
-        specs = self.manifest.tensors
-        held = [(t, region.runs(specs[t].shape)) for t, region in replica.held]
-        held_sizes = [int(r.length.sum()) * int(self._itemsize[t]) for t, r in held]
+        held = list(replica.held)
+        held_sizes = [region.numel(self._shapes[t]) * int(self._itemsize[t]) for t, region in held]
         held_base = np.concatenate([[0], np.cumsum(held_sizes, dtype=np.int64)]).astype(np.int64)
-        runs, run_held = self._model_space(held)
-        ov = overlap(self._runs, runs)
-        p, h = self._run_part[ov.a_run], run_held[ov.b_run]
-        size = self._itemsize[self._part_tensor[p]]
-        cols = {
-            "r_off": self.part_base[p] + ov.a * size,
-            "h_off": held_base[h] + ov.b * size,
-            "length": ov.length * size,
-            "local": self._part_addr[p] + ov.a * size,
-            "remote": replica.regions[h, 0].astype(np.int64) + ov.b * size,
-            "local_dev": self._part_dev[p],
-            "remote_dev": replica.regions[h, 2].astype(np.int64),
-        }
-        order = np.argsort(cols["r_off"], kind="stable")
+        p, h, a, b, n = self._segments(held)
+        size = self._part_size if self._part_size else self._itemsize[self._part_tensor[p]]
+        cols, spare = _table(len(p))
+        np.multiply(a, size, out=cols["local"])  # in bytes, then where they lie on each side
+        np.add(np.take(self.part_base, p, out=spare), cols["local"], out=cols["r_off"])
+        cols["local"] += np.take(self._part_addr, p, out=spare)
+        np.multiply(b, size, out=cols["remote"])
+        np.add(np.take(held_base, h, out=spare), cols["remote"], out=cols["h_off"])
+        cols["remote"] += np.take(replica.regions[:, 0].astype(np.int64), h, out=spare)
+        np.multiply(n, size, out=cols["length"])
+        np.take(self._part_dev, p, out=cols["local_dev"])
+        np.take(replica.regions[:, 2].astype(np.int64), h, out=cols["remote_dev"])
         # a READ descriptor must lie in one registration on either side: join within one part and one held region
-        within = (p * (len(held) + 1) + h)[order]
-        cols = _merge_contiguous({k: v[order] for k, v in cols.items()}, within)
-        cols = _cut(cols, "r_off", self.chunk_size)
-        return _cut(cols, "h_off", replica.chunk_size) if replica.chunk_size else cols
+        within = np.multiply(p, len(held) + 1, out=spare)
+        within += h
+        if not bool((np.diff(cols["r_off"]) >= 0).all()):  # sorted already when the parts follow the manifest
+            order = np.argsort(cols["r_off"], kind="stable")
+            cols, within = {k: v[order] for k, v in cols.items()}, within[order]
+        cols = _merge_contiguous(cols, within)
+        return _cut_chunks(cols, [("r_off", self.chunk_size), ("h_off", replica.chunk_size)])
+
+    def _segments(self, held: list[tuple[int, Region]]) -> tuple[np.ndarray, ...]:
+        """What ``held`` regions give of the read set: (part, held region, element
+        offset in the part, in the held region, elements). Tensors whose regions
+        are all boxes of at most 2 dimensions from their corners (``boxsegments``),
+        the rest by intersecting element runs."""
+        boxes = Boxes.of(held, self._shapes)
+        by_box = np.ones(len(self._shapes), bool)
+        by_box[self._part_boxes.tensor[~self._part_boxes.ok]] = False
+        by_box[boxes.tensor[~boxes.ok]] = False
+        out = box_segments(self._part_boxes, boxes, self._cols, by_box)
+        rest = [i for i, (t, _) in enumerate(held) if not by_box[t]]
+        if not rest:
+            return out
+        runs, owner = self._model_space([(held[i][0], held[i][1].runs(self._shapes[held[i][0]])) for i in rest])
+        if self._reader_runs is None:
+            self._reader_runs = self._model_space([(p.tensor, p.element_runs()) for p in self.parts])
+        mine, part = self._reader_runs
+        keep = ~by_box[self._part_tensor[part]]
+        if not keep.all():
+            mine, part = Runs(mine.start[keep], mine.length[keep], mine.offset[keep]), part[keep]
+        ov = overlap(mine, runs)
+        by_run = (part[ov.a_run], np.array(rest, np.int64)[owner[ov.b_run]], ov.a, ov.b, ov.length)
+        return tuple(np.concatenate([x, y]) for x, y in zip(out, by_run))
 
     def holders(self, chunks: list[int], maps: list[HolderMap]) -> dict[int, dict[str, bool]]:
         """The planner's input: per chunk, which holders give all of it (True) or a part."""
@@ -205,8 +251,10 @@ class ReadLayout:
             if not len(cols["length"]):
                 continue
             nbytes = int(cols["length"].sum())
-            local = np.stack([cols["local"], cols["length"], cols["local_dev"]], axis=1).astype(np.uint64)
-            remote = np.stack([cols["remote"], cols["length"], cols["remote_dev"]], axis=1).astype(np.uint64)
+            local = np.stack([cols["local"], cols["length"], cols["local_dev"]], axis=1, dtype=np.uint64,
+                             casting="unsafe")  # addresses and sizes are >= 0
+            remote = np.stack([cols["remote"], cols["length"], cols["remote_dev"]], axis=1, dtype=np.uint64,
+                              casting="unsafe")
             out.append(Transfer(holder.replica_id, local, remote, nbytes, cols["h_off"]))
             got += nbytes
             if got >= need:
@@ -245,8 +293,9 @@ class ReadLayout:
         part = self.parts[p]
         ea = (a - int(self.part_base[p])) // part.itemsize
         eb = -(-(min(b, int(self.part_base[p + 1])) - int(self.part_base[p])) // part.itemsize)
-        run = int(np.searchsorted(part.runs.offset, ea, side="right")) - 1
-        start, offset, length = int(part.runs.start[run]), int(part.runs.offset[run]), int(part.runs.length[run])
+        runs = part.element_runs()
+        run = int(np.searchsorted(runs.offset, ea, side="right")) - 1
+        start, offset, length = int(runs.start[run]), int(runs.offset[run]), int(runs.length[run])
         if eb - offset <= length:  # inside one run: contiguous in the full tensor too
             return f"{part.name} {describe_elements(part.shape, start + ea - offset, start + eb - offset)}"
         return f"{part.name} (elements {ea}:{eb} of the requested region)"
@@ -283,6 +332,18 @@ def split(transfer: Transfer, max_bytes: int) -> list[Transfer]:
             for (a, b), n in zip(bounds, sizes)]
 
 
+_COLUMNS = ("r_off", "h_off", "length", "local", "remote", "local_dev", "remote_dev")
+
+
+def _table(n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Empty columns of an ``n``-segment table, and a spare one, in one block:
+    a block of megabytes numpy backs with huge pages, where each column on its
+    own (a 131,000-segment table: 1 MiB each) cost a page fault per 4 KiB, more
+    than the arithmetic that fills it."""
+    block = np.empty((len(_COLUMNS) + 1, n), np.int64)
+    return dict(zip(_COLUMNS, block)), block[-1]
+
+
 def _merge_contiguous(cols: dict[str, np.ndarray], within: np.ndarray) -> dict[str, np.ndarray]:
     """Join segments (sorted by ``r_off``) of the same ``within`` group that
     continue one another on both sides, in the reader's byte space, the
@@ -295,10 +356,14 @@ def _merge_contiguous(cols: dict[str, np.ndarray], within: np.ndarray) -> dict[s
     n = len(cols["length"])
     if n < 2:
         return cols
-    end = {k: cols[k][:-1] + cols["length"][:-1] for k in _SHIFTING}
     joins = within[1:] == within[:-1]
-    for k in _SHIFTING:
-        joins &= cols[k][1:] == end[k]
+    # The holder's side first: a column slice of row-sharded holders continues
+    # on the reader's side at every row and never on the holder's, so it is
+    # over after one look (hundreds of thousands of segments, none joined).
+    for k in ("remote", "h_off", "r_off", "local"):
+        joins &= cols[k][1:] == cols[k][:-1] + cols["length"][:-1]
+        if not joins.any():
+            return cols
     for k in _FIXED:
         joins &= cols[k][1:] == cols[k][:-1]
     if not joins.any():
@@ -309,6 +374,44 @@ def _merge_contiguous(cols: dict[str, np.ndarray], within: np.ndarray) -> dict[s
     return out
 
 
+# Segments crossing a chunk boundary, at most, that ``_cut`` splices in place
+# (slice copies per crossing) rather than gathering every column anew: a
+# column slice is hundreds of thousands of short segments, a few dozen of
+# which cross one of the chunks' boundaries.
+_SPLICE_MAX = 256
+
+
+def _cut_chunks(cols: dict[str, np.ndarray], cuts: list[tuple[str, int]]) -> dict[str, np.ndarray]:
+    """Cut segments wherever ``cols[key]`` crosses a multiple of its ``period``
+    (the reader's chunks and the holder's): the few that cross, in one splice."""
+    cuts = [(key, period) for key, period in cuts if period]
+    n = cols["length"]
+    cross = np.zeros(len(n), bool)
+    for key, period in cuts:
+        cross |= cols[key] // period != (cols[key] + n - 1) // period
+    rows = np.flatnonzero(cross)
+    if not len(rows):
+        return cols
+    if len(rows) > _SPLICE_MAX:
+        for key, period in cuts:
+            cols = _cut(cols, key, period)
+        return cols
+    idx, shift, length, count = [], [], [], []
+    for row in rows.tolist():
+        size, points = int(n[row]), {0, int(n[row])}
+        for key, period in cuts:
+            points.update(range(-int(cols[key][row]) % period, size, period))  # its boundaries, from its start
+        points = sorted(points)
+        count.append(len(points) - 1)
+        for a, b in itertools.pairwise(points):
+            idx.append(row), shift.append(a), length.append(b - a)
+    at, by = np.array(idx, np.int64), np.array(shift, np.int64)
+    pieces = {k: cols[k][at] + by for k in _SHIFTING}
+    pieces.update({k: cols[k][at] for k in _FIXED})
+    pieces["length"] = np.array(length, np.int64)
+    return _splice(cols, rows, np.array(count, np.int64), pieces)
+
+
 def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.ndarray]:
     """Cut segments where ``cols[key]`` crosses a multiple of ``period``."""
     x, n = cols[key], cols["length"]
@@ -316,14 +419,37 @@ def _cut(cols: dict[str, np.ndarray], key: str, period: int) -> dict[str, np.nda
     pieces = (x + n - 1) // period - first + 1
     if not len(x) or bool((pieces == 1).all()):
         return cols
-    idx = np.repeat(np.arange(len(x)), pieces)
-    j = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    cross = np.flatnonzero(pieces > 1)
+    few = len(cross) <= _SPLICE_MAX
+    rows = cross if few else np.arange(len(x))
+    count = pieces[rows]
+    idx = np.repeat(rows, count)
+    j = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
     lo = np.maximum(x[idx], (first[idx] + j) * period)
     hi = np.minimum(x[idx] + n[idx], (first[idx] + j + 1) * period)
     shift = lo - x[idx]
     out = {k: cols[k][idx] + shift for k in _SHIFTING}
     out.update({k: cols[k][idx] for k in _FIXED})
     out["length"] = hi - lo
+    return _splice(cols, cross, count, out) if few else out
+
+
+def _splice(cols: dict[str, np.ndarray], rows: np.ndarray, count: np.ndarray,
+            pieces: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``cols`` with each row of ``rows`` replaced by its ``count`` rows of ``pieces``."""
+    total = len(cols["length"]) + int(count.sum()) - len(rows)
+    if set(cols) == set(_COLUMNS) and all(v.dtype == np.int64 for v in cols.values()):
+        out, _ = _table(total)  # in one block (see _table): a copy of every column
+    else:
+        out = {k: np.empty(total, v.dtype) for k, v in cols.items()}
+    src = dst = got = 0
+    for row, k in zip(rows.tolist(), count.tolist()):
+        for key, col in cols.items():
+            out[key][dst: dst + row - src] = col[src:row]
+            out[key][dst + row - src: dst + row - src + k] = pieces[key][got: got + k]
+        dst, src, got = dst + row - src + k, row + 1, got + k
+    for key, col in cols.items():
+        out[key][dst:] = col[src:]
     return out
 
 

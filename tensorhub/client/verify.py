@@ -103,7 +103,7 @@ class _Holder:
         self.crcs = crcs if crcs is not None and len(crcs) == num else None
         if self.crcs is None:
             self.checkable = np.zeros(num, bool)
-            self.all_checkable = False
+            self.all_checkable = self.any_checkable = False
             return
         full = np.full(num, self.chunk_size, np.int64)
         if num:
@@ -111,6 +111,10 @@ class _Holder:
         in_set = np.bincount(table["h_off"] // self.chunk_size, weights=table["length"], minlength=num)
         self.checkable = in_set[:num].astype(np.int64) == full
         self.all_checkable = bool(self.checkable.all())  # the common case: READs need no filtering
+        # False where a TP slice takes part of every chunk of a row-sharded holder
+        # (the experts of an MoE layer): its READs are never checked, so ``pieces``
+        # leaves them whole.
+        self.any_checkable = bool(self.checkable.any())
         self.full = full
 
     def memory(self, chunk: int, reader_chunk_size: int) -> tuple[list[tuple[int, int]], set[int]]:
@@ -173,7 +177,7 @@ class ChunkVerifier:
         out: list[Transfer] = []
         for t in transfers:
             holder = self._holders.get(t.replica_id)
-            checked = holder is not None and holder.crcs is not None and t.h_off is not None
+            checked = holder is not None and holder.any_checkable and t.h_off is not None
             out.extend(split(t, READ_PIECE_BYTES) if checked else [t])
         return out
 
@@ -182,7 +186,7 @@ class ChunkVerifier:
         chunks now, on the helper thread, while they are still in cache.
         ``landed`` joins these CRCs once a holder chunk is whole."""
         holder = self._holders.get(transfer.replica_id)
-        if holder is None or holder.crcs is None or transfer.h_off is None:
+        if holder is None or not holder.any_checkable or transfer.h_off is None:
             return
         rid = transfer.replica_id
         # Called for every piece, between two copies on the pull's thread: the
@@ -214,13 +218,19 @@ class ChunkVerifier:
         for t in transfers:  # a few descriptors each: plain Python beats numpy's cost per call here
             rid = t.replica_id
             holder = self._holders.get(rid)
-            if holder is None or holder.crcs is None or t.h_off is None:
+            if holder is None or not holder.any_checkable or t.h_off is None:
                 self._unverify(chunk, t.nbytes)
                 continue
-            for j, h, addr, n in zip((t.h_off // holder.chunk_size).tolist(), t.h_off.tolist(),
-                                     t.local[:, 0].tolist(), t.local[:, 1].tolist()):
+            own = t.h_off // holder.chunk_size
+            rows = holder.checkable[own]
+            if not rows.all():  # a TP slice of a holder's chunks: one sum, not a Python step per run
+                self._unverify(chunk, int(t.local[~rows, 1].sum()))
+                own, h_off, local = own[rows], t.h_off[rows], t.local[rows]
+            else:
+                h_off, local = t.h_off, t.local
+            for j, h, addr, n in zip(own.tolist(), h_off.tolist(), local[:, 0].tolist(), local[:, 1].tolist()):
                 key = (rid, j)
-                if not holder.checkable[j] or key in self._bad:
+                if key in self._bad:
                     self._unverify(chunk, n)
                     continue
                 self._readers.setdefault(key, set()).add(chunk)

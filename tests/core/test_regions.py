@@ -17,6 +17,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorhub import InvalidRequest, ManifestMismatch, Shard, SourceLost
 from tensorhub.client.puller import PullJob
@@ -25,7 +27,7 @@ from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.errors import TensorHubError
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source
-from tensorhub.regions import Region, gaps, overlap
+from tensorhub.regions import Region, box_gaps, flat_boxes, gaps, intersect, overlap, subtract
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 from tensorhub.transport.memory import MemoryRegion, regions_of
@@ -432,10 +434,6 @@ def test_a_same_layout_holder_is_read_in_one_descriptor_per_contiguous_range():
 
 # ---------------------------------------------------------------- box algebra, against torch indexing
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from tensorhub.regions import box_gaps, flat_boxes, intersect, subtract  # noqa: E402
 
 _shapes = st.lists(st.integers(1, 5), min_size=1, max_size=4).map(tuple)
 
