@@ -144,7 +144,7 @@ class Manifest:
                 + f". {nothing}"
             )
         order = self.index()
-        return sorted(parts, key=lambda p: (order[p.name], int(p.region.runs(p.full_shape).start[:1].sum())))
+        return sorted(parts, key=lambda p: (order[p.name], p.region.first_element(p.full_shape)))
 
     def check_destination(self, into: Mapping[str, Entry], *, model: str, version: int) -> None:
         """Raise ManifestMismatch unless ``into`` holds exactly these tensors (or

@@ -124,6 +124,17 @@ class Region:
         length = (box[j][1] - box[j][0]) * strides[j]
         return Runs.of(starts, np.full(len(starts), length, np.int64))
 
+    def first_element(self, shape: tuple[int, ...]) -> int:
+        """The row-major index of the region's first element (its corner), without its runs."""
+        if self.flat is not None:
+            return self.flat[0]
+        if self.box is None:
+            return 0
+        index = 0
+        for (a, _), d in zip(self.box, shape):
+            index = index * d + a
+        return index
+
     def boxes(self, shape: tuple[int, ...]) -> list[Bounds]:
         """The region as disjoint boxes: itself for a box, at most 2·ndim−1
         for a flat range (a partial row, whole rows, a partial row, recursively)."""

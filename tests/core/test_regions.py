@@ -498,3 +498,10 @@ def test_flat_ranges_as_boxes_hold_exactly_the_range(data):
     other = data.draw(_box(shape))
     assert region.overlaps(Region(box=other), shape) == bool((counted.bool() & _mask(shape, [other]).bool()).any())
 
+
+
+def test_a_regions_first_element_is_its_first_runs_start():
+    rng = random.Random(5)
+    for shape, _ in itertools.product([s for s in SHAPES if math.prod(s)], range(30)):
+        region = _random_region(rng, shape)
+        assert region.first_element(shape) == int(region.runs(shape).start[0]), (shape, region)
