@@ -319,25 +319,22 @@ def subtract(a: Bounds, b: Bounds) -> list[Bounds]:
     return out
 
 
-def box_numel(box: Bounds) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-def box_gaps(shape: tuple[int, ...], boxes: list[Bounds]) -> list[Bounds]:
-    """Disjoint boxes of a tensor of ``shape`` that no box in ``boxes`` covers
-    (empty when they cover it all). Each box is cut out of what is left."""
-    if math.prod(shape) == 0:
-        return []
-    left: list[Bounds] = [tuple((0, d) for d in shape)]
-    for box in sorted(set(boxes)):
+def cut_out(left: list[Bounds], boxes: list[Bounds]) -> list[Bounds]:
+    """What is left of the disjoint boxes ``left`` once ``boxes`` are cut out
+    of it, as disjoint boxes: each box cut out of every piece in turn."""
+    for box in boxes:
         left = [piece for rest in left for piece in subtract(rest, box)]
         if not left:
             break
     return left
 
 
-def boxes_overlap(a: list[Bounds], b: list[Bounds]) -> bool:
-    return any(intersect(x, y) is not None for x in a for y in b)
+def box_gaps(shape: tuple[int, ...], boxes: list[Bounds]) -> list[Bounds]:
+    """Disjoint boxes of a tensor of ``shape`` that no box in ``boxes`` covers
+    (empty when they cover it all)."""
+    if math.prod(shape) == 0:
+        return []
+    return cut_out([tuple((0, d) for d in shape)], sorted(set(boxes)))
 
 
 def describe_box(shape: tuple[int, ...], box: Bounds) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensorhub.manifest import Manifest, itemsize
-from tensorhub.regions import Bounds, Region
+from tensorhub.regions import Region
 
 Held = tuple[int, Region]
 
@@ -161,11 +161,6 @@ class RegionTable:
     def held(self, shapes: Shapes) -> list[Held]:
         return [(int(self.tensor[k]), self.region(k, shapes)) for k in range(len(self))]
 
-    def boxes(self, k: int, shapes: Shapes) -> list[Bounds]:
-        index = int(self.tensor[k])
-        shape = tuple(int(d) for d in shapes.dims[index, :int(shapes.ndim[index])])
-        return self.region(k, shapes).boxes(shape)
-
     def numel(self) -> np.ndarray:
         """Elements of each region."""
         span = self.hi.astype(np.int64) - self.lo
@@ -197,10 +192,6 @@ class RegionTable:
             n = len(shape)
             region = Region(box=tuple(zip(self.lo[k, :n].tolist(), self.hi[k, :n].tolist())))
         return k, region.problem(shape) or f"region {region.describe()} does not fit {list(shape)}"
-
-    def shape_of(self, k: int, shapes: Shapes) -> tuple[int, ...]:
-        index = int(self.tensor[k])
-        return tuple(int(d) for d in shapes.dims[index, :int(shapes.ndim[index])])
 
 
 # ---------------------------------------------------------------- chunk rules

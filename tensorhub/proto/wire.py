@@ -55,14 +55,6 @@ def reliability_from_wire(value: int) -> Reliability:
     raise ValueError(f"unknown reliability {value}")
 
 
-def region_to_wire(tensor: int, region: Region) -> pb.TensorRegion:
-    if region.flat is not None:
-        return pb.TensorRegion(tensor=tensor, start=[region.flat[0]], stop=[region.flat[1]], flat=True)
-    if region.box is not None:
-        return pb.TensorRegion(tensor=tensor, start=[a for a, _ in region.box], stop=[b for _, b in region.box])
-    return pb.TensorRegion(tensor=tensor)
-
-
 def region_from_wire(msg: pb.TensorRegion) -> Held:
     """ValueError when start and stop do not pair up."""
     if len(msg.start) != len(msg.stop):

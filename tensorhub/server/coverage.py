@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorhub.regions import Bounds, Region, intersect, subtract
+from tensorhub.regions import Bounds, Region, cut_out, intersect
 from tensorhub.regiontable import RegionTable, Shapes, unique_rows
 
 _Shape = tuple[int, ...]
@@ -181,9 +181,8 @@ class Coverage:
         done = self._steps.get(key)
         if done is None:
             shape, left = self._classes[cls]
-            for box in _row_boxes(row, shape):
-                left = tuple(piece for rest in left for piece in subtract(rest, box))
-            done = self._steps[key] = self._intern(shape, tuple(sorted(left)))
+            rest = cut_out(list(left), _row_boxes(row, shape))
+            done = self._steps[key] = self._intern(shape, tuple(sorted(rest)))
         return done
 
     def _intern(self, shape: _Shape, left: tuple[Bounds, ...]) -> int:
