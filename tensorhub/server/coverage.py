@@ -105,6 +105,7 @@ class HolderKeys:
     def __init__(self, table: RegionTable | None, grouping: Grouping) -> None:
         self.epoch = grouping.epoch
         self.table = table
+        self.numel: np.ndarray | None = None  # group_numel's, once asked
         shapes = grouping.shapes
         if table is None:
             self.first = np.full(grouping.count, _WHOLE, np.int64)
@@ -227,18 +228,25 @@ class Coverage:
 
 
 def group_numel(keys: HolderKeys) -> np.ndarray:
-    """Elements the holder has of one tensor of each group (per group)."""
-    span = np.maximum(keys.hi - keys.lo, 0).astype(np.int64)
-    out = span.prod(axis=1)
-    for g, boxes in keys.odd.items():
-        out[g] = sum(int(np.prod([b - a for a, b in box])) for box in boxes)
-    return out
+    """Elements the holder has of one tensor of each group (per group); kept on the keys."""
+    if keys.numel is None:
+        span = np.maximum(keys.hi - keys.lo, 0).astype(np.int64)
+        out = span.prod(axis=1)
+        for g, boxes in keys.odd.items():
+            out[g] = sum(int(np.prod([b - a for a, b in box])) for box in boxes)
+        keys.numel = out
+    return keys.numel
 
 
 def covering_prefix(grouping: Grouping, base: list[HolderKeys], more: list[HolderKeys]) -> int | None:
     """The fewest of ``more``, in order, that with ``base`` cover every tensor;
     None when all of them do not. Element counts give a first candidate (no
     fewer can cover); boxes check it, then a galloping search past it."""
+    if any(k.table is None for k in base):  # a holder of every tensor whole: the common case, O(1)
+        return 0
+    whole_at = next((i for i, k in enumerate(more) if k.table is None), None)
+    if whole_at is not None:  # no search past a whole holder
+        more = more[:whole_at + 1]
     rep_numel = grouping.shapes.numel[grouping.rep]
     have = sum((group_numel(k) for k in base), np.zeros(grouping.count, np.int64))
     if len(more):
