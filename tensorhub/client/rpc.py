@@ -31,7 +31,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.regions import Region
-from tensorhub.regiontable import RegionTable, memory_addrs, shapes_of, whole_table
+from tensorhub.regiontable import RegionTable, memory_addrs, shapes_of
 from tensorhub.status import HubStatus
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind, MemoryRegion
@@ -444,11 +444,11 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
         table = RegionTable.from_held(list(held), shapes)
     else:
         held = tuple(wire.whole_model(manifest))
-        table = whole_table(shapes)
+        table = None  # every tensor whole
     kind, regions, metadata = memory
     if isinstance(regions, tuple):  # packed: the sizes are the held regions'
         gaps, device = regions
-        sizes = table.nbytes(shapes)
+        sizes = shapes.numel * shapes.itemsize if table is None else table.nbytes(shapes)
         if len(gaps) > len(sizes):
             raise TensorHubError(f"replica {msg.replica_id!r} has {len(gaps)} memory regions for {len(sizes)} held "
                                  "regions; the server is broken")

@@ -222,17 +222,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         when they came as chunk rules seen before (every worker w of 128
         engines publishes the same rules: checked once, kept as one table)."""
         msg = request.held_table
-        if not (request.HasField("held_table") and msg.rules):
-            return _held(manifest, request), None, b""
+        if not (request.HasField("held_table") and msg.rules) or request.held:
+            return _held(manifest, request), None, b""  # (which refuses held and held_table both set)
         key = hashlib.blake2b(manifest.fingerprint.encode() + msg.SerializeToString(deterministic=True),
                               digest_size=16).digest()
         kept = self._rule_tables.get(key)
         if kept is None:
-            if request.held:
-                raise Invalid("held and held_table both set: give the held regions one way")
-            if len(msg.rules) > MAX_HELD:
-                raise Invalid(f"{len(msg.rules)} held rules, more than {MAX_HELD}")
-            try:  # rules make in-bounds, non-empty boxes, one per tensor in manifest order: nothing to normalize
+            try:  # rules (at most MAX_RULES: wire.held_from_wire) make in-bounds, non-empty boxes, one per tensor in manifest order: nothing to normalize
                 table = wire.held_from_wire(msg, shapes_of(manifest)).compact()
             except ValueError as e:
                 raise Invalid(str(e)) from None
