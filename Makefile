@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-core test-vllm test-verl test-openrlhf bench bench-pull proto lint clean
+.PHONY: demo test test-core test-vllm test-verl test-openrlhf docs bench bench-pull proto lint clean
 
 # $(call new-venv,DIR): a fresh virtual environment with current pip and the
 # pinned torch, installed first so that nothing later resolves a CUDA build.
@@ -90,6 +90,20 @@ $(OPENRLHF_VENV)/.stamp: pyproject.toml
 test-openrlhf: $(OPENRLHF_VENV)/.stamp
 	$(OPENRLHF_VENV)/bin/pytest -q tests/openrlhf
 
+# The documentation site (mkdocs.yml, docs/): its own environment with only the
+# pinned docs tools. mkdocstrings reads the sources without importing them, so
+# neither torch nor the package goes in. --strict: a broken link, anchor or API
+# reference fails the build (and CI).
+DOCS_VENV := .venv-docs
+
+$(DOCS_VENV)/.stamp: docs/requirements.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip --disable-pip-version-check -q install -r docs/requirements.txt
+	touch $@
+
+docs: $(DOCS_VENV)/.stamp
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
 bench-pull: $(VENV)/.stamp
 	mkdir -p bench-results
 	$(VENV)/bin/tensorhub bench pull --size 1GiB --readers 1 --json bench-results/pull-r1.json
@@ -104,4 +118,4 @@ lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check tensorhub tests integrations
 
 clean:
-	rm -rf $(VENV) .venv-* build *.egg-info
+	rm -rf $(VENV) .venv-* build *.egg-info site
