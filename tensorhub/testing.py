@@ -125,6 +125,22 @@ def make_tensors(specs: Sequence[Spec], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def stepped_tensors(specs: Sequence[Spec], seed: int, step: int, changed: float) -> dict[str, torch.Tensor]:
+    """Version ``step`` of a model that starts as ``make_tensors(specs, seed)``:
+    each step changes about ``changed`` of every tensor's elements (a delta's
+    test payload; ``tensorhub.bench.sparsity`` makes versions from real optimizer steps)."""
+    out = make_tensors(specs, seed)
+    for s in range(1, step + 1):
+        gen = torch.Generator().manual_seed(seed * 7919 + s)
+        for t in out.values():
+            mask = torch.rand(t.shape, generator=gen) < changed
+            if t.dtype.is_floating_point:
+                t[mask] = (t[mask].float() + s).to(t.dtype)
+            else:
+                t[mask] += s
+    return out
+
+
 def empty_like_specs(specs: Sequence[Spec]) -> dict[str, torch.Tensor]:
     return {name: torch.zeros(shape, dtype=DTYPES[dtype]) for name, dtype, shape in specs}
 
@@ -231,6 +247,53 @@ def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: lis
     return {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
 
 
+def _publish_step(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, changed: float,
+                  delta_from: int | None = None, previous_step: int | None = None, how: str | None = None,
+                  rank: int = 0, world: int = 1, chunk_size: int | None = None) -> dict:
+    """Publish ``stepped_tensors(specs, seed, version, changed)`` in fresh
+    buffers (rank ``rank``'s regions with ``how``), with its delta from
+    ``delta_from`` (this process's replica of it; ``previous_step``: against
+    that step's bytes instead, as a trainer with a wrong copy would)."""
+    full = stepped_tensors(specs, seed, version, changed)
+
+    def regions_of(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        if how is None:
+            return tensors
+        out = {}
+        for name, tensor in tensors.items():
+            region = shard_region(tuple(tensor.shape), how, rank, world)
+            if region is not None:
+                out[name] = Shard.of(tensor, box=region.box, flat=region.flat)
+        return out
+
+    previous = None
+    if previous_step is not None:
+        previous = regions_of(stepped_tensors(specs, seed, previous_step, changed))
+    pub = hub.publish(model, version, regions_of(full), manifest=Manifest.of(full), chunk_size=chunk_size,
+                      delta_from=delta_from, previous=previous)
+    held[(model, version)] = pub
+    return {"nbytes": pub.nbytes, "deltas": list(pub.deltas),
+            "delta_bytes": sum(c.nbytes for c in pub.companions)}
+
+
+def _saved(held: dict, path: str) -> list[dict[str, torch.Tensor]]:
+    """The versions ``tensorhub.bench.sparsity.save_versions`` wrote to ``path`` (loaded once per process)."""
+    if ("saved", path) not in held:
+        from tensorhub.bench.sparsity import load_versions
+
+        held[("saved", path)] = load_versions(path)
+    return held[("saved", path)]
+
+
+def _publish_saved(hub: Any, held: dict, *, model: str, version: int, path: str, index: int,
+                   delta_from: int | None = None, chunk_size: int | None = None) -> dict:
+    """Publish the ``index``-th saved version as ``version`` (with its delta from
+    ``delta_from``: this process's replica of it, another saved version)."""
+    pub = hub.publish(model, version, _saved(held, path)[index], chunk_size=chunk_size, delta_from=delta_from)
+    held[(model, version)] = pub
+    return {"nbytes": pub.nbytes, "delta_bytes": sum(c.nbytes for c in pub.companions)}
+
+
 def _unpublish(hub: Any, held: dict, *, model: str, version: int, timeout: float = 60.0) -> dict:
     start = time.monotonic()
     held.pop((model, version)).unpublish(timeout)
@@ -250,10 +313,25 @@ def _destination(specs: list, read: tuple[str, int, int] | None) -> tuple[dict, 
 def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: list | None = None,
           expect_seed: int | str | None = None, serve: bool = False, pace_s: float = 0.0, group: str = "",
           group_round: int = 0, timeout: float | None = None, progress_file: str | None = None,
-          read: tuple[str, int, int] | None = None) -> dict:
+          read: tuple[str, int, int] | None = None, keep: str | None = None, have: int | None = None,
+          unpublish_first: int | None = None, expect_step: tuple[int, float] | None = None,
+          expect_saved: tuple[str, int] | None = None) -> dict:
     """``read``: ("tp" | "flat" | "whole", rank, world) pulls that slice (see read_region).
-    ``expect_seed="version"``: the publisher seeded each version with its number."""
-    into, regions = _destination(specs, read) if specs is not None else (None, {})
+    ``expect_seed="version"``: the publisher seeded each version with its number.
+    ``keep``: the destination is kept under that key and pulled into again by
+    the next pull with the same key (``have``: the version it holds then).
+    ``unpublish_first``: that version's replica of this process is unpublished
+    before the pull writes (``before_write``). ``expect_step=(seed, changed)``:
+    compare with ``stepped_tensors``; ``expect_saved=(path, index)``: with
+    that saved version (``specs`` then default to its tensors')."""
+    if expect_saved is not None and specs is None:
+        specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                 for n, t in _saved(held, expect_saved[0])[expect_saved[1]].items()]
+    kept = held.get(("into", keep)) if keep else None
+    into, regions = kept if kept is not None else (
+        _destination(specs, read) if specs is not None else (None, {}))
+    if keep:
+        held[("into", keep)] = (into, regions)
     ptrs = {k: (v.tensor if isinstance(v, Shard) else v).data_ptr() for k, v in into.items()} if into else {}
 
     def pace(done: int, total: int) -> None:
@@ -263,8 +341,13 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
         time.sleep(pace_s)
 
     start = time.monotonic()
+    before_write = None
+    if unpublish_first is not None:
+        def before_write() -> None:
+            held.pop((model, unpublish_first)).unpublish(60.0)
+
     result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s or progress_file else None,
-                      group=group, group_round=group_round, timeout=timeout)
+                      group=group, group_round=group_round, timeout=timeout, have=have, before_write=before_write)
     end = time.monotonic()
     if serve:
         held[(model, result.version)] = result.publication
@@ -272,10 +355,15 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
            "verified": result.verified_bytes, "unverified": result.unverified_bytes,
            "checks_failed": result.checks_failed, "read_bytes": result.read_bytes,
-           "descriptors": result.descriptors,
+           "descriptors": result.descriptors, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
-    if expect_seed is not None and specs is not None:
-        expected = make_tensors(specs, result.version if expect_seed == "version" else expect_seed)
+    if (expect_seed is not None or expect_step is not None or expect_saved is not None) and specs is not None:
+        if expect_saved is not None:
+            expected = _saved(held, expect_saved[0])[expect_saved[1]]
+        elif expect_step is not None:
+            expected = stepped_tensors(specs, expect_step[0], result.version, expect_step[1])
+        else:
+            expected = make_tensors(specs, result.version if expect_seed == "version" else expect_seed)
         if regions:
             expected = {k: take(v, regions[k]) for k, v in expected.items()}
         out["mismatched"] = [k for k in expected if not torch.equal(result.tensors[k].flatten(), expected[k].flatten())]
@@ -340,7 +428,8 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
     return hub.wait_for_version(model, at_least, timeout)
 
 
-_HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "unpublish": _unpublish, "pull": _pull,
+_HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "publish_step": _publish_step,
+             "publish_saved": _publish_saved, "unpublish": _unpublish, "pull": _pull,
              "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,
              "overwrite": _overwrite, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
 

@@ -32,6 +32,10 @@ class HubConfig:
     # "auto" (shared memory within a host, TCP between hosts), a backend's name
     # ("shm", "tcp", "rdma", "nvlink"), or "exact": never read more than asked.
     read_cost: str = "auto"
+    # Pulls given ``have=`` (the destination holds that earlier version): "auto"
+    # patches it from the version's deltas where its holders published them
+    # (tensorhub.client.delta), "off" always reads the version whole.
+    delta: str = "auto"
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

@@ -189,12 +189,15 @@ class Holdings:
 
     def publish(self, model: str, version: int, manifest: Manifest, parts: list[Part], chunk_size: int, *,
                 origin: bool = True, complete: bool = True, retained: bool = False,
-                chunk_crc32: np.ndarray | None = None, announce: bool = True) -> Publication:
+                chunk_crc32: np.ndarray | None = None, announce: bool = True, deltas: tuple[str, ...] = (),
+                companions: tuple[Publication, ...] = ()) -> Publication:
         """Register ``parts`` in place and announce them as a replica. A complete
         replica's chunk checksums are computed here, once, from its memory
         (unless given: a copy of a replica has its checksums). ``announce=False``:
         the caller announces it (``announce``), e.g. off a pull's critical path;
-        unpublishing it before then is fine (the server counts it as drained)."""
+        unpublishing it before then is fine (the server counts it as drained).
+        ``deltas``/``companions``: the delta models announced with it and their
+        publications, unpublished with it (``tensorhub.client.delta``)."""
         if not retained:
             self._send_withdraw_notices()
             self._finish_withdrawals(model, version)
@@ -203,7 +206,8 @@ class Holdings:
         registration = self._nixl.register([p.tensor for p in parts])
         pub = Publication(self, model=model, version=version, replica_id=f"{self.agent_id}.{next(self._replica_seq)}",
                           manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
-                          origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32)
+                          origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32,
+                          deltas=deltas, companions=companions)
         try:
             if announce:
                 self.announce(pub)
@@ -342,6 +346,7 @@ class Holdings:
             manifest=pub.manifest, held=[] if pub.whole_model else pub.held, chunk_size=pub.chunk_size,
             kind=pub.registration.kind, regions=pub.registration.regions, metadata=pub.registration.metadata,
             complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained, chunk_crc32=pub.chunk_crc32,
+            deltas=pub.deltas,
         )
 
     def find(self, model: str, version: int) -> list[Publication]:
@@ -418,6 +423,10 @@ class Holdings:
             self._unknown_reads_until.pop(pub.replica_id, None)
             pub.state = PubState.CLOSED
         self._nixl.deregister(pub.registration)
+        # Its delta models after it: no reader finds them through it any more.
+        # Nothing of a delta is retained (a reader without one pulls whole).
+        for companion in pub.companions:
+            self.unpublish(companion, left(), force=True)
 
     # ---------------------------------------------------------------- retention
 

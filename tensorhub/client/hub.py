@@ -24,6 +24,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from tensorhub.client.config import HubConfig
+from tensorhub.client.delta import (
+    DeltaOutcome,
+    DeltaPulls,
+    covering_deltas,
+    encode_against,
+    previous_parts,
+    publish_with_delta,
+)
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.publication import Publication
@@ -32,6 +40,7 @@ from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
 from tensorhub.client.scratch import ScratchPool
 from tensorhub.client.wideread import WideReads
+from tensorhub.delta.codec import Delta
 from tensorhub.errors import AlreadyPublished, InvalidRequest, ServerUnavailable, TensorHubError, VersionNotFound
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.shard import Entry
@@ -73,6 +82,12 @@ class PullResult:
     # around columns read wide (HubConfig.read_cost): ``nbytes`` when none was.
     read_bytes: int = 0
     descriptors: int = 0  # READ descriptors posted (of the READs that landed)
+    # A pull given ``have=u`` that patched the destination from v's deltas:
+    # ``delta_from`` is u, ``delta_bytes`` the delta bytes read (then also
+    # ``read_bytes``; ``nbytes`` stays the destination's bytes, and
+    # ``bytes_by_source`` counts the delta bytes). None: v was read whole.
+    delta_from: int | None = None
+    delta_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -159,6 +174,7 @@ class Hub:
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
         self._destinations = Destinations(self._nixl)
+        self._deltas = DeltaPulls(self._holdings, self.pull)
         # A slot per READ in flight (HubConfig.read_workers): wide READs land there, then are cut into place.
         self._scratch = ScratchPool(2 * max(1, config.read_workers), register=self._nixl.register,
                                     deregister=self._nixl.deregister)
@@ -187,7 +203,9 @@ class Hub:
     # ---------------------------------------------------------------- publish
 
     def publish(self, model: str, version: int, tensors: Mapping[str, Entry], *,
-                manifest: Manifest | Mapping[str, Entry] | None = None, chunk_size: int | None = None) -> Publication:
+                manifest: Manifest | Mapping[str, Entry] | None = None, chunk_size: int | None = None,
+                delta_from: int | None = None, previous: Mapping[str, Entry] | None = None,
+                delta: Delta | None = None) -> Publication:
         """Make ``tensors`` pullable as ``version`` of ``model``, in place (their
         memory is registered with NIXL, not copied). Do not modify them until
         the returned publication is unpublished.
@@ -198,6 +216,16 @@ class Hub:
         manifest (names, full shapes, dtypes) comes from ``tensors``; a rank that
         holds nothing of some tensors passes ``manifest=`` naming the whole model
         (a Manifest, or a mapping of tensors / Shards / meta tensors to take it from).
+
+        ``delta_from=u`` also publishes the delta of this version against u
+        (the elements whose bits changed, computed here on the tensors'
+        device), so that readers holding u pull only that (``pull(have=u)``).
+        u's bytes come from ``previous`` (the same names and regions as
+        ``tensors``), or else from this process's replica of u, which must live
+        in other memory, or ``delta`` is that delta, computed already
+        (``tensorhub.delta.codec.DeltaEncoder``, e.g. while a trainer copied
+        each tensor over u's bytes). The version itself stays whole: readers
+        without u pull it as always.
         """
         model, version = _check_model(model), _check_version(version)
         if manifest is None:
@@ -212,7 +240,19 @@ class Hub:
                                nothing="Nothing was published.")
         if not parts:
             raise InvalidRequest(f"publish {model!r} version {version}: no tensor or region to publish")
-        return self._holdings.publish(model, version, manifest, parts, chunk_size or self.config.chunk_size)
+        chunk_size = chunk_size or self.config.chunk_size
+        if delta_from is None:
+            return self._holdings.publish(model, version, manifest, parts, chunk_size)
+        delta_from = _check_version(delta_from)
+        if delta_from == version:
+            raise InvalidRequest(f"publish {model!r} version {version}: delta_from is the version itself")
+        if delta is None:
+            old = None if previous is None else manifest.parts(previous, model=model, version=delta_from,
+                                                              whole_model=False, nothing="Nothing was published.")
+            delta = encode_against(manifest, parts, previous_parts(self._holdings, model, delta_from, parts, old),
+                                   from_version=delta_from, to_version=version)
+        return publish_with_delta(self._holdings, model=model, version=version, manifest=manifest, parts=parts,
+                                  chunk_size=chunk_size, from_version=delta_from, delta=delta)
 
     def unpublish(self, model: str, version: int, timeout: float = 60.0) -> None:
         """Unpublish this process's replica of (model, version); see Publication.unpublish."""
@@ -227,7 +267,8 @@ class Hub:
     def pull(self, model: str, version: int | Literal["latest"] = "latest",
              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
              serve: bool = False, group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
-             timeout: float | None = None, before_write: Callable[[], None] | None = None) -> PullResult:
+             timeout: float | None = None, before_write: Callable[[], None] | None = None,
+             have: int | None = None) -> PullResult:
         """Pull a visible version of ``model`` from whoever holds it.
 
         ``into``: destination per tensor name: a tensor (the whole tensor) or
@@ -248,6 +289,12 @@ class Hub:
         raises ends the pull. A serving reader that re-fills the buffer of its
         previous version waits there for that version's withdrawal, which it
         started before the pull: the withdrawal overlaps the resolve.
+        ``have=u``: ``into`` holds version u now. Where the version's holders
+        published deltas from u that cover ``into`` (``publish(delta_from=u)``),
+        only those are read and ``into`` is patched in place, then checked
+        against the version's chunk checksums; a mismatch, or no such deltas,
+        reads the version whole (``HubConfig.delta="off"``: always). Serving,
+        the reader serves the deltas it read too.
         """
         model = _check_model(model)
         wanted = None if version == "latest" else _check_version(version)
@@ -265,6 +312,33 @@ class Hub:
             if callable(into):
                 into = into(manifest)
             parts = destination_parts(manifest, into, model=model, version=resolved.version)
+            names = None
+            if have is not None and into is not None and self.config.delta != "off":
+                have = _check_version(have)
+                names = covering_deltas(resolved, parts, have) if have != resolved.version else None
+        except BaseException:
+            self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
+            raise
+        if names is not None:
+            # The version's own holders are not read: their lease goes now.
+            self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
+            wrote = [False]
+
+            def write() -> None:
+                wrote[0] = True
+                if before_write is not None:
+                    before_write()
+
+            deadline = time.monotonic() + (timeout or self.config.pull_timeout_s)
+            outcome = self._deltas.pull(resolved, parts, have, names, serve=serve, before_write=write,
+                                        deadline=deadline)
+            if outcome is not None and outcome.status == "patched":
+                return self._patched(resolved, parts, have, outcome, serve=serve, start=start)
+            if wrote[0]:
+                before_write = None  # it ran: v is pulled whole into what it released
+            resolved = self._holdings.with_agent(lambda: self._rpc.resolve(
+                self.agent_id, model, resolved.version, group=group, group_round=group_round, lease=True))
+        try:
             if before_write is not None:
                 before_write()
             if serve:
@@ -320,6 +394,22 @@ class Hub:
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors)
+
+    def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
+                 start: float) -> PullResult:
+        """The result of a pull that patched its destination from deltas; serving,
+        the destination is published whole, naming the deltas it serves too."""
+        publication = None
+        if serve:
+            chunk_size = min((r.chunk_size for r in resolved.replicas if r.chunk_size), default=self.config.chunk_size)
+            self._destinations.uncache(parts)
+            publication = self._holdings.publish(resolved.model, resolved.version, resolved.manifest, parts, chunk_size,
+                                                 origin=False, deltas=outcome.deltas, companions=outcome.publications)
+        return PullResult(model=resolved.model, version=resolved.version, tensors=result_tensors(parts),
+                          nbytes=sum(p.nbytes for p in parts), seconds=time.perf_counter() - start,
+                          bytes_by_source=outcome.bytes_by_source, publication=publication,
+                          verified_bytes=outcome.verified_bytes, unverified_bytes=outcome.unverified_bytes,
+                          read_bytes=outcome.delta_bytes, delta_from=have, delta_bytes=outcome.delta_bytes)
 
     def _wide_reads(self, dest_kind: MemoryKind) -> WideReads:
         """Wide READs into host memory only: the cut is a host copy (a GPU

@@ -49,7 +49,8 @@ class Publication:
 
     def __init__(self, owner: Withdrawer, *, model: str, version: int, replica_id: str, manifest: Manifest,
                  parts: list[Part], chunk_size: int, registration: Registration, origin: bool, complete: bool,
-                 retained: bool = False, chunk_crc32: np.ndarray | None = None) -> None:
+                 retained: bool = False, chunk_crc32: np.ndarray | None = None,
+                 deltas: tuple[str, ...] = (), companions: tuple[Publication, ...] = ()) -> None:
         self._owner = owner
         self.model = model
         self.version = version
@@ -67,6 +68,11 @@ class Publication:
         # layout is its own): it computes each chunk's as the chunk lands and
         # reports it with the chunk; ``chunk_crc32`` is zero for chunks not landed.
         self.derives_crc32 = False
+        # Delta models (tensorhub.delta) that hold this version's changes from an
+        # earlier one for this replica's regions, announced with it; and their
+        # publications here, unpublished after this one (its readers find them by it).
+        self.deltas = deltas
+        self.companions = companions
         index = manifest.index()
         self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
         num_chunks = -(-self.nbytes // chunk_size)

@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -81,6 +81,7 @@ class RemoteReplica:
     chunk_size: int  # of the replica's own bytes: the unit of its bitmap
     bitmap: bytes = b""  # chunks present while filling (bit i, LSB first); unused when complete
     chunk_crc32: np.ndarray | None = None  # uint32 per own chunk (tensorhub.integrity); None: cannot be verified
+    deltas: tuple[str, ...] = ()  # delta models holding its changes from an earlier version (tensorhub.delta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,8 +225,9 @@ class ReferenceClient:
     def publish(self, *, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
                 held: list[tuple[int, Region]], chunk_size: int, kind: MemoryKind, regions: list[MemoryRegion],
                 metadata: bytes, complete: bool, bitmap: bytes, origin: bool, retained: bool = False,
-                chunk_crc32: np.ndarray | None = None) -> None:
+                chunk_crc32: np.ndarray | None = None, deltas: Sequence[str] = ()) -> None:
         """``held``: (tensor index, region) per memory region; empty: every tensor whole.
+        ``deltas``: delta models of this version that hold its changes (tensorhub.delta).
         ``chunk_crc32``: CRC-32 of each of the replica's chunks, for its readers to check.
         Both go packed (``HeldRegions``, memory as address gaps) where the
         regions lie on one device: a few bytes per region for the server to keep."""
@@ -249,6 +251,7 @@ class ReferenceClient:
             origin=origin,
             retained=retained,
             chunk_crc32=[] if chunk_crc32 is None else chunk_crc32.tolist(),
+            deltas=list(deltas),
         )
         # A manifest this server acknowledged goes by its fingerprint (megabytes
         # of names for 10^5 tensors); the server says when it does not have it.
@@ -458,4 +461,4 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
         regions[:, 0], regions[:, 1], regions[:, 2] = memory_addrs(every, sizes), sizes, device
     crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
     return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap),
-                         crcs)
+                         crcs, tuple(msg.deltas))

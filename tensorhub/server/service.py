@@ -35,6 +35,7 @@ MAX_DIMS = 64  # of a held box
 MAX_NIXL_METADATA = 1 << 20
 MAX_DRAIN_S = 3600.0
 MAX_KNOWN_MEMORY = 4096  # memory digests a reader may list in one Resolve
+MAX_DELTAS = 4096  # delta models one replica names (a relay names one per publisher of the version)
 RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
@@ -321,6 +322,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise Invalid(f"chunk_bitmap is longer than the replica's {num_chunks} chunks")
             if request.chunk_crc32 and len(request.chunk_crc32) != num_chunks:
                 raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for the replica's {num_chunks} chunks")
+            if len(request.deltas) > MAX_DELTAS:
+                raise Invalid(f"{len(request.deltas)} delta models, more than {MAX_DELTAS}")
+            deltas = [_require_model(name) for name in request.deltas]
             replica = self.state.publish(
                 agent_id=agent_id,
                 replica_id=replica_id,
@@ -342,6 +346,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 replica.wire_held = wire_held or wire.held_table_field(
                     wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
             replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
+            replica.deltas = deltas
             entry = self.state.models[model][version]
             if entry.wire_manifest is None:
                 entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
@@ -486,6 +491,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 chunk_size=replica.chunk_size,
                 memory_digest=digest,
                 chunk_crc32=replica.chunk_crc32 or [],
+                deltas=replica.deltas,
             )
             lean_bytes = lean.SerializeToString() + replica.wire_held
             full = lean_bytes + pb.ReplicaInfo(memory=replica.memory).SerializeToString()

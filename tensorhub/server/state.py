@@ -161,6 +161,7 @@ class Replica:
         return 0 if self.held is None else len(self.held)
     wire_info: Any = None  # opaque: the service's cached wire form of the replica's unchanging fields
     chunk_crc32: Any = None  # opaque: the publisher's per-chunk CRC-32 (wire form), returned with Resolve
+    deltas: Any = ()  # opaque: names of the delta models that hold its changes from an earlier version
     # When its holder last said it holds it (publish, chunk report, a heartbeat
     # listing it). No read lease on it outlives this by more than one lease TTL:
     # a holder cut off from the server mid-unpublish stops listing it, so after

@@ -1,0 +1,1 @@
+"""Delta versions: only the elements that changed since an earlier version (``codec``)."""
