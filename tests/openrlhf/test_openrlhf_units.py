@@ -98,3 +98,41 @@ def test_the_bench_stops_at_once_when_a_rank_fails():
     with pytest.raises(RuntimeError, match=r"rank 1 \(exit code 1\) failed during gather"):
         _collect(queue, [running, failed], "gather")
     assert time.monotonic() - start < 10  # not the 120 s a silent rank gets
+
+
+def test_delta_copy_publishes_each_step_with_its_delta_from_the_last():
+    """TENSORHUB_DELTA=copy: a rank keeps a host copy of its partitions (they
+    are published in place, so the step before is gone from them) and
+    publishes the next step with its delta; an engine holding the last step
+    reads only that."""
+    from tensorhub_openrlhf.publisher import WeightPublisher
+
+    from tensorhub import Hub
+    from tensorhub.server import EmbeddedServer
+
+    with EmbeddedServer(retain=0) as server:
+        settings = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": server.address, "TENSORHUB_DELTA": "copy"})
+        assert TensorHubSettings.from_env(settings.to_env()) == settings
+        params = {"w": torch.nn.Parameter(torch.randn(256, 64).to(torch.bfloat16)),
+                  "b": torch.nn.Parameter(torch.randn(64))}
+        publisher = WeightPublisher(settings, rank=0, world=1)
+        try:
+            first = publisher.publish(1, params.items())
+            assert first.delta_bytes == 0  # nothing before it
+            with Hub.connect(server.address, name="engine") as engine:
+                got = engine.pull("policy", 1)
+                with torch.no_grad():
+                    params["w"][7, :3] += 1  # a training step, in place, that changed little
+                second = publisher.publish(2, params.items())
+                assert 0 < second.delta_bytes < 0.1 * second.nbytes
+                patched = engine.pull("policy", 2, into=got.tensors, have=1)
+                assert patched.delta_from == 1 and patched.read_bytes == patched.delta_bytes
+                for name, p in params.items():
+                    assert torch.equal(patched.tensors[name].view(torch.uint8), p.data.view(torch.uint8)), name
+        finally:
+            publisher.close()
+
+
+def test_delta_setting_is_checked():
+    with pytest.raises(ValueError, match="TENSORHUB_DELTA must be"):
+        TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_DELTA": "on"})

@@ -182,3 +182,37 @@ def test_layout_change_reallocates(engines):
     # the pull that found the old layout leased the trainer's replica and read
     # nothing: that lease must not hold the trainer's next unpublish
     assert send(trainer, 3)["tensorhub/rank0/unpublish_blocked_s"] < 2
+
+
+def test_a_step_that_changed_little_moves_as_its_delta(engines):
+    """delta: auto (the default). The trainer's buffer holds step 1 when step 2
+    is copied over it: the delta is taken then, with no second buffer; a rollout
+    holding step 1 reads only that and patches its copy, byte-exact."""
+    trainer, rollout = engines(is_master=True), engines()
+    first = make_weights(1)
+    send(trainer, 1, first)
+    assert_identical(receive(rollout, 1), make_weights(1))
+    assert rollout.last_pull.delta_from is None
+    second = {name: t.clone() for name, t in first.items()}
+    second["embed.weight"][3, :5] += 1  # a few elements of two tensors change
+    second["layers.0.mlp.weight"][100] = 7
+    metrics = send(trainer, 2, second)
+    assert 0 < metrics["tensorhub/rank0/delta_mb"] * 2**20 < 2048
+    assert_identical(receive(rollout, 2), second)
+    pulled = rollout.last_pull
+    assert pulled.delta_from == 1 and pulled.read_bytes == pulled.delta_bytes < 0.2 * pulled.nbytes
+    # delta: off moves every byte
+    whole = engines(delta="off")
+    assert_identical(receive(whole, 2), second)
+    assert whole.last_pull.delta_from is None
+
+
+def test_a_layout_change_publishes_no_delta(engines):
+    trainer, rollout = engines(is_master=True), engines()
+    send(trainer, 1)
+    receive(rollout, 1)
+    grown = {**make_weights(2), "extra.weight": torch.ones(8)}
+    metrics = send(trainer, 2, grown)
+    assert metrics["tensorhub/rank0/delta_mb"] == 0
+    assert_identical(receive(rollout, 2), grown)
+    assert rollout.last_pull.delta_from is None

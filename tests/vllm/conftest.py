@@ -49,9 +49,11 @@ class Trainer:
         line = self.proc.stdout.readline().strip()
         assert line == reply, f"trainer said {line!r}, expected {reply!r}"
 
-    def publish(self, version: int, kind: str, model_dir: Path | None = None) -> None:
-        """``kind`` original|perturbed|wrong-vocab, or hf with the ``model_dir`` to load."""
-        self.proc.stdin.write(f"publish {version} {kind}{'' if model_dir is None else f' {model_dir}'}\n")
+    def publish(self, version: int, kind: str, model_dir: Path | None = None, delta_from: int | None = None) -> None:
+        """``kind`` original|perturbed|sparse|wrong-vocab, or hf with the ``model_dir`` to load;
+        ``delta_from``: with its delta from that version (still published)."""
+        extra = ("" if model_dir is None else f" {model_dir}") + ("" if delta_from is None else f" delta-from {delta_from}")
+        self.proc.stdin.write(f"publish {version} {kind}{extra}\n")
         self.proc.stdin.flush()
         self._expect(f"published {version}")
 
@@ -110,13 +112,13 @@ def engine(tiny_model, hub_server):
     llm.shutdown_weight_transfer_engine()
 
 
-def perturbed_copy(model_dir: Path, path: Path) -> Path:
-    """``model_dir`` with the trainer's "perturbed" weights in its files, at ``path``."""
+def perturbed_copy(model_dir: Path, path: Path, kind: str = "perturbed") -> Path:
+    """``model_dir`` with the trainer's ``kind`` weights in its files, at ``path``."""
     from safetensors.torch import save_file
     from vllm_trainer import weights
 
     shutil.copytree(model_dir, path, dirs_exist_ok=True)
-    save_file(weights(model_dir, "perturbed"), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights(model_dir, kind), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

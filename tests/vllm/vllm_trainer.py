@@ -2,7 +2,8 @@
 versions of the tiny model on command. One command per stdin line, one reply
 per stdout line:
 
-    publish VERSION original|perturbed|wrong-vocab  -> "published VERSION"
+    publish VERSION original|perturbed|sparse|wrong-vocab [delta-from U]  -> "published VERSION"
+        (delta-from: with its delta from version U, which it still publishes)
     publish VERSION hf DIR                          -> "published VERSION"
         (the transformers model in DIR, as its own state_dict(): MoE experts fused)
     unpublish VERSION                               -> "unpublished VERSION"
@@ -26,6 +27,13 @@ def weights(model_dir: Path, kind: str) -> dict[str, torch.Tensor]:
     if kind == "perturbed":
         gen = torch.Generator().manual_seed(1)
         return {n: (t.float() + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in original.items()}
+    if kind == "sparse":  # 2% of the elements changed, as a small RL step changes bf16 weights
+        gen = torch.Generator().manual_seed(2)
+        out = {}
+        for n, t in original.items():
+            mask = torch.rand(t.shape, generator=gen) < 0.02
+            out[n] = torch.where(mask, (t.float() + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype), t)
+        return out
     if kind == "wrong-vocab":  # a trainer whose tokenizer grew: the manifest no longer matches the engine
         embed = original["model.embed_tokens.weight"]
         return {**original, "model.embed_tokens.weight": torch.cat([embed, embed[:8]])}
@@ -50,7 +58,9 @@ def main(hub_address: str, model_dir: str, model: str, chunk_size: int) -> None:
             pubs[int(version)] = hub.publish(model, int(version), hf_state_dict(Path(rest[1])))
             print(f"published {version}", flush=True)
         elif cmd == "publish":
-            pubs[int(version)] = hub.publish(model, int(version), weights(Path(model_dir), rest[0]))
+            delta_from = int(rest[2]) if rest[1:2] == ["delta-from"] else None
+            pubs[int(version)] = hub.publish(model, int(version), weights(Path(model_dir), rest[0]),
+                                             delta_from=delta_from)
             print(f"published {version}", flush=True)
         elif cmd == "unpublish":
             pubs.pop(int(version)).unpublish(timeout=30)

@@ -38,6 +38,7 @@ class PublishStats:
     regions: int
     withdraw_s: float  # waiting for readers of the previous version (0 when already withdrawn)
     publish_s: float
+    delta_bytes: int = 0  # of its delta from the last version (TENSORHUB_DELTA=copy; 0: none)
 
 
 class WeightPublisher:
@@ -51,6 +52,8 @@ class WeightPublisher:
             f"openrlhf-trainer{rank}@{socket.gethostname()}:{os.getpid()}"))
         self._published: Publication | None = None
         self.last_version: int | None = None
+        # delta "copy": this rank's partitions of the last version, in host memory
+        self._previous: dict[str, Shard] | None = None
 
     def regions(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> tuple[dict[str, Shard], Manifest]:
         """This rank's region of each parameter, and the manifest of the whole model."""
@@ -89,13 +92,21 @@ class WeightPublisher:
         self.withdraw()
         withdrawn = time.perf_counter()
         regions, manifest = self.regions(named_params)
+        delta_bytes = 0
         if regions:  # a rank can hold nothing (tiny model, many ranks)
-            self._published = self.hub.publish(self.settings.model, version, regions, manifest=manifest)
+            kwargs = {}
+            if self.settings.delta == "copy" and self.last_version is not None and _same_layout(self._previous,
+                                                                                                 regions):
+                kwargs = {"delta_from": self.last_version, "previous": self._previous}
+            self._published = self.hub.publish(self.settings.model, version, regions, manifest=manifest, **kwargs)
+            delta_bytes = sum(c.nbytes for c in self._published.companions)
+            if self.settings.delta == "copy":
+                self._previous = _host_copy(regions, self._previous)
         self.last_version = version
         stats = PublishStats(version=version, nbytes=sum(s.tensor.numel() * s.tensor.element_size()
                                                          for s in regions.values()),
                              regions=len(regions), withdraw_s=withdrawn - start,
-                             publish_s=time.perf_counter() - withdrawn)
+                             publish_s=time.perf_counter() - withdrawn, delta_bytes=delta_bytes)
         log.info("tensorhub: rank %d published %d regions (%.1f MiB, in place) of %r version %d in %.3fs",
                  self.rank, stats.regions, stats.nbytes / 2**20, self.settings.model, version, stats.publish_s)
         return stats
@@ -115,5 +126,21 @@ class WeightPublisher:
         return self.hub.wait_for_version(self.settings.model, version, timeout=self.settings.update_timeout_s)
 
     def close(self) -> None:
-        self._published = None
+        self._published = self._previous = None
         self.hub.close(timeout=self.settings.unpublish_timeout_s)
+
+
+def _same_layout(previous: dict[str, Shard] | None, regions: dict[str, Shard]) -> bool:
+    return previous is not None and list(previous) == list(regions) and all(
+        (p.region, p.tensor.shape, p.tensor.dtype) == (r.region, r.tensor.shape, r.tensor.dtype)
+        for p, r in zip(previous.values(), regions.values()))
+
+
+def _host_copy(regions: dict[str, Shard], reuse: dict[str, Shard] | None) -> dict[str, Shard]:
+    """A host copy of this rank's partitions (the buffers of the last one, where the layout is the same)."""
+    if not _same_layout(reuse, regions):
+        reuse = {name: Shard(torch.empty(s.tensor.shape, dtype=s.tensor.dtype), s.full_shape, box=s.region.box,
+                             flat=s.region.flat) for name, s in regions.items()}
+    for name, s in regions.items():
+        reuse[name].tensor.copy_(s.tensor)
+    return reuse

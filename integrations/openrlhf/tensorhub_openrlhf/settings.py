@@ -27,6 +27,7 @@ VARIABLES = {
     "TENSORHUB_UPDATE_TIMEOUT_S": "update_timeout_s",
     "TENSORHUB_UNPUBLISH_TIMEOUT_S": "unpublish_timeout_s",
     "TENSORHUB_HUB_CONFIG": "hub",
+    "TENSORHUB_DELTA": "delta",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -45,6 +46,12 @@ class TensorHubSettings:
     # overwrites the partitions it published in place.
     unpublish_timeout_s: float = 120.0
     hub: dict[str, Any] = field(default_factory=dict)  # tensorhub.HubConfig fields, as JSON
+    # Trainer: ZeRO-3 ranks publish their partitions in place and keep nothing
+    # of the step before, so a delta costs a host copy of each rank's
+    # partitions (its share of the model) and a copy per step: opt-in.
+    # "copy": keep it and publish each step with its delta from the last one
+    # (engines holding that step pull only the delta). "off": no delta.
+    delta: str = "off"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TensorHubSettings:
@@ -66,6 +73,10 @@ class TensorHubSettings:
                 values[VARIABLES[var]] = _seconds(var, env[var])
         if "TENSORHUB_HUB_CONFIG" in env:
             values["hub"] = _hub_config("TENSORHUB_HUB_CONFIG", env["TENSORHUB_HUB_CONFIG"])
+        if "TENSORHUB_DELTA" in env:
+            values["delta"] = env["TENSORHUB_DELTA"].strip().lower()
+            if values["delta"] not in ("off", "copy"):
+                raise ValueError(f"TENSORHUB_DELTA must be 'off' or 'copy', not {env['TENSORHUB_DELTA']!r}")
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
@@ -77,6 +88,7 @@ class TensorHubSettings:
             "TENSORHUB_UPDATE_TIMEOUT_S": repr(self.update_timeout_s),
             "TENSORHUB_UNPUBLISH_TIMEOUT_S": repr(self.unpublish_timeout_s),
             "TENSORHUB_HUB_CONFIG": json.dumps(self.hub, sort_keys=True),
+            "TENSORHUB_DELTA": self.delta,
         }
 
     def hub_config(self, name: str) -> HubConfig:

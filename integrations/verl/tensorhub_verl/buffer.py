@@ -16,6 +16,7 @@ from collections.abc import AsyncIterable, Iterable
 import torch
 
 from tensorhub import Manifest, Shard, TensorSpec
+from tensorhub.delta.codec import DeltaEncoder, DeltaPart
 from tensorhub_verl.split import bytes_per_rank, rank_region
 
 
@@ -40,11 +41,16 @@ class RankBuffer:
         return max((s.tensor.numel() * s.tensor.element_size() for s in self.shards.values()), default=0)
 
     async def fill(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
-                   rank: int = 0, world: int = 1) -> None:
+                   rank: int = 0, world: int = 1, delta: DeltaEncoder | None = None) -> bool:
         """Copy rank ``rank``'s part of every tensor of the stream into its slot.
-        The stream is consumed completely (its collectives need every rank)."""
+        The stream is consumed completely (its collectives need every rank).
+        ``delta``: each part's changes against what its slot held (the last
+        fill) go there, read just before the copy overwrites them. Returns
+        whether the delta covers every part (a new or reshaped slot has no
+        earlier bytes: then it does not)."""
         slots: dict[str, torch.Tensor] = {}
         shards: dict[str, Shard] = {}
+        covered = bool(self._slots)
         specs: dict[str, TensorSpec] = {}
         sizes: list[tuple[tuple[int, ...], int]] = []
         async for name, tensor in aiter_pairs(weights):
@@ -60,14 +66,25 @@ class RankBuffer:
             if slot is None or slot.shape != part.shape or slot.dtype != part.dtype:
                 slot = torch.empty(part.shape, dtype=part.dtype, device=self.device, pin_memory=self._pin)
                 self.allocations += 1
+                covered = False
+            elif delta is not None and covered:
+                # compared where the buffer lives: one tensor's part crosses to it first
+                new = part.to(slot.device)
+                where = Shard(slot, tuple(tensor.shape), **region).region
+                delta.add(DeltaPart(len(sizes) - 1, tuple(tensor.shape), where, new),
+                          DeltaPart(len(sizes) - 1, tuple(tensor.shape), where, slot))
+                part = new
             slot.copy_(part, non_blocking=self._pin and part.is_cuda)
             slots[name] = slot
             shards[name] = Shard(slot, tuple(tensor.shape), **region)
         if self._pin or self.device.type == "cuda":
             torch.cuda.synchronize()
         self._slots, self.shards = slots, shards
-        self.manifest = Manifest(tuple(specs.values()))
+        manifest = Manifest(tuple(specs.values()))
+        covered &= self.manifest is not None and manifest == self.manifest
+        self.manifest = manifest
         self.rank_bytes = bytes_per_rank(sizes, world)
+        return covered
 
 
 def _part(tensor: torch.Tensor, region: dict) -> torch.Tensor:

@@ -29,6 +29,11 @@ class TensorHubEngineConfig:
     # Rollout: keep serving the version it received to other rollouts until its
     # next update (pipeline replication), so the trainer's link is read once.
     serve: bool = True
+    # "auto": the trainer publishes each step with its delta from the step
+    # before (computed as each tensor is copied over its previous bytes: no
+    # second buffer), and a rollout holding that step pulls only the delta.
+    # "off": every step whole.
+    delta: str = "auto"
     wait_timeout_s: float = 600.0  # rollout: longest wait for the asked step to be published
     unpublish_timeout_s: float = 120.0  # trainer: longest wait for readers of the previous step to drain
     hub: dict[str, Any] = field(default_factory=dict)  # HubConfig fields: connect_timeout_s, chunk_size, labels, ...
@@ -50,6 +55,8 @@ class TensorHubEngineConfig:
         if config.buffer_device not in ("cpu", "cuda"):
             raise ValueError(
                 f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
+        if config.delta not in ("auto", "off"):
+            raise ValueError(f"TensorHubEngineConfig.delta must be 'auto' or 'off', not {config.delta!r}")
         config.server_config()  # a bad server dict fails here, not when the server starts
         return config
 

@@ -40,6 +40,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from tensorhub import Hub, ManifestMismatch, Publication, PullResult, ServerUnavailable, VersionNotFound
+from tensorhub.delta.codec import DeltaEncoder
 from tensorhub.server.ray_actor import resolve_address
 from tensorhub_verl import pull_stats
 from tensorhub_verl.buffer import RankBuffer
@@ -88,6 +89,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self._received: int | None = None
         self._dest: dict[str, torch.Tensor] | None = None
         self._serving: Publication | None = None
+        self.last_pull: PullResult | None = None  # of the last receive_weights (delta_from, read_bytes, ...)
 
     # ------------------------------------------------------------ topology
 
@@ -124,17 +126,25 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         # Before this step is published: only the pulls of the steps before it.
         pulls = await asyncio.to_thread(pull_stats.take, self.config.model) if rank == 0 else []
         start = time.perf_counter()
+        previous = None if self._published is None else self._published.version
         if self._published is not None:
             # The contract: after unpublish returns, no reader touches the buffer.
             await asyncio.to_thread(self._published.unpublish, self.config.unpublish_timeout_s)
             self._published = None
         blocked = time.perf_counter() - start
         allocations = self._buffer.allocations
-        await self._buffer.fill(weights, rank, world)
+        delta = (DeltaEncoder(from_version=previous, to_version=version)
+                 if previous is not None and self.config.delta == "auto" and previous != version else None)
+        covered = await self._buffer.fill(weights, rank, world, delta)
         copied = time.perf_counter() - start - blocked
+        delta_bytes = 0
         if self._buffer.shards:
+            kwargs: dict[str, Any] = {}
+            if delta is not None and covered:
+                kwargs = {"delta_from": previous, "delta": delta.finish()}
+                delta_bytes = kwargs["delta"].nbytes
             self._published = await asyncio.to_thread(self.hub.publish, self.config.model, version,
-                                                      self._buffer.shards, manifest=self._buffer.manifest)
+                                                      self._buffer.shards, manifest=self._buffer.manifest, **kwargs)
         self._next_version = version + 1
         mine = f"tensorhub/rank{rank}"
         metrics = {
@@ -144,6 +154,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             f"{mine}/copy_s": copied,
             f"{mine}/publish_s": time.perf_counter() - start - blocked - copied,
             f"{mine}/buffer_allocations": float(self._buffer.allocations - allocations),
+            f"{mine}/delta_mb": delta_bytes / 2**20,  # its delta from the step before (0: none published)
         }
         if rank == 0:
             model_bytes = self._buffer.manifest.total_bytes
@@ -212,8 +223,11 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             # Our destination is about to be overwritten: stop serving it first.
             self._serving.unpublish(self.config.unpublish_timeout_s)
             self._serving = None
+        # The destination holds the version received last: patched from the
+        # deltas where the trainer published them (delta: auto).
+        have = self._received if self._dest is not None and self.config.delta == "auto" else None
         try:
-            result = self.hub.pull(self.config.model, version, into=self._dest, serve=self.config.serve)
+            result = self.hub.pull(self.config.model, version, into=self._dest, serve=self.config.serve, have=have)
         except ManifestMismatch:
             if self._dest is None:
                 raise
@@ -221,6 +235,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             self._dest = None
             result = self.hub.pull(self.config.model, version, serve=self.config.serve)
         self._dest, self._serving, self._received = result.tensors, result.publication, result.version
+        self.last_pull = result
         return result
 
     # ------------------------------------------------------------ lifecycle

@@ -68,6 +68,12 @@ def _fraction(cls: type, name: str, value: Any) -> float:
     return float(value)
 
 
+def _delta(cls: type, name: str, value: Any) -> str:
+    if value not in ("auto", "off"):
+        raise _fail(cls, name, f"must be 'auto' or 'off', not {value!r}")
+    return value
+
+
 def _hub_config(cls: type, name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _fail(cls, name, f"must be a dict of HubConfig fields, not {value!r}")
@@ -97,12 +103,16 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     # Extra bytes a worker may read (and hold) beyond its read set, as a share of
     # it, to read columns of row-parallel weights as whole rows (readset.ReadSet.coalesced).
     overread: float = 0.2
+    # "auto": a serving worker, whose staging holds the version it runs, pulls
+    # only the next version's deltas from it where the trainer published them
+    # (publish(delta_from=...)); "off": every version whole.
+    delta: Literal["auto", "off"] = "auto"
 
     @classmethod
     def from_dict(cls, values: Any) -> TensorHubInitInfo:
         return cls(**_parse(cls, values, {
             "hub": _text, "model": _text, "serve": _flag, "engine_id": _optional_text,
-            "unpublish_timeout_s": _seconds, "hub_config": _hub_config, "overread": _fraction,
+            "unpublish_timeout_s": _seconds, "hub_config": _hub_config, "overread": _fraction, "delta": _delta,
         }))
 
 

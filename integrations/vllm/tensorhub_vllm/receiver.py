@@ -85,6 +85,7 @@ class VersionReceiver:
         self.read_set = read_set or ReadSet(layout=layout, boxes={}, fallbacks={})
         self.device = torch.device(device)
         self._staging: dict | None = None
+        self._staging_holds: int | None = None  # the version the serving staging holds whole
         self._publication: Publication | None = None
         self.staged: dict | None = None  # what the last receive pulled into
         self._round = 0
@@ -113,8 +114,11 @@ class VersionReceiver:
         if self._staging is None:
             self._staging = self.read_set.allocate(self.device)
         self.staged = self._staging
-        result = self._pull(version, self._staging, serve=True, before_write=withdrawn)
+        have = self._staging_holds if self.info.delta == "auto" else None
+        self._staging_holds = None  # until this pull ends: it writes into the staging
+        result = self._pull(version, self._staging, serve=True, before_write=withdrawn, have=have)
         self._publication = result.publication
+        self._staging_holds = result.version
         return result
 
     def _pull(self, version: int | str, staging: dict, **kwargs) -> PullResult:

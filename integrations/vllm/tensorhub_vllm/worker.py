@@ -56,6 +56,8 @@ class WorkerUpdater:
         self.pull_s = self.apply_s = 0.0  # of the last update
         self.nbytes = 0
         self.bytes_by_source: dict[str, int] = {}
+        self.delta_from: int | None = None  # the last update patched the staging from this version's deltas
+        self.read_bytes = 0
 
     @property
     def version(self) -> int | None:
@@ -75,6 +77,7 @@ class WorkerUpdater:
         self.receiver.version = result.version
         self.nbytes = result.nbytes
         self.bytes_by_source = result.bytes_by_source
+        self.delta_from, self.read_bytes = result.delta_from, result.read_bytes
         log.info("tensorhub: loaded %r version %d (%d bytes; pull %.3fs, apply %.3fs)", self.receiver.info.model,
                  result.version, result.nbytes, self.pull_s, self.apply_s)
         return result.version
