@@ -102,7 +102,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
               f"have a host each): {args.readers + 2}", file=sys.stderr)
         return 2
     cfg = cluster.ClusterBenchConfig(readers=args.readers, size=parse_size(args.size), link=args.link,
-                                     zones=args.zones, zone_link=args.zone_link)
+                                     zones=args.zones, zone_link=args.zone_link, delta=args.delta,
+                                     delta_lr=args.delta_lr)
     cluster.run(cfg, json_path=args.json)
     return 0
 
@@ -278,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "trainer and server in the first; adds cross_zone_bytes")
     cluster.add_argument("--zone-link", default="200mbit", help="the link joining each zone to the first "
                          "(default 200mbit)")
+    cluster.add_argument("--delta", action="store_true", help="also move two versions of a small transformer from "
+                         "real AdamW steps whole and as a delta (rows tensorhub-whole, tensorhub-delta)")
+    cluster.add_argument("--delta-lr", type=float, default=1e-6, help="the learning rate of those steps "
+                         "(default 1e-6)")
     cluster.add_argument("--json", help="write the results here as JSON")
     cluster.set_defaults(func=_bench_cluster)
 

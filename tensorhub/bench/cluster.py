@@ -18,7 +18,11 @@ version moved every way below in the same run:
 
 ``--zones 2 --zone-link 200mbit``: the server, the trainer and every other reader
 (r0, r2, ...) in zone z0; r1, r3, ... in zone z1, behind one slow link. Each row
-then also has ``cross_zone_bytes``: what crossed that link (goal: about one copy).
+then also has ``cross_zone_bytes`` (and the same as ``zone_link_bytes``): what
+crossed that link (goal: about one copy).
+
+``--delta``: the rows of ``bench.cluster_delta`` too: readers holding version u
+of a small transformer trained with AdamW pull v whole, then only its delta.
 
 Per method: ``seconds`` from the first reader's start until every reader holds
 the version, ``trainer_egress_bytes`` (the trainer host's interface counter),
@@ -53,6 +57,8 @@ class ClusterBenchConfig:
     link: str = "1gbit"
     zones: int = 1
     zone_link: str = "200mbit"
+    delta: bool = False  # also the rows of bench.cluster_delta (versions from real AdamW steps)
+    delta_lr: float = 1e-6
 
 
 def _gloo_main(conn: Any, ns: str, rank: int, world: int, addr: str, port: int, size: int) -> None:
@@ -134,7 +140,10 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
             return HubProcess(server.address, name=name, netns=hosts.netns(host), env=ENV, labels=labels, **config)
 
         def crossed(since: int) -> dict[str, int]:
-            return {"cross_zone_bytes": hosts.zone_link_bytes() - since} if zoned else {}
+            if not zoned:
+                return {}
+            n = hosts.zone_link_bytes() - since
+            return {"cross_zone_bytes": n, "zone_link_bytes": n}
 
         trainer = hub("trainer")
         pulls = [hub(name) for name in readers]
@@ -168,6 +177,12 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
             tensorhub("single-unchecked", [unchecked], serve=False)
             tensorhub("tensorhub-no-relay", pulls, serve=False)
             tensorhub("tensorhub", pulls, serve=True)
+            if cfg.delta:
+                from tensorhub.bench.cluster_delta import delta_rows
+
+                rows += delta_rows(trainer=trainer, readers=pulls, size=cfg.size, lr=cfg.delta_lr, chunk_size=CHUNK,
+                                   zone_link_bytes=hosts.zone_link_bytes, trainer_tx=lambda: hosts.tx_bytes("trainer"),
+                                   progress=lambda text: progress.update(task, description=text))
         finally:
             for proc in [*pulls, unchecked, trainer]:
                 proc.close(timeout=15)
@@ -195,12 +210,25 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
         print(f"relay against every reader reading the trainer: TensorHub {ours:.2f}x; raw NIXL with a lag-free "
               f"relay {ceiling:.2f}x (what the links allow; a lone raw copy {seconds['nixl-raw-single']:.2f} s)")
         for row in rows:
-            across = f", {row.extra['cross_zone_bytes'] / size:.2f} copies crossed zones" if zoned else ""
-            stall = row.extra["trainer_stall_seconds"]
-            stalled = ("" if row.method.startswith("nixl-raw") else f", trainer stalled {stall:.2f} s"
-                       f" = {stall / gloo.extra['trainer_stall_seconds']:.2f}x gloo's")
+            across = f", {row.extra['cross_zone_bytes'] / row.bytes:.3f} copies crossed zones" if zoned else ""
+            stall = row.extra.get("trainer_stall_seconds")
+            if "changed_fraction" in row.extra:  # the delta rows: their own versions
+                stalled = f", {row.extra['changed_fraction']:.2%} of the elements changed"
+            elif row.method.startswith("nixl-raw") or stall is None:
+                stalled = ""
+            else:
+                stalled = f", trainer stalled {stall:.2f} s = {stall / gloo.extra['trainer_stall_seconds']:.2f}x gloo's"
             print(f"{row.method:>20}: {row.seconds:.2f} s = {row.seconds / single.seconds:.2f}x single, trainer sent "
                   f"{row.extra['trainer_copies']:.2f} copies{stalled}{across}")
+        whole = next((r for r in rows if r.method == "tensorhub-whole"), None)
+        delta = next((r for r in rows if r.method == "tensorhub-delta"), None)
+        if whole is not None and delta is not None:
+            f = delta.extra["changed_fraction"]
+            print(f"delta: {delta.seconds:.2f} s against {whole.seconds:.2f} s whole "
+                  f"({whole.seconds / delta.seconds:.1f}x); {delta.extra['delta_bytes'] / delta.bytes:.2%} of the "
+                  f"version's bytes, {f:.2%} of its elements changed"
+                  + (f"; the zone link carried {delta.extra['zone_link_bytes'] / delta.bytes:.2%} of them (goal <= "
+                     f"1.5 x {f:.2%} + 2% = {1.5 * f + 0.02:.2%})" if zoned else ""))
     if json_path:
         write_json(json_path, rows, benchmark="cluster", link=cfg.link, readers=cfg.readers, zones=cfg.zones,
                    **({"zone_link": cfg.zone_link} if zoned else {}))

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorhub.chunks import MIN_CHUNK_SIZE
 from tensorhub.delta.codec import Delta, DeltaPart, encode, flat_span, patch
 from tensorhub.errors import InvalidRequest, TensorHubError, VersionNotFound
 from tensorhub.integrity import mismatched_chunks
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TAG = "@delta/"
+# A delta larger than this share of the version's bytes is not published:
+# readers would read as much and patch besides (versions that change whole).
+MAX_DELTA_SHARE = 0.5
 
 
 def delta_model(model: str, from_version: int, key: str) -> str:
@@ -103,6 +107,14 @@ def previous_parts(holdings: Holdings, model: str, from_version: int, parts: Seq
     return [by_key[(p.name, p.region)] for p in parts]
 
 
+def delta_chunk_size(delta: Delta, chunk_size: int) -> int:
+    """A delta is a few percent of its version: cut in the version's chunks it
+    would be one or two, and readers that start together would each take it
+    whole from the publisher instead of relaying it (chunks are what a relay
+    passes on). About 16 chunks, of ``MIN_CHUNK_SIZE`` at least."""
+    return min(chunk_size, max(MIN_CHUNK_SIZE, 1 << max(0, delta.nbytes // 16 - 1).bit_length()))
+
+
 def encode_against(manifest: Manifest, parts: Sequence[Part], previous: Sequence[Part], *, from_version: int,
                    to_version: int) -> Delta:
     """The delta of ``parts`` against ``previous`` (the same regions of the earlier version)."""
@@ -117,10 +129,16 @@ def publish_with_delta(holdings: Holdings, *, model: str, version: int, manifest
     problem = delta.check(from_version, version)
     if problem:
         raise InvalidRequest(f"publish {model!r} version {version}: the delta given: {problem}; nothing was published")
+    nbytes = sum(p.nbytes for p in parts)
+    if delta.nbytes > MAX_DELTA_SHARE * nbytes:
+        # Most of it changed: reading the delta and patching would cost more than reading v.
+        log.info("%r v%d: its delta from v%d is %.0f%% of its bytes: published without it", model, version,
+                 from_version, 100 * delta.nbytes / max(1, nbytes))
+        return holdings.publish(model, version, manifest, parts, chunk_size)
     name = delta_model(model, from_version, holdings.agent_id)
     tensors = delta.tensors()
     dparts = [Part(n, tuple(t.shape), Region(), t) for n, t in tensors.items()]
-    companion = holdings.publish(name, version, Manifest.of(tensors), dparts, chunk_size)
+    companion = holdings.publish(name, version, Manifest.of(tensors), dparts, delta_chunk_size(delta, chunk_size))
     try:
         return holdings.publish(model, version, manifest, parts, chunk_size, deltas=(name,), companions=(companion,))
     except BaseException:

@@ -182,3 +182,13 @@ def test_a_serving_reader_patches_only_after_its_readers_of_u_are_done(hubs, tmp
     assert slow["mismatched"] == [] and slow["version"] == 1  # u stayed u under its reader
     assert got["mismatched"] == [] and got["delta_from"] == 1
     assert got["end"] >= slow["end"]
+
+
+def test_a_version_that_changed_mostly_goes_without_a_delta(hubs):
+    trainer, reader = hubs("trainer"), hubs("reader")
+    _publish(trainer, 1)
+    reader.call("pull", model="m", version=1, specs=SPECS, keep="b")
+    info = trainer.call("publish_step", model="m", version=2, specs=SPECS, seed=SEED, changed=0.9, delta_from=1)
+    assert info["deltas"] == [] and info["delta_bytes"] == 0  # the delta would be about as large as v
+    got = reader.call("pull", model="m", version=2, specs=SPECS, keep="b", have=1, expect_step=(SEED, 0.9))
+    assert got["mismatched"] == [] and got["delta_from"] is None and got["read_bytes"] == FULL
