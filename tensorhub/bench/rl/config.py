@@ -39,6 +39,11 @@ class RLBenchConfig:
     replace_after_s: float = 6.0
     out: str = "bench-results/rl"
     trace: str = ""  # a folder: per-process logs of every pull (tensorhub.bench.rl.trace); empty: off
+    # Each step writes this share of the bytes (1: all of them); and TensorHub's
+    # trainer publishes each version with its delta (keeping a copy of the last
+    # one), rollouts pulling only that where they hold the version before.
+    changed: float = 1.0
+    delta: bool = False
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -50,6 +55,8 @@ class RLBenchConfig:
             raise ValueError(f"hosts {self.hosts!r} is not one of {', '.join(HOSTS)}")
         if self.scenario == "crossdc" and self.hosts != "netns":
             raise ValueError("scenario crossdc needs emulated hosts (hosts=netns, root): zones are links")
+        if not 0 < self.changed <= 1:
+            raise ValueError(f"changed must be in (0, 1], not {self.changed}")
         if self.rollouts < 1 or self.steps < 1 or self.size < 1 << 20:
             raise ValueError("rollouts and steps must be >= 1 and size >= 1MiB")
         if min(self.step_s, self.gen_median_s, self.gen_sigma, self.replace_after_s) < 0:

@@ -50,9 +50,16 @@ def weights(size: int):
     return torch.zeros(size, dtype=torch.uint8)
 
 
-def write_version(buf: Any, version: int) -> None:
-    """The optimizer step, in place: every byte becomes ``version``'s marker."""
-    buf.fill_(marker(version))
+def write_version(buf: Any, version: int, changed: float = 1.0) -> None:
+    """The optimizer step, in place: every byte becomes ``version``'s marker,
+    or only a ``changed`` share of them (every n-th byte), and the sampled ones
+    (``holds``)."""
+    if changed >= 1:
+        buf.fill_(marker(version))
+        return
+    buf[:: max(1, round(1 / changed))] = marker(version)
+    buf[:: 1 << 20] = marker(version)
+    buf[-1] = marker(version)
 
 
 def holds(buf: Any, version: int) -> bool:

@@ -38,7 +38,7 @@ def trainer(events: Any, who: str, place: Any, cfg: Any, world: int, master: str
         dist.broadcast(buf, src=0)  # version 0: everyone starts from it
         report("ready", version=0)
         for version, t1 in proc.trainer_steps(report, cfg, go):
-            proc.write_version(buf, version)
+            proc.write_version(buf, version, cfg.changed)
             t2 = time.monotonic()
             report("begin", what="broadcast")
             dist.broadcast(buf, src=0)

@@ -86,7 +86,7 @@ def trainer(events: Any, who: str, place: Any, cfg: Any, gate: Gate, go: Any, st
         report("ready", version=0, metadata=agent.get_agent_metadata(), addr=buf.data_ptr())
         for version, t1 in proc.trainer_steps(report, cfg, go):
             gate.close_and_drain(proc.WAIT_TIMEOUT_S)
-            proc.write_version(buf, version)
+            proc.write_version(buf, version, cfg.changed)
             gate.open(version)
             t2 = time.monotonic()
             report("stall", t1, t2, version=version, what="drain readers")

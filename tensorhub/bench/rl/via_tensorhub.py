@@ -36,15 +36,22 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
     with proc.reporting(events, who) as report:
         buf = proc.weights(cfg.size)
         proc.write_version(buf, 0)
+        # delta: the last version's bytes, to take the next one's delta against
+        # (published in place, the buffer itself no longer has them)
+        prev = proc.weights(cfg.size) if cfg.delta else None
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size) as hub:
             pub = hub.publish(proc.MODEL, 0, {"w": buf})
             report("ready", version=0)
             for version, t1 in proc.trainer_steps(report, cfg, go):
                 pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)  # the readers of the old version are done
                 t2 = time.monotonic()
-                proc.write_version(buf, version)
+                if prev is not None:
+                    prev.copy_(buf)
+                    report("stall", t2, time.monotonic(), version=version, what="delta copy")
+                proc.write_version(buf, version, cfg.changed)
                 t3 = time.monotonic()
-                pub = hub.publish(proc.MODEL, version, {"w": buf})
+                pub = hub.publish(proc.MODEL, version, {"w": buf}, **(
+                    {"delta_from": version - 1, "previous": {"w": prev}} if prev is not None else {}))
                 t4 = time.monotonic()
                 report("stall", t1, t2, version=version, what="unpublish")
                 report("stall", t3, t4, version=version, what="publish")
@@ -54,15 +61,16 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
             pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)
 
 
-def _pull(hub: Any, version: Any, into: dict) -> tuple[Any, int, list[str]]:
-    """``hub.pull(..., serve=True)`` of ``version()`` (asked again on each try);
-    returns the result, the retries and why each failed."""
+def _pull(hub: Any, version: Any, into: dict, have: int | None = None) -> tuple[Any, int, list[str]]:
+    """``hub.pull(..., serve=True)`` of ``version()`` (asked again on each try;
+    ``have``: the version ``into`` holds); returns the result, the retries and why each failed."""
     from tensorhub.errors import SourceLost, VersionNotFound
 
     failures: list[str] = []
     for retry in range(RETRIES + 1):
         try:
-            return hub.pull(proc.MODEL, version(), into=into, serve=True), retry, failures
+            return hub.pull(proc.MODEL, version(), into=into, serve=True, have=have if retry == 0 else None), \
+                retry, failures
         except (SourceLost, VersionNotFound, KeyError) as e:
             # SourceLost / VersionNotFound: the version was superseded mid-pull and its last
             # holder let it go (retention keeps the latest only): as a real rollout would,
@@ -104,10 +112,11 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
                          chunk_timeout_s=cfg.chunk_timeout_s, reliability="spot" if spot else "reliable") as hub:
             served = None
+            held: int | None = None  # the version ``buf`` holds whole
             newest = (lambda: hub.latest_near(proc.MODEL)) if far else (lambda: hub.latest(proc.MODEL))
 
             def update(what: str) -> int:
-                nonlocal served
+                nonlocal served, held
                 t0 = time.monotonic()
                 report("begin", what=what)
                 if served is not None:
@@ -117,12 +126,14 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
                     version = newest
                 else:
                     version = (lambda: 0) if what == "initial" else (lambda: "latest")
-                result, retries, failures = _pull(hub, version, into)
+                have, held = (held if cfg.delta else None), None  # overwritten from here on
+                result, retries, failures = _pull(hub, version, into, have)
                 t1 = time.monotonic()
-                served = result.publication
+                served, held = result.publication, result.version
                 report.check(buf, result.version)
                 report("stall", t0, t1, version=result.version, what=what, bytes=result.nbytes,
-                       sources=result.bytes_by_source, retries=retries, failures=failures)
+                       sources=result.bytes_by_source, retries=retries, failures=failures,
+                       read_bytes=result.read_bytes, delta_from=result.delta_from)
                 report("hold", t1, t1, version=result.version)
                 return result.version
 
