@@ -68,7 +68,8 @@ _WHOLE_TRIES = 3  # a check that names no culprit failing this often fails the p
 # are still in cache when its CRC runs (the reference machine: 32 MiB L3,
 # 1 MiB L2 per core), large enough that NIXL's cost per READ stays small.
 # Measured there (1 GiB over NIXL shared memory, a READ per piece, its CRC on
-# a helper thread, paired against no CRC, 8 reps): see the README, Integrity.
+# a helper thread, paired against no CRC, 8 reps): `tensorhub bench pull --size 1GiB --reps 12`,
+# its checksum rows (docs/benchmarks.md).
 READ_PIECE_BYTES = 8 << 20
 
 

@@ -8,7 +8,7 @@ refusal reads the same whether the model exists or not.
 
 The token protects the control plane only. The bytes move over NIXL, whose
 transports on CPU (UCX shared memory / CMA, TCP) do not check that the memory
-read is still registered: see README "Security" for what that means.
+read is still registered: see docs/operations/index.md, "Token and TLS", for what that means.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tensorhub.server.auth import check_token
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
-    # Access control (README "Security"): every RPC must carry this shared token;
+    # Access control (docs/operations/index.md, "Token and TLS"): every RPC must carry this shared token;
     # empty: none needed. TLS when both PEM paths are set (certificate chain, key).
     token: str = field(default="", repr=False)
     tls_cert: str = ""

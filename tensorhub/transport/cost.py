@@ -55,7 +55,7 @@ BACKENDS: dict[str, LinkCost] = {
     # here with raw NIXL READs: 262,144 descriptors of 192 bytes in 0.65 s,
     # 65,536 of 64 bytes in 0.17 s, 16,384 of 4 KiB in 53 ms (2.5-2.7 us each);
     # one 64 MiB descriptor in 8.2 ms, one 256 MiB in 66 ms (4-8 GB/s; the
-    # README's 1 GiB pull vs raw NIXL: ~4.5 GB/s).
+    # 1 GiB pull of `tensorhub bench pull --size 1GiB` vs raw NIXL: ~4.5 GB/s).
     "shm": LinkCost("shm", 2.5e-6, 6e9),
     # UCX over TCP (its software-emulated get). Per descriptor measured here over
     # loopback (UCX_TLS=tcp): 16,384 descriptors of 64 bytes in 40 ms, 2.4 us

@@ -48,7 +48,7 @@ def _strategies(victim_agent: str, victim_replica: str):
     """Requests of every method, fields drawn from valid, edge and garbage values.
     The attacker names the victim's replica where it would touch it, never as a
     reader (that is what readers may do), and never the victim's agent id (the
-    shared token authenticates clients, not agent ids: see README Security)."""
+    shared token authenticates clients, not agent ids: see docs/operations/index.md, "Token and TLS")."""
     ids = st.sampled_from([ATTACKER, "attacker-2", "", "bad id", "x" * 200]) | TEXT
     replica_ids = st.sampled_from([victim_replica, f"{ATTACKER}.0", ""]) | TEXT
     own_replicas = st.sampled_from([f"{ATTACKER}.0", f"{ATTACKER}.1"]) | TEXT
@@ -196,7 +196,7 @@ def test_one_agent_cannot_release_or_drop_what_another_reads_or_holds(hub_server
 
 
 def test_documented_limits_are_enforced(hub_server, stub):
-    """README "Limits": oversized messages and manifests are refused with the limit named."""
+    """docs/operations/index.md "Limits": oversized messages and manifests are refused with the limit named."""
     s = stub
     s.RegisterAgent(pb.RegisterAgentRequest(agent_id="big", name="big"), timeout=10)
     cases = [

@@ -1,5 +1,5 @@
 """The benchmark runs end to end on a small model (its figures are in
-integrations/openrlhf/README.md): real ZeRO-3 ranks, each sending its half."""
+docs/integrations/openrlhf.md): real ZeRO-3 ranks, each sending its half."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_manager_flow_on_cpu(tmp_path, build, n_steps):
     if build is tiny_moe_model:  # the checkpoint's per-expert tensors: 2 layers x 8 experts x 3, and 21 others
         assert report["tensors"] == 2 * 8 * 3 + 21, report["tensors"]
     steps = report["steps"]
-    print(json.dumps(report, indent=1))  # the figures of the README's verl row (pytest -s)
+    print(json.dumps(report, indent=1))  # the figures of the verl row of docs/benchmarks.md (pytest -s)
     # every rank keeps a part of every tensor: its slots are allocated at a trainer's first step ...
     assert all(steps[s]["allocations"] == [report["tensors"]] * 2 for s in "14" if s in steps)
     assert all(steps[s]["allocations"] == [0, 0] for s in "235" if s in steps)  # ... and reused

@@ -76,7 +76,7 @@ def test_recipe_left_at_auto_finds_the_server_actor(ray_cluster):
 
 
 def test_launch_command_and_entry_point():
-    """The README's launch command, up to the composed config (``--cfg job``), in
+    """The launch command of docs/integrations/verl.md, up to the composed config (``--cfg job``), in
     a fresh process: ``import verl`` alone must register the backend."""
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto"}
     probe = ("import verl; from verl.checkpoint_engine import CheckpointEngineRegistry as R; "

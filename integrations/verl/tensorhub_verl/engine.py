@@ -17,8 +17,8 @@ No rank holds or sends more than about 1/n of the model: the trainer's egress
 is spread over the n ranks' links. verl 0.9.1 gives a checkpoint engine each
 rank's stream of full tensors (its FSDP engine also has
 ``get_per_tensor_param_shard``, the local shards without the gather, but hands
-the training engine only to its built-in ``delta_sharded`` backend; see the
-README), so each rank copies its rows out of the gathered tensors.
+the training engine only to its built-in ``delta_sharded`` backend; see
+docs/integrations/verl.md), so each rank copies its rows out of the gathered tensors.
 
 There is no process group: ``build_topology`` returns nothing to dispatch and
 ``init_process_group`` has nothing to build, so rollouts can join or leave
