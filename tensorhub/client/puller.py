@@ -26,8 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import zip_longest
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,7 +43,8 @@ from tensorhub.errors import (
     TransferStalled,
     VersionNotFound,
 )
-from tensorhub.planner import choose_sources, relay_share, ring_offset
+from tensorhub.planner import choose_sources, ring_offset
+from tensorhub.schedule import HolderView, Wave, admit, by_turns, next_chunks
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -87,14 +87,6 @@ _DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finis
 _POLL_MAX_S = 2e-3
 _DETECTION_SLACK_S = 0.5  # the transport's failure reaching our poll after its detection fired
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
-# While a wave of readers relays (filling peers exist), a reader keeps at most
-# this many READs in flight from any one complete holder: every reader of the
-# wave shares that holder's link, and the more READs are out on it, the later
-# each lands and can be relayed (raw NIXL with a lag-free relay, three readers
-# on 1 Gbit/s links, ``tensorhub bench cluster --readers 3``: 2.67-2.69 s with
-# one READ per reader on the trainer's link, 2.77-2.83 s with two, 2.97-3.10 s
-# with every slot, its rows ``bench.rawrelay``).
-_ORIGIN_READS_IN_WAVE = 1
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
 # channels are back: until then running out of holders, or a lease refused for
@@ -252,83 +244,22 @@ class PullJob:
         """This pull's chunk order: readers that start together begin at different chunks."""
         return (chunk - self._offset(self.agent_id)) % max(1, self.layout.num_chunks)
 
-    def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False) -> tuple[list[int], bool]:
-        """The chunks of the next round, and whether to ask the server again after it.
-
-        Alone (no other reader filling), all of them; a round stops posting after
-        ``_REFRESH_IDLE_S`` and the server is asked again, so readers that start
-        together (and were not yet registered) find each other early.
-
-        While other readers fill the same version (pipeline replication), a few at
-        a time so the next round sees what landed meanwhile. The chunks only the
-        origin has are shared out like a hash ring (``planner.relay_share``):
-        every filling reader of the zone owns an arc of chunks; a chunk no holder
-        in the zone has is owned by the zone's seeds only. A reader reads what
-        peers of its zone already hold from them, its own chunks from wherever
-        they are, and waits for the others' chunks to land instead of racing them
-        to the origin; after ``_PATIENCE_S`` without a chunk it reads anything
-        from anywhere.
-        """
-        order = sorted(needed, key=self._rotated)
-        peers = [m for m in usable if not m.replica.source.complete]
-        self._origin_cap = 0
-        if not peers:
-            if first and self.landed is not None:
-                # A serving reader's first round: one chunk, then ask again, by
-                # when readers that started with it have registered (else each
-                # would take a few chunks from the origin before seeing the others).
-                return order[:1], True
-            return order, True  # the round stops posting after _REFRESH_IDLE_S (see _read_round)
-        size = 2 * self.in_flight
-        zone = self.labels.zone
-        near = [m for m in peers if m.replica.source.labels.zone == zone]
-        at_peers = self._any_covers(near)
-        relayable = [c for c in order if at_peers[c]]
-        rest = [c for c in order if not at_peers[c]]
-        if time.monotonic() - self._progress_at > _PATIENCE_S:
-            mine = rest
-        else:
-            self._origin_cap = _ORIGIN_READS_IN_WAVE
-            complete = [m for m in usable if m.replica.source.complete]
-            in_zone = self._any_covers([m for m in complete if m.replica.source.labels.zone == zone])
-            upstream = self._upstream(complete, [m for m in peers if m.replica.source.labels.zone != zone])
-            mine = relay_share(
-                rest, self.agent_id, {m.replica.agent_id: self._chunks_of(m) for m in near},
-                num_chunks=self.layout.num_chunks, seeds_per_zone=self.seeds_per_zone,
-                local={c for c in rest if in_zone[c]}, upstream={c for c in rest if upstream[c]},
-            )
-        # While it has chunks of its own share left, a reader gives them their
-        # part of every round (its share of the wave, half its READs at least):
-        # else, once its peers hold more than a round's worth, it reads only from
-        # them, the complete holders' links idle and the wave's new bytes stop
-        # coming in (found by ``tensorhub bench rl``, elastic).
-        own = max(self.in_flight // 2, -(-size // (len(near) + 1)))
-        from_peers = relayable[: size - min(len(mine), own)]
-        self._relayed = set(from_peers)
-        return _alternate(from_peers, mine[: size - len(from_peers)]), True
-
-    def _any_covers(self, holders: list[HolderMap]) -> np.ndarray:
-        """Per chunk: whether one of ``holders`` can give some of it now."""
-        mask = np.zeros(self.layout.num_chunks, bool)
-        for m in holders:
-            mask |= m.covered > 0
-        return mask
-
-    def _upstream(self, complete: list[HolderMap], far: list[HolderMap]) -> np.ndarray:
-        """Per chunk: a filling reader of another zone will hold it, does not yet, and
-        sits in the zone of a complete holder of it (it reads it there, near the origin)."""
-        near_origin: dict[str, np.ndarray] = {}
-        for m in complete:
-            z = m.replica.source.labels.zone
-            near_origin[z] = near_origin.get(z, np.zeros(self.layout.num_chunks, bool)) | (m.covered > 0)
-        mask = np.zeros(self.layout.num_chunks, bool)
-        for m in far:
-            here = near_origin.get(m.replica.source.labels.zone)
-            if here is not None:
-                will = np.zeros(self.layout.num_chunks, bool)
-                will[list(self._chunks_of(m))] = True
-                mask |= here & will & (m.covered == 0)
-        return mask
+    def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False) -> list[int]:
+        """The chunks of the next round (``schedule.next_chunks``, from what each
+        usable holder has and will hold); it sets the round's ``_relayed`` and
+        ``_origin_cap``. A round stops posting after ``_REFRESH_IDLE_S`` and the
+        server is asked again, so readers that start together (and were not yet
+        registered) find each other early; after ``_PATIENCE_S`` without a chunk
+        a reader reads anything from anywhere."""
+        wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
+                    in_flight=self.in_flight, seeds_per_zone=self.seeds_per_zone, first=first,
+                    serving=self.landed is not None,
+                    patience_out=time.monotonic() - self._progress_at > _PATIENCE_S,
+                    holders=[HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
+                                        m.covered > 0, self._chunks_of(m)) for m in usable])
+        batch = next_chunks(sorted(needed, key=self._rotated), wave)
+        self._relayed, self._origin_cap = set(batch.relayed), batch.origin_cap
+        return batch.chunks
 
     def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
         """The chunks of the read set a holder has or will have once it is complete."""
@@ -356,7 +287,7 @@ class PullJob:
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
             in_air = {entry[0] for entry in self._flying}
-            chunks, again = self._batch(needed - in_air, usable, first=stats.rounds == 1)
+            chunks = self._batch(needed - in_air, usable, first=stats.rounds == 1)
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
@@ -408,9 +339,9 @@ class PullJob:
                         raise SourceLost(res.model, res.version, sorted(withdrawn), "sources were withdrawn")
                     continue
             before = len(needed)
-            self._read_round(transfers, maps, needed, excluded, stats, carry=again and len(needed) > len(transfers))
+            self._read_round(transfers, maps, needed, excluded, stats, carry=len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
-            if needed and again:  # who holds what now: peers' chunks landed, readers joined
+            if needed:  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(res, excluded, maps, needed)
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
@@ -533,7 +464,7 @@ class PullJob:
         server is asked who holds what) keeps them, so the links never drain
         between rounds. The flights live on the job (``_flying``)."""
         layout = self.layout
-        todo = iter(_by_turns(transfers))
+        todo = iter(by_turns(transfers, lambda t: t.replica_id))
         deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
         for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
             self._pending[chunk] = len(planned)
@@ -578,9 +509,9 @@ class PullJob:
                 flying.append((chunk, transfer, handle, deadline, replica))
 
         def room(transfer: Transfer) -> bool:
-            if not self._origin_cap or not maps[transfer.replica_id].replica.source.complete:
-                return True
-            return sum(1 for entry in flying if entry[1].replica_id == transfer.replica_id) < self._origin_cap
+            rid = transfer.replica_id
+            return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap,
+                         flying={rid: sum(1 for entry in flying if entry[1].replica_id == rid)})
 
         def take() -> tuple[int, Transfer] | None:
             """The next READ to post: held-back ones first once their holder has room."""
@@ -809,24 +740,3 @@ class PullJob:
             self.rpc.report_lost(self.agent_id, rid, reason)
         except TensorHubError as e:  # the server will expire it anyway
             log.debug("report_lost: %s", e)
-
-
-T = TypeVar("T")
-
-
-def _alternate(*lists: list[T]) -> list[T]:
-    """The lists' items in turns: [a0, b0, a1, b1, b2, ...]."""
-    return [x for group in zip_longest(*lists) for x in group if x is not None]
-
-
-def _by_turns(transfers: dict[int, list[Transfer]]) -> list[tuple[int, Transfer]]:
-    """A round's READs in turns over their sources, each source's in order: a
-    reader's READs in flight spread over the holders it reads from, so it takes
-    its share of several links at once instead of queueing on one of them
-    (found by ``tensorhub bench rl``, elastic: a joiner posted its READs from
-    one peer, then the next, and took half its link)."""
-    queues: dict[str, list[tuple[int, Transfer]]] = {}
-    for chunk, planned in transfers.items():
-        for t in planned:
-            queues.setdefault(t.replica_id, []).append((chunk, t))
-    return _alternate(*queues.values())

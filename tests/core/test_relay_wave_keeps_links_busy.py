@@ -21,12 +21,13 @@ import time
 
 import numpy as np
 
-from tensorhub.client.puller import PullJob, _by_turns
+from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.planner import Source
 from tensorhub.regions import Region
+from tensorhub.schedule import by_turns
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import MemoryRegion
@@ -63,14 +64,14 @@ def test_a_peer_with_nothing_landed_keeps_its_share_and_the_reader_reads_its_own
     job = _job(trainer, ahead, late)
     maps = job._maps(job.resolved.replicas, set())
     assert "late" in maps, "a filling peer with nothing landed was dropped: its share is read by the others"
-    batch, _ = job._batch(set(range(CHUNKS)), list(maps.values()))
+    batch = job._batch(set(range(CHUNKS)), list(maps.values()))
     relayed = [c for c in batch if c < 24]
     own = [c for c in batch if c >= 24]
     assert len(batch) == 2 * IN_FLIGHT and len(relayed) < len(batch)
     assert len(own) >= 2 * IN_FLIGHT // 3, f"{own}: the reader's own share waits while peers' chunks are read"
     # The rest is split three ways: the reader's share of what only the trainer
     # has is about a third (the late peer owns one of the arcs), not a half.
-    mine = job._batch(set(range(24, CHUNKS)), list(maps.values()))[0]
+    mine = job._batch(set(range(24, CHUNKS)), list(maps.values()))
     assert mine and len(mine) <= 24 // 3 + 1
 
 
@@ -79,5 +80,5 @@ def test_a_rounds_reads_take_turns_over_their_sources():
         return Transfer(rid, np.zeros((1, 3), np.uint64), np.zeros((1, 3), np.uint64), CHUNK)
 
     transfers = {0: [t("a")], 1: [t("a")], 2: [t("a")], 3: [t("b")], 4: [t("b")], 5: [t("c")]}
-    order = [(chunk, tr.replica_id) for chunk, tr in _by_turns(transfers)]
+    order = [(chunk, tr.replica_id) for chunk, tr in by_turns(transfers, lambda tr: tr.replica_id)]
     assert order == [(0, "a"), (3, "b"), (5, "c"), (1, "a"), (4, "b"), (2, "a")]

@@ -1,0 +1,114 @@
+"""``tensorhub.schedule``: which chunks a reader reads next, checked over
+generated waves (hypothesis) and a few cases spelled out."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorhub.schedule import ORIGIN_READS_IN_WAVE, Batch, HolderView, Wave, admit, alternate, by_turns, next_chunks
+
+N = 24
+
+
+def _holder(agent: str, zone: str, complete: bool, has: set[int], will: set[int] | None = None) -> HolderView:
+    mask = np.zeros(N, bool)
+    mask[list(has)] = True
+    return HolderView(agent, zone, complete, mask, frozenset(range(N) if will is None else will | has))
+
+
+chunk_sets = st.sets(st.integers(0, N - 1), max_size=N)
+
+
+@st.composite
+def waves(draw):
+    zones = ["z0", "z1"]
+    holders = [_holder("trainer", "z0", True, set(range(N)))]
+    for i in range(draw(st.integers(0, 4))):
+        has = draw(chunk_sets)
+        holders.append(_holder(f"peer{i}", draw(st.sampled_from(zones)), False, has, has | draw(chunk_sets)))
+    order = draw(st.permutations(sorted(draw(chunk_sets))))
+    wave = Wave(me="me", zone=draw(st.sampled_from(zones)), num_chunks=N, in_flight=draw(st.integers(1, 6)),
+                seeds_per_zone=draw(st.integers(1, 2)), first=draw(st.booleans()), serving=draw(st.booleans()),
+                patience_out=draw(st.booleans()), holders=holders)
+    return order, wave
+
+
+@settings(max_examples=400, deadline=None)
+@given(waves())
+def test_a_batch_is_chunks_asked_for_once_each_in_order(case):
+    order, wave = case
+    batch = next_chunks(order, wave)
+    assert len(set(batch.chunks)) == len(batch.chunks)
+    assert set(batch.chunks) <= set(order)
+    position = {c: i for i, c in enumerate(order)}
+    relayed = [c for c in batch.chunks if c in batch.relayed]
+    own = [c for c in batch.chunks if c not in batch.relayed]
+    assert relayed == sorted(relayed, key=position.get) and own == sorted(own, key=position.get)
+    assert batch.relayed <= set(batch.chunks)
+    peers = [h for h in wave.holders if not h.complete]
+    if not peers:  # alone: everything, or one chunk to start a serving reader's first round
+        assert batch == Batch(list(order[:1]) if wave.first and wave.serving else list(order))
+        return
+    assert len(batch.chunks) <= 2 * wave.in_flight
+    near = [h for h in peers if h.zone == wave.zone]
+    for c in batch.relayed:  # taken from a filling peer of its zone that has it now
+        assert any(h.has[c] for h in near)
+    assert batch.origin_cap == (0 if wave.patience_out else ORIGIN_READS_IN_WAVE)
+    rest = [c for c in order if not any(h.has[c] for h in near)]
+    if wave.patience_out:  # from anyone: the chunks no peer has, in order, nothing skipped for want of an owner
+        assert own == rest[:len(own)]
+        assert len(batch.chunks) == min(2 * wave.in_flight, len(order)) or own == rest
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), chunk_sets, st.integers(1, 2))
+def test_in_a_zone_without_the_origin_each_chunk_crosses_once(readers, in_flight, wanted, seeds):
+    """A wave of readers in z1, the trainer in z0, nobody in z1 holding anything
+    yet: every chunk is read from across by exactly one of them (a seed)."""
+    agents = [f"r{i}" for i in range(readers)]
+    order = sorted(wanted)
+    takers: dict[int, list[str]] = {c: [] for c in order}
+    for me in agents:
+        peers = [_holder(a, "z1", False, set()) for a in agents if a != me]
+        wave = Wave(me=me, zone="z1", num_chunks=N, in_flight=N, seeds_per_zone=seeds,
+                    holders=[_holder("trainer", "z0", True, set(range(N))), *peers])
+        for c in next_chunks(order, wave).chunks:
+            takers[c].append(me)
+    if readers == 1:
+        return  # alone: no peers, it reads everything
+    assert all(len(who) == 1 for who in takers.values()), takers
+    seeds_used = {who[0] for who in takers.values()}
+    assert len(seeds_used) <= seeds
+
+
+def test_peers_chunks_come_from_peers_and_the_reader_keeps_reading_its_own():
+    trainer = _holder("trainer", "z0", True, set(range(N)))
+    ahead = _holder("ahead", "z0", False, set(range(12)), set(range(12)))  # it reads the first half only
+    wave = Wave(me="me", zone="z0", num_chunks=N, in_flight=4, holders=[trainer, ahead])
+    batch = next_chunks(list(range(N)), wave)
+    assert batch.relayed and batch.relayed <= set(range(12))
+    assert [c for c in batch.chunks if c >= 12], "its own share waits while only relayed chunks are read"
+    assert batch.origin_cap == 1
+    assert next_chunks(list(range(N)), Wave(me="me", zone="z0", num_chunks=N, in_flight=4, patience_out=True,
+                                             holders=[trainer, ahead])).origin_cap == 0
+
+
+def test_a_far_zones_chunk_on_its_way_to_a_reader_near_the_origin_waits_for_it():
+    """The chunk a reader of the origin's zone will hold (and does not yet):
+    nobody far reads it from the origin; the far zone's seed takes it from that reader."""
+    trainer = _holder("trainer", "z0", True, set(range(N)))
+    near_origin = _holder("near", "z0", False, set(), set(range(N)))
+    wave = Wave(me="far", zone="z1", num_chunks=N, in_flight=N, holders=[trainer, near_origin])
+    assert next_chunks(list(range(N)), wave).chunks == []
+
+
+def test_reads_take_turns_over_holders_and_admit_caps_complete_ones():
+    reads = {0: ["a"], 1: ["a"], 2: ["a"], 3: ["b"], 4: ["b"], 5: ["c"]}
+    assert by_turns(reads, str) == [(0, "a"), (3, "b"), (5, "c"), (1, "a"), (4, "b"), (2, "a")]
+    assert alternate([1, 2, 3], [9]) == [1, 9, 2, 3]
+    assert admit("t", complete=True, flying={"t": 1}, cap=1) is False
+    assert admit("t", complete=True, flying={"t": 0}, cap=1) is True
+    assert admit("p", complete=False, flying={"p": 7}, cap=1) is True  # filling peers are not capped
+    assert admit("t", complete=True, flying={"t": 7}, cap=0) is True  # no cap: alone, or out of patience
