@@ -175,13 +175,18 @@ def _boxes(held: Sequence[tuple[int, Region]], manifest: Manifest) -> dict[int, 
     return out
 
 
+def _wanted(resolved: Resolved, parts: Sequence[Part]) -> dict[int, list]:
+    index, left = resolved.manifest.index(), {}
+    for p in parts:
+        left.setdefault(index[p.name], []).extend(p.region.boxes(tuple(p.full_shape)))
+    return left
+
+
 def covering_deltas(resolved: Resolved, parts: Sequence[Part], from_version: int) -> list[str] | None:
     """Delta models from ``from_version`` whose holders of v cover every
     element of ``parts`` (fewest first, in the server's order of preference), or None."""
-    manifest, index = resolved.manifest, resolved.manifest.index()
-    left: dict[int, list] = {}
-    for p in parts:
-        left.setdefault(index[p.name], []).extend(p.region.boxes(tuple(p.full_shape)))
+    manifest = resolved.manifest
+    left = _wanted(resolved, parts)
     names: list[str] = []
     for replica in resolved.replicas:
         mine = [n for n in replica.deltas if delta_from(n, resolved.model) == from_version]

@@ -13,9 +13,11 @@ something changed, one or more entries:
 
 * *sparse*: the changed elements' offsets in the block (``int16``, read as
   unsigned) and their new values: ``2 + itemsize`` bytes per changed element;
-* *dense*: a contiguous full-tensor range and all its new values, where the
-  publisher's part of the block is contiguous and most of it changed (then
-  sparse would cost more than the values alone).
+* *bitmap*: where the publisher's part of the block is contiguous and more
+  than about 1 in 16 of its elements changed, a bit per element and the changed
+  values (``itemsize + 1/8`` bytes per changed element, plus 1/8 per element);
+* *dense*: a contiguous full-tensor range and all its new values, where most
+  of it changed (then either of the others would cost more than the values).
 
 An unchanged block has no entry: at 2% of bf16 elements changed a delta is
 about 4% of the bytes. Values are raw bits, so patching is exact for every
@@ -25,9 +27,12 @@ The three tensors (a delta is published as a model of its own: ``DELTA_NAMES``):
 
 * ``index``, int64 ``[entries + 1, 7]``: row 0 the header ``(MAGIC, entries,
   positions, value bytes, BLOCK, from_version, to_version)``, then one row per
-  entry: ``(tensor, block, kind, start, count, pos_offset, val_offset)``;
+  entry: ``(tensor, block, kind, start, count, pos_offset, val_offset)``
+  (a bitmap entry: ``count`` elements from ``start``, ``pos_offset`` of them
+  changed, its bits at ``val_offset`` and its values after them, aligned);
 * ``positions``, int16: the sparse entries' offsets, back to back;
-* ``values``, uint8: every entry's new values, each part's aligned to 16 bytes.
+* ``values``, uint8: every entry's new values (and bitmaps), aligned to 16 bytes
+  wherever an itemsize could change.
 
 Nothing here does I/O; ``tensorhub.client.delta`` publishes and pulls deltas.
 """
@@ -52,7 +57,8 @@ _ALIGN = 16
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # index columns
 TENSOR, BLK, KIND, START, COUNT, POS, VAL = range(7)
-SPARSE, DENSE = 0, 1
+SPARSE, DENSE, BITMAP = 0, 1, 2
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # bit i of a byte: element i
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,11 +231,16 @@ def _encode_piece(out: _Builder, ti: int, part: DeltaPart, span: tuple[int, int]
     isz = new.element_size()
     uniq_c, counts_c = uniq.cpu().numpy(), counts.cpu().numpy()
     dense = np.zeros(len(uniq_c), bool)
-    if span is not None:  # a contiguous part of a block may go whole
+    bitmap = np.zeros(len(uniq_c), bool)
+    if span is not None:  # a contiguous part of a block may go whole, or as a bitmap and its values
         first, last = span[0] + lo, span[0] + hi
         portion = np.minimum((uniq_c + 1) * BLOCK, last) - np.maximum(uniq_c * BLOCK, first)
-        dense = counts_c * (2 + isz) >= portion * isz
-    sparse_entry = ~dense
+        cost_sparse = counts_c * (2 + isz)
+        cost_bitmap = -(-portion // 8) + _ALIGN + counts_c * isz
+        cost_dense = portion * isz
+        dense = cost_dense <= np.minimum(cost_sparse, cost_bitmap)
+        bitmap = ~dense & (cost_bitmap < cost_sparse)
+    sparse_entry = ~dense & ~bitmap
     if sparse_entry.any():
         keep = torch.repeat_interleave(torch.from_numpy(sparse_entry).to(out.device), counts)
         sel_full, sel_local = full[keep], local[keep]
@@ -242,12 +253,24 @@ def _encode_piece(out: _Builder, ti: int, part: DeltaPart, span: tuple[int, int]
         rows[:, TENSOR], rows[:, BLK], rows[:, KIND], rows[:, START] = ti, uniq_c[sparse_entry], SPARSE, -1
         rows[:, COUNT], rows[:, POS], rows[:, VAL] = sc, pos_at + before, val_at + before * isz
         out.rows.append(rows)
-    for k in np.flatnonzero(dense):
+    for k in np.flatnonzero(dense | bitmap):
         assert span is not None
         a = max(int(uniq_c[k]) * BLOCK, span[0] + lo)
         b = min((int(uniq_c[k]) + 1) * BLOCK, span[0] + hi)
-        val_at = out.add_values(new[a - span[0]:b - span[0]])
-        out.rows.append(np.array([[ti, uniq_c[k], DENSE, a, b - a, -1, val_at]], np.int64))
+        if dense[k]:
+            val_at = out.add_values(new[a - span[0]:b - span[0]])
+            out.rows.append(np.array([[ti, uniq_c[k], DENSE, a, b - a, -1, val_at]], np.int64))
+            continue
+        # BITMAP: a bit per element of [a, b) (set: changed), then the changed values in order
+        changed_here = local[(local >= a - span[0]) & (local < b - span[0])]
+        flags = torch.zeros(-(-(b - a) // 8) * 8, dtype=torch.uint8, device=out.device)
+        flags[changed_here - (a - span[0])] = 1
+        packed = (flags.view(-1, 8) * _BIT_WEIGHTS.to(out.device)).sum(dim=1).to(torch.uint8)
+        bits_at = out.add_values(packed)
+        out.align()
+        out.add_values(new[changed_here])
+        out.rows.append(np.array([[ti, uniq_c[k], BITMAP, a, b - a, len(changed_here), bits_at]], np.int64))
+    out.align()  # values of the next entries start aligned to every itemsize again
 
 
 class DeltaEncoder:
@@ -363,5 +386,18 @@ def _patch_part(delta: Delta, rows: np.ndarray, part: DeltaPart) -> int:
         full = torch.arange(a, a + n, device=device)
         mask, local = full_to_local(full, part.region, part.full_shape)
         dest[local[mask]] = typed[at:at + n][mask]
+        written += int(mask.sum())
+    for row in rows[rows[:, KIND] == BITMAP]:
+        a, n, count, at = int(row[START]), int(row[COUNT]), int(row[POS]), int(row[VAL])
+        nbits = -(-n // 8)
+        packed = values[at:at + nbits]
+        flags = (packed.unsqueeze(1) & _BIT_WEIGHTS.to(device)).ne(0).reshape(-1)[:n]
+        full = torch.nonzero(flags).reshape(-1) + a
+        vals_at = (at + nbits + _pad(at + nbits)) // isz
+        vals = typed[vals_at:vals_at + count]
+        if full.numel() != count:
+            raise InvalidRequest(f"a delta's bitmap entry lists {full.numel()} changes, its row {count}")
+        mask, local = full_to_local(full, part.region, part.full_shape)
+        dest[local[mask]] = vals[mask]
         written += int(mask.sum())
     return written

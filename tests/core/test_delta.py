@@ -31,7 +31,7 @@ def _versions(dtype: torch.dtype, density: str, seed: int = 0) -> tuple[torch.Te
     if density == "all":
         new = (old.to(torch.float64) + 1).to(dtype)
     else:
-        fraction = {"none": 0.0, "sparse": 0.02, "half": 0.5}[density]
+        fraction = {"none": 0.0, "sparse": 0.02, "tenth": 0.1, "half": 0.5}[density]
         mask = torch.rand(SHAPE, generator=gen) < fraction
         if density == "half":  # and rows that changed whole: dense entries beside sparse ones
             mask[50:120] = True
@@ -44,7 +44,7 @@ def _part(region: Region, full: torch.Tensor) -> DeltaPart:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("density", ["none", "sparse", "half", "all"])
+@pytest.mark.parametrize("density", ["none", "sparse", "tenth", "half", "all"])
 def test_patch_is_byte_exact_for_every_publisher_and_reader_layout(dtype, density):
     old, new = _versions(dtype, density)
     for (pname, preg), (rname, rreg) in itertools.product(REGIONS.items(), REGIONS.items()):
@@ -71,6 +71,9 @@ def test_sizes_follow_the_changed_elements():
     assert sparse.nbytes <= 0.05 * whole  # 2% changed: 4 bytes each, plus the index
     none = encode([_part(Region(), old)], [_part(Region(), old)], from_version=0, to_version=1)
     assert none.nbytes < 200  # a header and padding
+    old, new = _versions(torch.bfloat16, "tenth")  # bitmaps: 1/8 byte per element beside the values
+    tenth = encode([_part(Region(), new)], [_part(Region(), old)], from_version=0, to_version=1)
+    assert set(tenth.index[1:, 2].tolist()) == {2} and tenth.nbytes <= (0.1 + 1 / 16 + 0.005) * whole
     old, new = _versions(torch.bfloat16, "all")
     dense = encode([_part(Region(), new)], [_part(Region(), old)], from_version=0, to_version=1)
     assert whole <= dense.nbytes <= whole + 4 * 56 + 200  # every block whole: values plus one index row each
