@@ -231,6 +231,12 @@ def run(cfg: RLBenchConfig, *, live: bool = True, console: Console | None = None
                 Path(cfg.trace).mkdir(parents=True, exist_ok=True)  # no process of a baseline made it
                 Path(cfg.trace, f"{method}-events.json").write_text(json.dumps(events, default=str))
             row = metrics.summarize(cfg.scenario, method, events, cfg.params(), carried)
+            if method == "tensorhub" and cfg.scenario == "elastic":
+                # the joins against one joiner alone on the same hosts (what the links allow it)
+                row["lone_copy_s"] = round(via_tensorhub.lone_copy_s(cfg, where), 3)
+                row["update_vs_lone"] = round(row["update_s"] / row["lone_copy_s"], 3) if row["lone_copy_s"] else None
+                console.print(f"a lone copy on the same hosts: {row['lone_copy_s']:.2f} s; the joins took "
+                              f"{row['update_vs_lone']}x that (goal <= 1.15x)")
             rows.append(row)
             console.print(outputs.one_line(row, cfg.metric))
     paths = outputs.write_all(cfg, rows)

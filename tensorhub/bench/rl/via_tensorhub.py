@@ -206,3 +206,28 @@ def seed(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, sto
                 except VersionNotFound:  # none newer yet, or the newer ones went before it got them
                     continue
             report("done")
+
+
+def lone_copy_s(cfg: Any, where: dict, reps: int = 3) -> float:
+    """What one joiner alone takes to pull a version on the same hosts: the
+    trainer's host publishes it, rollout slot r0's host pulls it, nothing else
+    runs (the elastic scenario's joins are compared with it). Median of ``reps``."""
+    from tensorhub.testing import HubProcess, ServerProcess
+
+    server_place, trainer_place, joiner_place = where["server"], where["trainer"], where["r0"]
+    specs = [("w", "uint8", (cfg.size,))]
+    with ServerProcess(host=server_place.addr, netns=server_place.netns, retain=0,
+                       lease_ttl_s=cfg.lease_ttl_s) as server, \
+            HubProcess(server.address, name="lone-trainer", netns=trainer_place.netns, env=trainer_place.env,
+                       labels=trainer_place.labels, chunk_size=cfg.chunk_size) as trainer, \
+            HubProcess(server.address, name="lone-joiner", netns=joiner_place.netns, env=joiner_place.env,
+                       labels=joiner_place.labels, chunk_timeout_s=cfg.chunk_timeout_s) as joiner:
+        trainer.call("publish", model=proc.MODEL, version=1, specs=specs, seed=1, chunk_size=cfg.chunk_size)
+        seconds = []
+        for _ in range(reps):
+            got = joiner.call("pull", model=proc.MODEL, version=1, specs=specs, expect_seed=1, timeout=300)
+            if got["mismatched"]:
+                raise RuntimeError("the lone copy received wrong bytes")
+            seconds.append(got["end"] - got["start"])
+        trainer.call("unpublish", model=proc.MODEL, version=1)
+    return sorted(seconds)[len(seconds) // 2]
