@@ -78,8 +78,8 @@ class Transport(Protocol):
     def forget(self, key: str) -> None: ...
 
 
-_REPORT_PERIOD_S = 0.05
-_REFRESH_IDLE_S = 0.2  # a round posts READs this long, then the pull asks again who holds what
+_REPORT_PERIOD_S = 0.02
+_REFRESH_IDLE_S = 0.05  # a round posts READs this long, then the pull asks again who holds what
 _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
