@@ -78,8 +78,12 @@ class Transport(Protocol):
     def forget(self, key: str) -> None: ...
 
 
+# A round posts READs this long, then the pull asks again who holds what; a
+# serving pull reports its landed chunks this often. How soon relaying readers
+# see each other's chunks: 0.2 s / 50 ms took 1.16x a lag-free raw relay,
+# 0.05 s / 20 ms 1.05x (``tensorhub bench cluster --readers 3``, docs/history/cluster.md).
 _REPORT_PERIOD_S = 0.02
-_REFRESH_IDLE_S = 0.05  # a round posts READs this long, then the pull asks again who holds what
+_REFRESH_IDLE_S = 0.05
 _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
