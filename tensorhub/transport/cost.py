@@ -23,8 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 # A strided copy out of a scratch buffer (numpy, one core), in bytes of its
-# destination per second: 48 MiB cut as 262,144 rows of 192 bytes out of
-# 1,536-byte rows took 6.0-6.6 ms here (numpy and torch alike), ~8 GB/s.
+# destination per second: about 8 GB/s (measured: docs/history/transport-costs.md).
 CUT_BANDWIDTH = 8e9
 
 
@@ -51,15 +50,12 @@ class LinkCost:
 
 
 BACKENDS: dict[str, LinkCost] = {
-    # UCX over shared memory (CMA: one process_vm_readv per descriptor), measured
-    # here with raw NIXL READs: 262,144 descriptors of 192 bytes in 0.65 s,
-    # 65,536 of 64 bytes in 0.17 s, 16,384 of 4 KiB in 53 ms (2.5-2.7 us each);
-    # one 64 MiB descriptor in 8.2 ms, one 256 MiB in 66 ms (4-8 GB/s; the
-    # 1 GiB pull of `tensorhub bench pull --size 1GiB` vs raw NIXL: ~4.5 GB/s).
+    # UCX over shared memory (CMA: one process_vm_readv per descriptor): about
+    # 2.5 us per descriptor and 4-8 GB/s, measured with raw NIXL READs
+    # (docs/history/transport-costs.md).
     "shm": LinkCost("shm", 2.5e-6, 6e9),
-    # UCX over TCP (its software-emulated get). Per descriptor measured here over
-    # loopback (UCX_TLS=tcp): 16,384 descriptors of 64 bytes in 40 ms, 2.4 us
-    # each; loopback moved 0.82 GB/s. The bandwidth is a 10 Gbit/s NIC's: a
+    # UCX over TCP (its software-emulated get): 2.4 us per descriptor over
+    # loopback (docs/history/transport-costs.md). The bandwidth is a 10 Gbit/s NIC's: a
     # slower link (``bench cluster``'s 1 Gbit/s) makes wide reads costlier
     # still, so this errs towards exact runs.
     "tcp": LinkCost("tcp", 2.4e-6, 1.25e9),

@@ -34,9 +34,8 @@ from tensorhub_vllm.views import BoxView, contains, merge_boxes, widening
 log = logging.getLogger(__name__)
 
 # A gap between two runs of a box wider than this costs more to read than the
-# READ descriptor it saves. Measured with NIXL/UCX over shared memory (CMA) on
-# a 2-core x86 host: 3.5 us per descriptor whatever its size up to 4 KiB, and
-# 5 GB/s, so a descriptor costs about as much as 17 KB of bytes.
+# READ descriptor it saves: over shared memory a descriptor costs about as much
+# as 17 KB of bytes (measured: docs/history/transport-costs.md).
 MAX_GAP_BYTES = 16 << 10
 # Staging tensors start at multiples of this in their shared buffer: aligned for
 # any dtype and for vectorised copies (a cache line).
