@@ -94,16 +94,36 @@ def _bench_pull_moe(args: argparse.Namespace) -> int:
 
 
 def _bench_cluster(args: argparse.Namespace) -> int:
-    from tensorhub.bench import cluster
+    from tensorhub.bench import cluster, cluster_sweep
     from tensorhub.bench.payload import parse_size
 
-    if args.hosts is not None and args.hosts != args.readers + 2:
-        print(f"tensorhub bench cluster: --hosts {args.hosts} must be --readers + 2 (the server and the trainer "
-              f"have a host each): {args.readers + 2}", file=sys.stderr)
+    try:
+        counts = cluster_sweep.parse_readers(args.readers)
+    except ValueError as e:
+        print(f"tensorhub bench cluster: {e}", file=sys.stderr)
         return 2
-    cfg = cluster.ClusterBenchConfig(readers=args.readers, size=parse_size(args.size), link=args.link,
-                                     zones=args.zones, zone_link=args.zone_link, delta=args.delta,
-                                     delta_lr=args.delta_lr)
+    if args.hosts is not None and args.hosts != max(counts) + 2:
+        print(f"tensorhub bench cluster: --hosts {args.hosts} must be the most --readers + 2 (the server and the "
+              f"trainer have a host each): {max(counts) + 2}", file=sys.stderr)
+        return 2
+    sweep = len(counts) > 1
+    if sweep and (args.zones != 1 or args.delta):
+        print("tensorhub bench cluster: a list of reader counts takes neither --zones nor --delta", file=sys.stderr)
+        return 2
+    if not sweep and args.plot:
+        print("tensorhub bench cluster: --plot needs a list of reader counts (--readers 1,2,4,8,16)", file=sys.stderr)
+        return 2
+    size = parse_size(args.size) if args.size else None
+    chunk = parse_size(args.chunk_size) if args.chunk_size else None
+    if sweep:
+        cluster_sweep.run(cluster_sweep.SweepConfig(readers=counts, size=size or cluster_sweep.DEFAULT_SIZE,
+                                                    link=args.link or cluster_sweep.DEFAULT_LINK,
+                                                    chunk=chunk or cluster_sweep.DEFAULT_CHUNK),
+                          json_path=args.json, plot_to=args.plot)
+        return 0
+    cfg = cluster.ClusterBenchConfig(readers=counts[0], size=size or 256 << 20, link=args.link or "1gbit",
+                                     chunk=chunk or cluster.CHUNK, zones=args.zones, zone_link=args.zone_link,
+                                     delta=args.delta, delta_lr=args.delta_lr)
     cluster.run(cfg, json_path=args.json)
     return 0
 
@@ -271,10 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster = bench_sub.add_parser("cluster", help="1 trainer and R readers on emulated hosts (netns + tc, needs "
                                    "root): TensorHub with and without relay vs a gloo broadcast")
-    cluster.add_argument("--readers", type=int, default=4, help="reader hosts (default 4)")
-    cluster.add_argument("--size", default="256MiB", help="bytes per version (default 256MiB)")
-    cluster.add_argument("--link", default="1gbit", help="every host's link rate, as tc writes it (default 1gbit)")
-    cluster.add_argument("--hosts", type=int, help="emulated hosts in all: --readers + 2 (a check; the default)")
+    cluster.add_argument("--readers", default="4", help="reader hosts (default 4), or a list of reader counts "
+                         "(1,2,4,8,16): every count in one run on the hosts of the largest, and a plot")
+    cluster.add_argument("--size", help="bytes per version (default 256MiB; 64MiB with a list of --readers)")
+    cluster.add_argument("--link", help="every host's link rate, as tc writes it (default 1gbit; 100mbit with a "
+                         "list of --readers)")
+    cluster.add_argument("--chunk-size", help="the version's chunk, also the raw rows' READ (default 4MiB; 1MiB "
+                         "with a list of --readers)")
+    cluster.add_argument("--hosts", type=int, help="emulated hosts in all: the most --readers + 2 (a check; the "
+                         "default)")
     cluster.add_argument("--zones", type=int, default=1, help="zones (default 1); readers go round-robin, the "
                          "trainer and server in the first; adds cross_zone_bytes")
     cluster.add_argument("--zone-link", default="200mbit", help="the link joining each zone to the first "
@@ -283,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "real AdamW steps whole and as a delta (rows tensorhub-whole, tensorhub-delta)")
     cluster.add_argument("--delta-lr", type=float, default=1e-6, help="the learning rate of those steps "
                          "(default 1e-6)")
-    cluster.add_argument("--json", help="write the results here as JSON")
+    cluster.add_argument("--json", help="write the results here as JSON (with a list of --readers, the plot "
+                         "beside it: .png)")
+    cluster.add_argument("--plot", help="with a list of --readers: write the plot here (default: beside --json)")
     cluster.set_defaults(func=_bench_cluster)
 
     rl = bench_sub.add_parser("rl", help="an RL loop (trainer steps, rollouts with stragglers) on emulated hosts: "

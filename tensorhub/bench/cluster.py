@@ -24,6 +24,9 @@ crossed that link (goal: about one copy).
 ``--delta``: the rows of ``bench.cluster_delta`` too: readers holding version u
 of a small transformer trained with AdamW pull v whole, then only its delta.
 
+``--readers 1,2,4,8,16`` (a list): the sweep of ``bench.cluster_sweep``, every
+reader count on one set of hosts, and a plot.
+
 Per method: ``seconds`` from the first reader's start until every reader holds
 the version, ``trainer_egress_bytes`` (the trainer host's interface counter),
 ``trainer_stall_seconds`` (TensorHub: the trainer publishes and unpublishes at
@@ -36,14 +39,18 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress
 
 from tensorhub import netns, processes
 from tensorhub.bench import children
 from tensorhub.bench.report import Row, print_table, write_json
+
+if TYPE_CHECKING:
+    from tensorhub.bench.rawrelay import RawCluster
 
 MODEL = "bench/cluster"
 CHUNK = 4 << 20
@@ -57,6 +64,7 @@ class ClusterBenchConfig:
     link: str = "1gbit"
     zones: int = 1
     zone_link: str = "200mbit"
+    chunk: int = CHUNK  # TensorHub's chunk and the raw rows' READ size
     delta: bool = False  # also the rows of bench.cluster_delta (versions from real AdamW steps)
     delta_lr: float = 1e-6
 
@@ -77,41 +85,104 @@ def _gloo_main(conn: Any, ns: str, rank: int, world: int, addr: str, port: int, 
     dist.destroy_process_group()
 
 
-def _gloo(hosts: netns.Hosts, names: list[str], size: int) -> tuple[float, float, bool]:
+def _gloo(hosts: netns.Hosts, names: list[str], size: int, *, port_offset: int = 0,
+          timeout_s: float = 300) -> tuple[float, float, bool]:
+    """One gloo broadcast from ``names[0]`` to the others; ``port_offset``: a run
+    of its own after another (no wait for the last one's port)."""
     ctx = processes.context()
-    port = 29500 + os.getpid() % 1000
+    port = 29500 + (os.getpid() + port_offset) % 1000
     conns, procs = children.start(ctx, _gloo_main, [(hosts.netns(name), rank, len(names), hosts.addr(names[0]),
                                                      port, size) for rank, name in enumerate(names)])
-    results = children.receive(conns, 300, "a gloo broadcast process did not finish")
+    results = children.receive(conns, timeout_s, "a gloo broadcast process did not finish")
     for proc in procs:
         proc.join(timeout=30)
     starts, ends, oks = zip(*results)
     return max(ends) - min(starts), ends[0] - starts[0], all(oks)
 
 
-def _raw_rows(hosts: netns.Hosts, readers: list[str], size: int, crossed: Any, progress: Progress,
-              task: Any) -> list[Row]:
-    """The raw NIXL rows (``bench.rawrelay``) on the same emulated hosts."""
-    from tensorhub.bench.rawrelay import METHODS, Place, RawCluster
+def raw_cluster(hosts: netns.Hosts, readers: list[str], size: int, chunk: int) -> RawCluster:
+    """Raw NIXL agents (``bench.rawrelay``) on the trainer's and the readers' hosts."""
+    from tensorhub.bench.rawrelay import Place, RawCluster
 
     env = tuple(ENV.items())
+    return RawCluster(Place(hosts.netns("trainer"), env), [Place(hosts.netns(r), env) for r in readers], size,
+                      chunk)
+
+
+def raw_row(hosts: netns.Hosts, raw: RawCluster, method: str, readers: int | None, size: int,
+            crossed: Callable[[int], dict[str, int]], **run: Any) -> Row:
+    """One raw NIXL run by the first ``readers`` readers (None: all), as a row."""
+    sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
+    got = raw.run(method, readers, **run)
+    egress = hosts.tx_bytes("trainer") - sent
+    if not got.ok:
+        raise RuntimeError(f"{method}: a reader received wrong bytes")
+    return Row.of(method, got.readers, size, [got.seconds], trainer_egress_bytes=egress,
+                  trainer_stall_seconds=0.0, trainer_copies=round(egress / size, 2),
+                  trainer_read_copies=round(got.trainer_bytes / size, 2),
+                  reader_seconds=[round(s, 3) for s in got.per_reader_s], **crossed(zone_sent))
+
+
+def _raw_rows(hosts: netns.Hosts, readers: list[str], size: int, chunk: int, crossed: Callable[[int], dict[str, int]],
+              progress: Progress, task: Any) -> list[Row]:
+    """The raw NIXL rows (``bench.rawrelay``) on the same emulated hosts."""
+    from tensorhub.bench.rawrelay import METHODS
+
     rows = []
     progress.update(task, description="raw NIXL: starting agents")
-    with RawCluster(Place(hosts.netns("trainer"), env), [Place(hosts.netns(r), env) for r in readers], size,
-                    CHUNK) as raw:
+    with raw_cluster(hosts, readers, size, chunk) as raw:
         for method in METHODS:
             progress.update(task, description=f"{method}: raw NIXL, no server")
-            sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
-            got = raw.run(method, 1 if method == "nixl-raw-single" else None)
-            egress = hosts.tx_bytes("trainer") - sent
-            if not got.ok:
-                raise RuntimeError(f"{method}: a reader received wrong bytes")
-            rows.append(Row.of(method, got.readers, size, [got.seconds], trainer_egress_bytes=egress,
-                               trainer_stall_seconds=0.0, trainer_copies=round(egress / size, 2),
-                               trainer_read_copies=round(got.trainer_bytes / size, 2),
-                               reader_seconds=[round(s, 3) for s in got.per_reader_s], **crossed(zone_sent)))
+            rows.append(raw_row(hosts, raw, method, 1 if method == "nixl-raw-single" else None, size, crossed))
             progress.advance(task)
     return rows
+
+
+def gloo_row(hosts: netns.Hosts, readers: list[str], size: int, crossed: Callable[[int], dict[str, int]],
+             **run: Any) -> Row:
+    """A gloo broadcast from the trainer to ``readers``, as a row."""
+    sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
+    seconds, stall, ok = _gloo(hosts, ["trainer", *readers], size, **run)
+    egress = hosts.tx_bytes("trainer") - sent
+    if not ok:
+        raise RuntimeError("gloo broadcast delivered wrong bytes")
+    return Row.of("gloo-broadcast", len(readers), size, [seconds], trainer_egress_bytes=egress,
+                  trainer_stall_seconds=stall, trainer_copies=round(egress / size, 2), **crossed(zone_sent))
+
+
+@dataclass(kw_only=True, slots=True)
+class Pulled:
+    """One version pulled by a group of readers together (``pull_together``)."""
+
+    got: list[dict]  # each reader's pull result (tensorhub.testing._pull)
+    egress: int  # bytes the trainer host sent
+    stall: float  # the trainer's unpublish, seconds
+    zone_sent: int  # hosts.zone_link_bytes() before the pulls
+
+    @property
+    def seconds(self) -> float:
+        """The first reader's start until every reader is done."""
+        return max(g["end"] for g in self.got) - min(g["start"] for g in self.got)
+
+
+def pull_together(hosts: netns.Hosts, trainer: Any, group: list[Any], *, version: int, specs: list, chunk: int,
+                  serve: bool, method: str, timeout_s: float = 300) -> Pulled:
+    """The trainer publishes ``version`` (seeded with its number) and unpublishes
+    it at once; every reader of ``group`` (HubProcess) pulls it, serving what
+    lands when ``serve``, and unpublishes its copy after."""
+    trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=chunk)
+    sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
+    for reader in group:
+        reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version)
+    stall = trainer.call("unpublish", model=MODEL, version=version, timeout=timeout_s)
+    got = [reader.result(timeout=timeout_s) for reader in group]
+    egress = hosts.tx_bytes("trainer") - sent
+    if any(g["mismatched"] for g in got):
+        raise RuntimeError(f"{method}: a reader received wrong bytes")
+    if serve:
+        for reader in group:
+            reader.call("unpublish", model=MODEL, version=version)
+    return Pulled(got=got, egress=egress, stall=stall["end"] - stall["start"], zone_sent=zone_sent)
 
 
 def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
@@ -155,22 +226,11 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
                 nonlocal version
                 version += 1
                 progress.update(task, description=f"{method}: {len(group)} reader(s)")
-                trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=CHUNK)
-                sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
-                for reader in group:
-                    reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version)
-                stall = trainer.call("unpublish", model=MODEL, version=version, timeout=300)
-                got = [reader.result(timeout=300) for reader in group]
-                egress = hosts.tx_bytes("trainer") - sent
-                if any(g["mismatched"] for g in got):
-                    raise RuntimeError(f"{method}: a reader received wrong bytes")
-                if serve:
-                    for reader in group:
-                        reader.call("unpublish", model=MODEL, version=version)
-                seconds = max(g["end"] for g in got) - min(g["start"] for g in got)
-                rows.append(Row.of(method, len(group), size, [seconds], trainer_egress_bytes=egress,
-                                   trainer_stall_seconds=stall["end"] - stall["start"],
-                                   trainer_copies=round(egress / size, 2), **crossed(zone_sent)))
+                moved = pull_together(hosts, trainer, group, version=version, specs=specs, chunk=cfg.chunk,
+                                      serve=serve, method=method)
+                rows.append(Row.of(method, len(group), size, [moved.seconds], trainer_egress_bytes=moved.egress,
+                                   trainer_stall_seconds=moved.stall, trainer_copies=round(moved.egress / size, 2),
+                                   **crossed(moved.zone_sent)))
                 progress.advance(task)
 
             tensorhub("single", pulls[:1], serve=False)
@@ -180,21 +240,15 @@ def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = 
             if cfg.delta:
                 from tensorhub.bench.cluster_delta import delta_rows
 
-                rows += delta_rows(trainer=trainer, readers=pulls, size=cfg.size, lr=cfg.delta_lr, chunk_size=CHUNK,
+                rows += delta_rows(trainer=trainer, readers=pulls, size=cfg.size, lr=cfg.delta_lr, chunk_size=cfg.chunk,
                                    zone_link_bytes=hosts.zone_link_bytes, trainer_tx=lambda: hosts.tx_bytes("trainer"),
                                    progress=lambda text: progress.update(task, description=text))
         finally:
             for proc in [*pulls, unchecked, trainer]:
                 proc.close(timeout=15)
-        rows += _raw_rows(hosts, readers, size, crossed, progress, task)
+        rows += _raw_rows(hosts, readers, size, cfg.chunk, crossed, progress, task)
         progress.update(task, description=f"gloo-broadcast: {cfg.readers} reader(s)")
-        sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
-        seconds, stall, ok = _gloo(hosts, ["trainer", *readers], size)
-        egress = hosts.tx_bytes("trainer") - sent
-        if not ok:
-            raise RuntimeError("gloo broadcast delivered wrong bytes")
-        rows.append(Row.of("gloo-broadcast", cfg.readers, size, [seconds], trainer_egress_bytes=egress,
-                           trainer_stall_seconds=stall, trainer_copies=round(egress / size, 2), **crossed(zone_sent)))
+        rows.append(gloo_row(hosts, readers, size, crossed))
     if not quiet:
         where = f", {cfg.zones} zones joined by {cfg.zone_link}" if zoned else ""
         print_table(f"{size:,} bytes to {cfg.readers} reader(s) on emulated hosts, links {cfg.link}{where}", rows,

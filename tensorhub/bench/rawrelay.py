@@ -6,8 +6,8 @@ what the links allow beside them, in the same run.
   alone (a lone copy: the least any reader's update can take);
 * ``nixl-raw-all``: every reader READs the whole version from the trainer at
   once (the elastic scenario's ``p2p``: one copy per reader over the trainer's link);
-* ``nixl-raw-relay``: reader ``i`` of ``R`` READs the chunks ``c`` with
-  ``c % R == i`` from the trainer, and every other chunk from the reader that
+* ``nixl-raw-relay``: reader ``i`` of the ``R`` in the run (the first ``R``
+  of the cluster's readers) READs the chunks ``c`` with ``c % R == i`` from the trainer, and every other chunk from the reader that
   READ it, as soon as that reader has it. Who has what is a bitmap in shared
   memory that every reader sees at once: a relay with no lag at all (no check,
   no report, no resolve), on a fixed schedule (``next_reads``). Its time
@@ -123,13 +123,14 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
             raise RuntimeError(f"raw NIXL READ of chunk {c} failed when posted")
         return handle
 
-    def run(method: str, in_flight: int, own: int) -> int:
-        """Read the version as ``method`` says; the bytes READ from the trainer."""
+    def run(method: str, in_flight: int, own: int, relaying: int, timeout_s: float) -> int:
+        """Read the version as ``method`` says (a relay among the first
+        ``relaying`` readers); the bytes READ from the trainer."""
         relay = method == "nixl-raw-relay"
         needed = list(range(chunks))
         flying: list[tuple[int, int, Any]] = []  # (chunk, source: 0 the trainer, 1 + j reader j, handle)
         from_trainer = 0
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
 
         def has(j: int, c: int) -> bool:
             return bool(bitmap[j * chunks + c])
@@ -138,15 +139,15 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
             while needed or flying:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{method}: reader {index} still missed {len(needed) + len(flying)} chunk(s) "
-                                       f"after {TIMEOUT_S:.0f} s")
+                                       f"after {timeout_s:.0f} s")
                 free = in_flight - len(flying)
                 if relay:
                     own_flying = sum(1 for _, source, _ in flying if source == 0)
-                    picks = next_reads(index, readers, needed, has, free, own_flying, own)
+                    picks = next_reads(index, relaying, needed, has, free, own_flying, own)
                 else:
                     picks = needed[:free]
                 for c in picks:
-                    source = 0 if not relay or c % readers == index else 1 + c % readers
+                    source = 0 if not relay or c % relaying == index else 1 + c % relaying
                     flying.append((c, source, post(c, source)))
                     needed.remove(c)
                 still = []
@@ -175,12 +176,12 @@ def _reader_main(conn: Any, place: Place, index: int, readers: int, size: int, c
         cmd = conn.recv()
         if cmd[0] == "stop":
             break
-        method, start_at, in_flight, own = cmd
+        method, start_at, in_flight, own, relaying, timeout_s = cmd
         buf.zero_()
         while time.monotonic() < start_at:  # a common start instant for all readers
             time.sleep(0.0005)
         start = time.monotonic()
-        from_trainer = run(method, in_flight, own)
+        from_trainer = run(method, in_flight, own, relaying, timeout_s)
         end = time.monotonic()
         conn.send((start, end, bool(torch.equal(buf, expected)), from_trainer))
 
@@ -216,19 +217,21 @@ class RawCluster:
             raise
 
     def run(self, method: str, readers: int | None = None, *, in_flight: int = IN_FLIGHT,
-            own: int = OWN) -> RawRun:
+            own: int = OWN, timeout_s: float = TIMEOUT_S) -> RawRun:
         """One run of ``method`` by the first ``readers`` readers (all by default),
-        each with ``in_flight`` READs out (a relay: ``own`` of them from the trainer)."""
+        each with ``in_flight`` READs out (a relay among those readers: ``own``
+        of them from the trainer); a reader not done after ``timeout_s`` fails it."""
         if method not in METHODS:
             raise ValueError(f"unknown raw method {method!r}; one of {', '.join(METHODS)}")
-        conns = self._conns[: readers or self.readers]
-        if method == "nixl-raw-relay" and len(conns) != self.readers:
-            raise ValueError("a relay run needs every reader: each holds its share for the others")
+        n = self.readers if readers is None else readers
+        if not 1 <= n <= self.readers:
+            raise ValueError(f"a run by {n} readers: this cluster has 1 to {self.readers}")
+        conns = self._conns[:n]
         self._bitmap[:] = bytes(len(self._bitmap))
         start_at = time.monotonic() + 0.1
         for conn in conns:
-            conn.send((method, start_at, in_flight, own))
-        got = children.receive(conns, TIMEOUT_S + 30, f"a raw NIXL reader did not finish {method}")
+            conn.send((method, start_at, in_flight, own, n, timeout_s))
+        got = children.receive(conns, timeout_s + 30, f"a raw NIXL reader did not finish {method}")
         return RawRun(method=method, readers=len(conns), seconds=max(g[1] for g in got) - min(g[0] for g in got),
                       ok=all(g[2] for g in got), trainer_bytes=sum(g[3] for g in got),
                       per_reader_s=[g[1] - g[0] for g in got])

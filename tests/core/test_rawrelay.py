@@ -31,11 +31,13 @@ def test_raw_rows_move_exact_bytes_and_a_relay_reads_one_copy_from_the_trainer()
         single = raw.run("nixl-raw-single", 1)
         every = raw.run("nixl-raw-all")
         relay = raw.run("nixl-raw-relay")
-        with pytest.raises(ValueError, match="every reader"):
-            raw.run("nixl-raw-relay", 2)
+        pair = raw.run("nixl-raw-relay", 2)  # a relay among the first 2: the third stays out
+        with pytest.raises(ValueError, match="1 to 3"):
+            raw.run("nixl-raw-relay", 4)
         with pytest.raises(ValueError, match="unknown raw method"):
             raw.run("nixl-raw-bogus")
-    assert single.ok and every.ok and relay.ok
-    assert (single.readers, every.readers, relay.readers) == (1, 3, 3)
+    assert single.ok and every.ok and relay.ok and pair.ok
+    assert (single.readers, every.readers, relay.readers, pair.readers) == (1, 3, 3, 2)
     assert single.trainer_bytes == size and every.trainer_bytes == 3 * size
     assert relay.trainer_bytes == size, "a relay read some chunk from the trainer twice"
+    assert pair.trainer_bytes == size, "a relay of 2 read some chunk from the trainer twice"
