@@ -195,3 +195,21 @@ def test_a_version_that_changed_mostly_goes_without_a_delta(hubs):
     assert info["deltas"] == [] and info["delta_bytes"] == 0  # the delta would be about as large as v
     got = reader.call("pull", model="m", version=2, specs=SPECS, keep="b", have=1, expect_step=(SEED, 0.9))
     assert got["mismatched"] == [] and got["delta_from"] is None and got["read_bytes"] == FULL
+
+
+def test_memory_overlap_is_found_by_one_sweep():
+    from tensorhub.client.delta import _overlaps
+    from tensorhub.shard import Part
+
+    buf = torch.zeros(1000, dtype=torch.uint8)
+
+    def part(a: int, b: int) -> Part:
+        return Part("x", (b - a,), Region(), buf[a:b])
+
+    assert _overlaps([part(0, 10), part(500, 600)], [part(590, 700)])
+    assert _overlaps([part(100, 900)], [part(0, 10), part(400, 410)])  # inside a longer one
+    assert not _overlaps([part(0, 10), part(20, 30)], [part(10, 20), part(30, 40)])  # touching is not sharing
+    assert not _overlaps([], [part(0, 10)])
+    many = [part(i, i + 1) for i in range(0, 1000, 2)]
+    assert not _overlaps(many, [part(i, i + 1) for i in range(1, 1000, 2)])
+    assert _overlaps(many, [part(998, 1000)])
