@@ -30,9 +30,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def hub_server():
-    from tensorhub.server import EmbeddedServer
+    """The reference server in its own process: in the pytest process (an
+    EmbeddedServer) it once answered engine workers' registrations too late
+    (DEADLINE_EXCEEDED) while this process ran an engine of its own."""
+    from tensorhub.testing import ServerProcess
 
-    with EmbeddedServer() as server:
+    with ServerProcess() as server:
         yield server
 
 
