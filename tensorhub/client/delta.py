@@ -184,10 +184,8 @@ def _boxes(held: Sequence[tuple[int, Region]], manifest: Manifest) -> dict[int, 
 
 
 def _wanted(resolved: Resolved, parts: Sequence[Part]) -> dict[int, list]:
-    index, left = resolved.manifest.index(), {}
-    for p in parts:
-        left.setdefault(index[p.name], []).extend(p.region.boxes(tuple(p.full_shape)))
-    return left
+    index = resolved.manifest.index()
+    return _boxes([(index[p.name], p.region) for p in parts], resolved.manifest)
 
 
 def covering_deltas(resolved: Resolved, parts: Sequence[Part], from_version: int) -> list[str] | None:
