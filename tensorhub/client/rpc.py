@@ -94,6 +94,7 @@ class Resolved:
     lease_ttl_s: float = 0.0
     lease_sent_at: float = 0.0  # time.monotonic() before the request left
     instance_id: str = ""  # the server's instance that answered (empty: a server older than this client)
+    change: int = 0  # the version's change counter this answer reflects (a long-poll's ``seen_change``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,10 +303,14 @@ class ReferenceClient:
     # ---------------------------------------------------------------- readers
 
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
-                group_round: int = 0, lease: bool = False) -> Resolved:
+                group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
+                seen_change: int = 0) -> Resolved:
         """Which version to read and who holds it. ``lease=True`` also leases every
-        replica returned, saving a round trip on small pulls."""
+        replica returned, saving a round trip on small pulls. ``wait_change_s``: a
+        long poll; the server answers once the version's holders changed since the
+        answer whose ``change`` was ``seen_change``, or after that long."""
         request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
+                                    wait_change_s=wait_change_s, seen_change=seen_change,
                                     known_fingerprint=self._last_fingerprint.get(model, ""),
                                     release_leases=self._take_releases(), pulled=self._take_pulled())
         known = self._memories.get(model, {})
@@ -315,7 +320,7 @@ class ReferenceClient:
         else:
             request.version = version
         sent = time.monotonic()
-        resp = self._call(self._stub.Resolve, request,
+        resp = self._call(self._stub.Resolve, request, timeout=self.timeout_s + wait_change_s,
                           not_found=lambda d: VersionNotFound(model, "latest" if version is None else version, d))
         manifest = self._manifests.get(resp.fingerprint)
         if manifest is None or resp.HasField("manifest"):
@@ -340,7 +345,7 @@ class ReferenceClient:
             replicas.append(_replica(msg, manifest, memory))
         self._memories[model] = memories
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
-                        resp.instance_id)
+                        resp.instance_id, resp.change)
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
         resp = self._call(self._stub.AcquireReadLease,

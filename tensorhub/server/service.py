@@ -22,6 +22,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.regiontable import RegionTable, shapes_of
+from tensorhub.server.changes import VersionChanges
 from tensorhub.server.metrics import NoMetrics
 from tensorhub.server.state import Held, Lease, Replica, State, StateError, check_held, held_bytes
 from tensorhub.topology import Labels, Reliability
@@ -36,6 +37,7 @@ MAX_NIXL_METADATA = 1 << 20
 MAX_DRAIN_S = 3600.0
 MAX_KNOWN_MEMORY = 4096  # memory digests a reader may list in one Resolve
 MAX_DELTAS = 4096  # delta models one replica names (a relay names one per publisher of the version)
+MAX_WAIT_CHANGE_S = 5.0  # a long-poll Resolve waits at most this long (``changes``)
 RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
@@ -217,6 +219,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self.metrics = metrics or NoMetrics()
         self._manifests: dict[bytes, Manifest] = {}  # checked manifests by wire digest (_manifest)
         self._rule_tables: dict[bytes, tuple[RegionTable, np.ndarray, bytes]] = {}  # _held_of
+        self.changes = VersionChanges()  # what long-poll Resolves wait on
 
     def _held_of(self, manifest: Manifest, request: pb.PublishRequest) -> tuple[RegionTable, np.ndarray | None, bytes]:
         """The request's held regions, checked; with their bytes and wire form
@@ -350,6 +353,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             entry = self.state.models[model][version]
             if entry.wire_manifest is None:
                 entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
+            self.changes.bump(model, version)
             return pb.PublishResponse(replica_id=replica_id)
 
         return await self._run(context, go)
@@ -372,6 +376,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             )
             if replica is not None and replica.complete and not was_complete and not replica.origin:
                 self.metrics.served()
+            if replica is not None:
+                self.changes.bump(replica.model, replica.version)
             return pb.ReportChunksResponse()
 
         return await self._run(context, go)
@@ -385,6 +391,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if not request.force and self.state.needs_retention(agent_id, replica_id):
                 return pb.UnpublishResponse(retain_required=True)
             replica = self.state.withdraw(agent_id, replica_id)
+            self.changes.bump(replica.model, replica.version)
             started = time.monotonic()
             drained = await self._drain(replica, request.drain_timeout_s)
             self.metrics.unpublished(time.monotonic() - started, drained)
@@ -415,9 +422,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         """Answers the serialized ResolveResponse (see ``_serialize``): the holders'
         ReplicaInfo bytes are cached, not rebuilt and copied for every reader."""
         outcome, pull_started = "error", False
+        started = time.perf_counter()
 
         async def go() -> bytes:
-            nonlocal outcome, pull_started
+            nonlocal outcome, pull_started, started
             agent_id = _require_id(request.agent_id, "agent_id")
             self.metrics.pulled(_pulled(request.pulled))  # of earlier pulls, whatever this answer is
             self.state.heartbeat(agent_id)  # any call of a live agent shows it is alive: it may skip a heartbeat
@@ -432,6 +440,14 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.known_memory) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_memory)} known_memory digests, more than {MAX_KNOWN_MEMORY}")
             known = frozenset(request.known_memory)
+            if request.wait_change_s:
+                if not 0 < request.wait_change_s <= MAX_WAIT_CHANGE_S or version is None or request.lease:
+                    raise Invalid(f"wait_change_s must be within (0, {MAX_WAIT_CHANGE_S}], for one version, "
+                                  "without a lease")
+                await self.changes.wait(model, version, request.seen_change, request.wait_change_s)
+                self.state.expire()
+                started = time.perf_counter()  # the resolve's own time, not the wait, goes to its metric
+            change = self.changes.seen(model, version) if version is not None else 0
             try:
                 resolved, entry = self.state.resolve(model, version, request.group, request.group_round,
                                                      reader=agent_id)
@@ -440,7 +456,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise
             sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
-                                          instance_id=self.state.instance_id)
+                                          instance_id=self.state.instance_id, change=change)
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)
             if request.lease:
@@ -455,7 +471,6 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             outcome = "ok"
             return answer
 
-        started = time.perf_counter()
         try:
             return await self._run(context, go)
         finally:
@@ -541,6 +556,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                                                       f"{replica_id!r}; only its readers may report it lost")
             log.warning("replica %s reported lost by %s: %s", replica_id, agent_id, request.reason[:200])
             self.state.report_lost(replica_id)
+            self.changes.bump(replica.model, replica.version)
             self.metrics.source_lost()
             return pb.ReportLostResponse()
 

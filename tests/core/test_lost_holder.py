@@ -83,7 +83,7 @@ class SteppingTrainer:
             return [self.trainer]
         return [] if self.retained_gone else [self.retained]
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         self.resolves += 1
         listed = self._listed()
         if not listed:
@@ -238,7 +238,7 @@ class TwoHolders(GrantingLeases):
     def __init__(self, manifest: Manifest, replicas: list[RemoteReplica]) -> None:
         self.manifest, self.replicas, self.lost = manifest, replicas, []
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         live = [r for r in self.replicas if r.source.replica_id not in self.lost]
         return Resolved(model, 1, self.manifest, tuple(live))
 

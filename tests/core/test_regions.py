@@ -164,7 +164,7 @@ class FakeControlPlane:
         self.resolved = resolved
         self.lost: list[str] = []
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         alive = tuple(r for r in self.resolved.replicas if r.source.replica_id not in self.lost)
         return Resolved(model, self.resolved.version, self.resolved.manifest, alive)
 

@@ -68,7 +68,7 @@ class PeerJoinsLater(Plane):
     def _listed(self) -> tuple[RemoteReplica, ...]:
         return (self.trainer, self.seed) if self.resolves <= 1 else (self.trainer, self.seed, self.late)
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         self.resolves += 1
         return Resolved(model, 1, self.manifest, self._listed(), lease_id=f"upfront{self.resolves}",
                         lease_ttl_s=60.0, lease_sent_at=time.monotonic())

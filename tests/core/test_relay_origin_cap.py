@@ -86,7 +86,7 @@ class Wave(GrantingLeases):
         return RemoteReplica(source, rid, MemoryKind.DRAM, ((0, Region()),), regions, b"", CHUNK,
                              bitmap=b"" if complete else np.packbits(bits, bitorder="little").tobytes())
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         replicas = [self._replica("trainer", self.trainer, True)]
         if self.peer is not None:
             replicas.append(self._replica("peer", self.peer, False))

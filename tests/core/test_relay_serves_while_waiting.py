@@ -61,7 +61,7 @@ class Plane(GrantingLeases):
     def __init__(self, manifest: Manifest, replicas: tuple[RemoteReplica, ...]) -> None:
         self.manifest, self.replicas = manifest, replicas
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         return Resolved(model, 1, self.manifest, self.replicas)
 
 

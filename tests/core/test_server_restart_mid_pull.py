@@ -60,7 +60,7 @@ class RestartingServer:
     def _listed(self, instance: str) -> tuple[RemoteReplica, ...]:
         return () if instance.startswith("B,") else (self.trainer,)
 
-    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False):
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
         self.resolves += 1
         if self.restarted_at is None and self.resolves > self.restart_after:
             self.restarted_at = time.monotonic()
