@@ -45,6 +45,13 @@ from tensorhub.planner import relay_share
 # one READ per reader on the trainer's link, 2.77-2.83 s with two, 2.97-3.10 s
 # with every slot, its rows ``bench.rawrelay``).
 ORIGIN_READS_IN_WAVE = 1
+# While a wave relays, a reader keeps this many times its READs in flight: they
+# spread over its peers' links, each shared with the rest of the wave, so each
+# READ lands later than from a holder of its own and more of them keep its link
+# busy (16 readers on 100 Mbit/s links, 64 MiB, warm: 15.2-15.3 s with 4 READs
+# in flight, 11.6 s with 8, 10.3-10.5 s with 16; ``tensorhub bench cluster
+# --readers 1,2,4,8,16`` has the sweep, docs/history/cluster-sweep.md).
+WAVE_READS_FACTOR = 4
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -105,6 +112,12 @@ def _upstream(complete: Sequence[HolderView], far: Sequence[HolderView], n: int)
             will[list(h.will_hold)] = True
             mask |= here & will & ~h.has
     return mask
+
+
+def reads_in_flight(base: int, holders: Sequence[HolderView]) -> int:
+    """How many READs a reader keeps in flight: ``base`` alone, ``WAVE_READS_FACTOR``
+    times that while readers beside it fill the same version (a relaying wave)."""
+    return base * WAVE_READS_FACTOR if any(not h.complete for h in holders) else base
 
 
 def next_chunks(order: Sequence[int], wave: Wave) -> Batch:

@@ -44,7 +44,7 @@ from tensorhub.errors import (
     VersionNotFound,
 )
 from tensorhub.planner import choose_sources, ring_offset
-from tensorhub.schedule import HolderView, Wave, admit, by_turns, next_chunks
+from tensorhub.schedule import HolderView, Wave, admit, by_turns, next_chunks, reads_in_flight
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -58,7 +58,8 @@ class ControlPlane(LeaseService, Protocol):
     """What a pull asks of the reference server (``ReferenceClient``)."""
 
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
-                group_round: int = 0, lease: bool = False) -> Resolved: ...
+                group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
+                seen_change: int = 0) -> Resolved: ...
 
     def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None: ...
 
@@ -85,6 +86,11 @@ class Transport(Protocol):
 _REPORT_PERIOD_S = 0.02
 _REFRESH_IDLE_S = 0.05
 _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
+# A reader with nothing to read but peers' chunks still to come asks the server
+# to answer once the version's holders change (a long poll), at most this long,
+# and at most once per _WAIT_FOR_PEERS_S: 16 relaying readers report chunks
+# hundreds of times a second, and a waiter woken by each would only replan.
+_WAIT_FOR_CHANGE_S = 0.25
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
 _DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish (see drain_s)
@@ -146,7 +152,7 @@ class PullJob:
     resolved: Resolved
     layout: ReadLayout
     dest_kind: MemoryKind
-    in_flight: int  # READs posted and not yet complete, at most
+    in_flight: int  # READs posted and not yet complete, at most (alone; more in a wave: reads_in_flight)
     chunk_timeout_s: float
     deadline: float
     seeds_per_zone: int = 1  # readers of a zone that read across its boundary (planner.relay_share)
@@ -180,7 +186,10 @@ class PullJob:
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
     _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
     _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
+    _slots: int = 0  # this round's READs in flight, at most (``schedule.reads_in_flight``; see _batch)
     _server: str = ""  # the server instance that last answered a resolve of this pull
+    _seen_change: int = 0  # the version's change counter in the server's last answer (a long poll's start)
+    _asked_at: float = 0.0  # when this pull last asked who holds what
     _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
     _resettle_until: float = 0.0  # see _RESETTLE_S
 
@@ -194,7 +203,7 @@ class PullJob:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
                                      self.layout)
         maps = self._maps(res.replicas, set())
-        self._server = res.instance_id
+        self._server, self._seen_change, self._asked_at = res.instance_id, res.change, time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         try:
             self._rounds(res, stats, needed, maps)
@@ -255,12 +264,13 @@ class PullJob:
         server is asked again, so readers that start together (and were not yet
         registered) find each other early; after ``_PATIENCE_S`` without a chunk
         a reader reads anything from anywhere."""
+        holders = [HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
+                              m.covered > 0, self._chunks_of(m)) for m in usable]
+        self._slots = reads_in_flight(self.in_flight, holders)
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
-                    in_flight=self.in_flight, seeds_per_zone=self.seeds_per_zone, first=first,
+                    in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
                     serving=self.landed is not None,
-                    patience_out=time.monotonic() - self._progress_at > _PATIENCE_S,
-                    holders=[HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
-                                        m.covered > 0, self._chunks_of(m)) for m in usable])
+                    patience_out=time.monotonic() - self._progress_at > _PATIENCE_S, holders=holders)
         batch = next_chunks(sorted(needed, key=self._rotated), wave)
         self._relayed, self._origin_cap = set(batch.relayed), batch.origin_cap
         return batch.chunks
@@ -295,9 +305,11 @@ class PullJob:
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
-                elif not self._serve_checked(needed, excluded, stats):  # every chunk left is due from a peer
-                    time.sleep(_WAIT_FOR_PEERS_S)
-                maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                elif self._serve_checked(needed, excluded, stats):
+                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                else:  # every chunk left is due from a peer: until one lands it, or patience runs out
+                    maps = self._refresh_quietly(res, excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded), relayed=self._relayed)
@@ -362,12 +374,31 @@ class PullJob:
             self.landed(settled)
         return True
 
+    def _wait_for_peers_s(self) -> float:
+        """How long a reader waiting for its peers' chunks lets the server hold
+        its question: until its patience runs out (it then reads from anyone),
+        ``_WAIT_FOR_CHANGE_S`` at most, never past the pull's deadline. 0 after
+        ``_PATIENCE_S``; a pause first when it asked within ``_WAIT_FOR_PEERS_S``."""
+        now = time.monotonic()
+        pause = self._asked_at + _WAIT_FOR_PEERS_S - now
+        if pause > 0:
+            time.sleep(pause)
+            now += pause
+        left = min(_PATIENCE_S - (now - self._progress_at), _WAIT_FOR_CHANGE_S, self.deadline - now)
+        return max(0.0, left)
+
     def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap],
-                         needed: set[int]) -> dict[str, HolderMap]:
-        """Holders as the server sees them now; the old ones if it cannot say
-        (the next round finds out what is missing)."""
+                         needed: set[int], wait_s: float = 0.0) -> dict[str, HolderMap]:
+        """Holders as the server sees them now (``wait_s``: once they changed, or
+        after that long); the old ones if it cannot say (the next round finds
+        out what is missing)."""
+        self._asked_at = time.monotonic()
         try:
-            fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
+            if wait_s > 0:
+                fresh = self.rpc.resolve(self.agent_id, res.model, res.version, wait_change_s=wait_s,
+                                         seen_change=self._seen_change)
+            else:
+                fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
         except ServerUnavailable:
             self._server_out_of_reach()
             return maps
@@ -439,6 +470,7 @@ class PullJob:
         """Note which server instance answered: a new one (a restart) knows no
         holder until they announce themselves again (``_RESETTLE_S``)."""
         self._out_of_reach = False
+        self._seen_change = fresh.change
         if fresh.instance_id and fresh.instance_id != self._server:
             if self._server:
                 log.info("the server restarted mid-pull: its holders get %.0f s to announce themselves", _RESETTLE_S)
@@ -458,13 +490,13 @@ class PullJob:
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
-        """Post the round's READs, up to ``in_flight`` at a time, from this one
+        """Post the round's READs, up to ``_slots`` at a time, from this one
         thread, and poll them. Over shared memory a READ is done when posted (no
         thread hop, as raw NIXL); over TCP or RDMA several are in flight at once.
         A chunk is done when all its READs are; a failed one is planned again.
 
         ``carry``: once every READ of the round is posted and some landed, return
-        with up to half of ``in_flight`` still flying; the next round (after the
+        with up to half of ``_slots`` still flying; the next round (after the
         server is asked who holds what) keeps them, so the links never drain
         between rounds. The flights live on the job (``_flying``)."""
         layout = self.layout
@@ -533,7 +565,7 @@ class PullJob:
             posting, cut = True, False
             begun: set[int] = set()  # chunks with a READ posted this round
             while True:
-                while posting and len(flying) < self.in_flight:
+                while posting and len(flying) < max(self._slots, self.in_flight):
                     if not cut and time.monotonic() >= stop_posting_at:
                         # Time to ask who holds what. Post the rest of the chunks begun,
                         # only: a chunk posted in part (checked READs come in pieces) is
@@ -553,7 +585,7 @@ class PullJob:
                     post(chunk, transfer)
                     if self._checks.enabled and flying and self._landed_at_once(flying[-1][2]):
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
-                if not flying or (carry and not posting and finished_any and len(flying) <= self.in_flight // 2):
+                if not flying or (carry and not posting and finished_any and len(flying) <= max(self._slots, self.in_flight) // 2):
                     break
                 finished = []
                 for i, entry in enumerate(flying):

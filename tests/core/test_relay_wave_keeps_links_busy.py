@@ -27,7 +27,7 @@ from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.planner import Source
 from tensorhub.regions import Region
-from tensorhub.schedule import by_turns
+from tensorhub.schedule import WAVE_READS_FACTOR, by_turns
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.memory import MemoryRegion
@@ -47,13 +47,13 @@ def _replica(rid: str, *, complete: bool, landed: range = range(0)) -> RemoteRep
                          bitmap=b"" if complete else np.packbits(bits, bitorder="little").tobytes())
 
 
-def _job(*replicas: RemoteReplica) -> PullJob:
+def _job(*replicas: RemoteReplica, in_flight: int = IN_FLIGHT) -> PullJob:
     manifest = Manifest((TensorSpec("w", "uint8", (CHUNKS * CHUNK,), CHUNKS * CHUNK),))
     spec = manifest.tensors[0]
     parts = [ReadPart("w", 0, spec.shape, Region().runs(spec.shape), 1, MemoryRegion(2 << 30, CHUNKS * CHUNK, 0))]
     return PullJob(rpc=None, nixl=None, agent_id="reader", labels=Labels("reader"),
                    resolved=Resolved("m", 1, manifest, replicas), layout=ReadLayout(manifest, parts, CHUNK),
-                   dest_kind=MemoryKind.DRAM, in_flight=IN_FLIGHT, chunk_timeout_s=5,
+                   dest_kind=MemoryKind.DRAM, in_flight=in_flight, chunk_timeout_s=5,
                    deadline=time.monotonic() + 30, landed=lambda chunks: None, verify=False)
 
 
@@ -61,14 +61,16 @@ def test_a_peer_with_nothing_landed_keeps_its_share_and_the_reader_reads_its_own
     trainer = _replica("trainer", complete=True)
     ahead = _replica("ahead", complete=False, landed=range(24))  # half the version landed
     late = _replica("late", complete=False)  # registered, nothing landed yet
-    job = _job(trainer, ahead, late)
+    job = _job(trainer, ahead, late, in_flight=1)  # in a wave: WAVE_READS_FACTOR READs, batches of twice that
     maps = job._maps(job.resolved.replicas, set())
     assert "late" in maps, "a filling peer with nothing landed was dropped: its share is read by the others"
     batch = job._batch(set(range(CHUNKS)), list(maps.values()))
+    slots = WAVE_READS_FACTOR
+    assert job._slots == slots
     relayed = [c for c in batch if c < 24]
     own = [c for c in batch if c >= 24]
-    assert len(batch) == 2 * IN_FLIGHT and len(relayed) < len(batch)
-    assert len(own) >= 2 * IN_FLIGHT // 3, f"{own}: the reader's own share waits while peers' chunks are read"
+    assert len(batch) == 2 * slots and len(relayed) < len(batch)
+    assert len(own) >= 2 * slots // 3, f"{own}: the reader's own share waits while peers' chunks are read"
     # The rest is split three ways: the reader's share of what only the trainer
     # has is about a third (the late peer owns one of the arcs), not a half.
     mine = job._batch(set(range(24, CHUNKS)), list(maps.values()))

@@ -7,7 +7,18 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.schedule import ORIGIN_READS_IN_WAVE, Batch, HolderView, Wave, admit, alternate, by_turns, next_chunks
+from tensorhub.schedule import (
+    ORIGIN_READS_IN_WAVE,
+    WAVE_READS_FACTOR,
+    Batch,
+    HolderView,
+    Wave,
+    admit,
+    alternate,
+    by_turns,
+    next_chunks,
+    reads_in_flight,
+)
 
 N = 24
 
@@ -112,3 +123,10 @@ def test_reads_take_turns_over_holders_and_admit_caps_complete_ones():
     assert admit("t", complete=True, flying={"t": 0}, cap=1) is True
     assert admit("p", complete=False, flying={"p": 7}, cap=1) is True  # filling peers are not capped
     assert admit("t", complete=True, flying={"t": 7}, cap=0) is True  # no cap: alone, or out of patience
+
+
+@given(st.integers(1, 16), st.lists(st.booleans(), max_size=6))
+def test_a_reader_keeps_more_reads_in_flight_only_in_a_wave(base, complete):
+    holders = [_holder(f"h{i}", "z", c, set()) for i, c in enumerate(complete)]
+    wave = not all(complete)
+    assert reads_in_flight(base, holders) == (base * WAVE_READS_FACTOR if wave else base)
