@@ -186,6 +186,9 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         control_plane_s=control_s, control_plane_share=control_s / p.link_limit_s,
         server_cpu_s=server_s, planning_s=planning_s, planning_boxes_s=plan_s,
         server_cpu_per_resolve_s=resolve_cpu,
+        # per stage: an EP layout doubles the server's coverage groups (each expert shape splits by its owner)
+        server_cpu_per_resolve_first_s=first["cpu_per_resolve_s"],
+        server_cpu_per_resolve_late_s=late["cpu_per_resolve_s"],
         resolve_request_bytes=max(first["request_bytes"], late["request_bytes"]),
         resolve_response_bytes_max=max(first["response_bytes_max"], late["response_bytes_max"]),
         resolve_holders_first=first["holders"], resolve_holders_late=late["holders"],
