@@ -153,6 +153,7 @@ def _bench_server(args: argparse.Namespace) -> int:
 
 def _bench_scale(args: argparse.Namespace) -> int:
     from tensorhub.bench.scale import run as scale
+    from tensorhub.bench.scale.cuts import LAYOUTS
     from tensorhub.bench.scale.models import MODELS
 
     unknown = [m for m in args.models if m not in MODELS]
@@ -162,8 +163,13 @@ def _bench_scale(args: argparse.Namespace) -> int:
     if args.trainer_ranks and len(args.trainer_ranks) != len(args.engines):
         print("tensorhub bench scale: give one --trainer-ranks entry per --engines entry", file=sys.stderr)
         return 2
+    bad = [x for x in args.layouts if x not in LAYOUTS]
+    if bad or not args.layouts:
+        print(f"tensorhub bench scale: unknown layout(s) {bad}; known: {', '.join(LAYOUTS)}",
+              file=sys.stderr)
+        return 2
     cfg = scale.ScaleConfig(models=args.models, engines=args.engines, trainer_ranks=args.trainer_ranks,
-                            nic_gbit=args.nic_gbit, sample=args.sample)
+                            nic_gbit=args.nic_gbit, sample=args.sample, layouts=args.layouts)
     scale.run(cfg, out=args.out)
     return 0
 
@@ -352,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="FSDP ranks per --engines entry (default 2 x engines, within 64-256)")
     scale.add_argument("--nic-gbit", type=float, default=400.0, help="per-GPU NIC rate (default 400 Gbit/s)")
     scale.add_argument("--sample", type=int, default=8, help="readers that resolve for real per stage (default 8)")
+    scale.add_argument("--layouts", type=lambda s: [x for x in s.split(",") if x], default=["tp", "ep"],
+                       help="rollout layouts, comma-separated: tp (experts TP-sliced), ep (TP=8 with expert "
+                            "parallelism: experts whole per worker); default both")
     scale.add_argument("--out", help="folder for scale.json and scale.png")
     scale.set_defaults(func=_bench_scale)
 

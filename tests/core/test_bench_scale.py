@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tensorhub.bench.scale import cuts, links
-from tensorhub.bench.scale.models import MODELS, Tensor, manifest, parameters, tensors
+from tensorhub.bench.scale.models import MODELS, Config, Tensor, manifest, parameters, tensors
 from tensorhub.regions import Region, overlap
 from tensorhub.regiontable import shapes_of, table_of_rules
 from tensorhub.transport.cost import BACKENDS
@@ -62,6 +62,73 @@ def test_first_hop_descriptors_are_the_overlap_codes_runs():
     assert wide.descriptors < want and wide.read_bytes > wide.wanted_bytes
 
 
+def _tiny_moe(experts: int) -> tuple[Config, list[Tensor]]:
+    cfg = Config("tiny", 256, 64, 2, 1, experts, 32, 8, dense_inter=64, shared_experts=1)  # MLA, one dense layer
+    return cfg, tensors(cfg)
+
+
+def test_ep_workers_hold_their_experts_whole_as_torch_chunk_cuts_the_expert_dim():
+    """An FSDP2 trainer's fused ``down_proj [E, H, I]`` under vLLM's EP=8: worker w
+    holds ``chunk(8, dim=0)[w]`` of the experts, whole, and nothing of the rest;
+    the server's rules say the same; everything but routed experts is cut as TP."""
+    cfg, model = _tiny_moe(16)
+    shapes = shapes_of(manifest(model))
+    kinds = np.array([cuts.KINDS.index(t.tp) for t in model])
+    owner = cuts.owners(model, cfg.experts)
+    held_by = {}
+    for w in range(cuts.TP):
+        mine = set(torch.arange(cfg.experts).chunk(cuts.TP, dim=0)[w].tolist())
+        table = table_of_rules(*cuts.worker_rules(kinds, 0, w, owner), shapes)
+        region = {int(i): table.region(k, shapes) for k, i in enumerate(table.tensor.tolist())}
+        for i, t in enumerate(model):
+            box = cuts.worker_box(t, 0, w, cfg.experts)
+            if t.expert < 0:
+                assert box == cuts.worker_box(t, 0, w)
+            elif t.expert in mine:
+                assert box == tuple((0, d) for d in t.shape)
+                held_by.setdefault((t.name, t.expert), []).append(w)
+            else:
+                assert box is None
+            if box is None:
+                assert i not in region, t.name
+            else:
+                assert region[i] in (Region(box=box), Region()), t.name
+                if box != tuple((0, d) for d in t.shape):
+                    assert region[i] == Region(box=box), t.name
+    experts = [t for t in model if t.expert >= 0]
+    assert len(held_by) == len(experts) and all(len(ws) == 1 for ws in held_by.values())  # each once
+    # E not a multiple of 8: vLLM gives the first E % 8 workers one more (torch.chunk would not)
+    assert [sum(cuts.expert_owner(e, 10) == w for e in range(10)) for w in range(8)] == [2, 2, 1, 1, 1, 1, 1, 1]
+
+
+def test_ep_first_hop_is_one_contiguous_read_per_rank_and_expert():
+    """Whole experts out of FSDP rows: each rank's rows of an expert are one run
+    on both sides, so EP reads them exactly, one descriptor each, where TP reads
+    a column per row (or whole rows, more bytes)."""
+    cfg, model = _tiny_moe(16)
+    ranks = 4
+    exact = BACKENDS["rdma"].__class__("exact", 0.0, 1.0, 1e30)
+    experts_only = [t for t in model if t.expert >= 0]
+    hop = cuts.first_hop(experts_only, ranks, 0, 1, exact, cfg.experts)
+    want = 0
+    for t in experts_only:
+        box = cuts.worker_box(t, 0, 1, cfg.experts)
+        if box is None:
+            continue
+        for r in range(ranks):
+            piece = torch.arange(t.shape[0]).chunk(ranks)[r]
+            holder = Region.of(t.shape, rows=(int(piece[0]), int(piece[-1]) + 1))
+            assert len(overlap(Region(box=box).runs(t.shape), holder.runs(t.shape)).start) == 1
+            want += 1
+    mine = [t for t in experts_only if cuts.expert_owner(t.expert, cfg.experts) == 1]
+    assert want == ranks * len(mine) == hop.exact_descriptors == hop.descriptors
+    assert hop.wanted_bytes == hop.read_bytes == 2 * sum(math.prod(t.shape) for t in mine)
+    rdma = cuts.first_hop(experts_only, ranks, 0, 1, BACKENDS["rdma"], cfg.experts)
+    assert (rdma.descriptors, rdma.read_bytes) == (hop.descriptors, hop.wanted_bytes)  # nothing to widen
+    tp = cuts.first_hop(experts_only, ranks, 0, 1, exact)
+    assert tp.wanted_bytes == hop.wanted_bytes and tp.exact_descriptors > 10 * hop.exact_descriptors
+
+
 def test_link_model_adds_up():
     link = BACKENDS["rdma"]
     p = links.predict(engines=16, trainer_ranks=64, tp=8, bytes_per_gpu=50 << 30, first_hop_s=1.5,
@@ -77,12 +144,24 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
                          check=False, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "scale.json").read_text())
-    [row] = data["results"]
-    for key in ("model", "gpus", "engines", "trainer_ranks", "predicted_s", "link_limit_s", "control_plane_s",
-                "resolve_response_bytes_max", "server_bytes_per_replica_max", "descriptors_per_reader_max"):
-        assert key in row, key
-    assert (row["gpus"], row["engines"], row["trainer_ranks"]) == (16, 2, 16)
-    assert row["resolve_holders_first"] == 16  # every FSDP rank holds some rows a TP worker needs
-    assert 0 < row["link_limit_s"] <= row["predicted_s"]
-    assert row["publish_request_bytes"] < 8192 < row["publish_request_bytes_first"]  # by fingerprint after the first
+    rows = {row["layout"]: row for row in data["results"]}
+    assert len(data["results"]) == 2 and set(rows) == {"tp", "ep"}  # both layouts by default
+    for row in rows.values():
+        for key in ("model", "gpus", "engines", "trainer_ranks", "predicted_s", "link_limit_s", "control_plane_s",
+                    "resolve_response_bytes_max", "server_bytes_per_replica_max", "descriptors_per_reader_max"):
+            assert key in row, key
+        assert (row["gpus"], row["engines"], row["trainer_ranks"]) == (16, 2, 16)
+        assert row["resolve_holders_first"] == 16  # every FSDP rank holds some rows any worker needs
+        assert 0 < row["link_limit_s"] <= row["predicted_s"]
+        assert row["publish_request_bytes"] < 8192 < row["publish_request_bytes_first"]  # by fingerprint after the first
+    tp, ep = rows["tp"], rows["ep"]
+    assert ep["bytes_per_gpu"] == tp["bytes_per_gpu"]  # 1/8 of every expert's bytes either way
+    assert ep["descriptors_per_reader_max"] < tp["descriptors_per_reader_max"]
+    assert ep["first_hop_read_bytes"] < tp["first_hop_read_bytes"] and ep["first_hop_s"] < tp["first_hop_s"]
     assert (tmp_path / "scale.png").stat().st_size > 10_000
+
+
+def test_bench_scale_refuses_an_unknown_layout():
+    out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "scale", "--layouts", "tp,dp"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown layout" in out.stderr, out.stderr

@@ -3,6 +3,14 @@ a reader's READs against those holders cost in descriptors and bytes.
 
     trainer rank r of R    FSDP2 Shard(0): rows chunk r of R of every tensor
     TP worker w of 8       rows / columns chunk w of 8, one KV head of kv_heads, or whole
+    EP worker w of 8       (TP=8 with ``enable_expert_parallel``) its routed experts whole,
+                           the others not at all; attention, dense and shared MLPs as TP
+
+Under EP vLLM's FusedMoE places experts linearly: worker w owns
+[w*base + min(w, rem), ...) with base = E // 8 and the first rem = E % 8
+workers one more (``expert_owner``). Our adapter's dry run then records no box
+for an owned expert (whole) and lists the rest as unread
+(tests/vllm/test_vllm_moe.py::test_expert_parallel_workers_read_their_experts_whole).
 
 The descriptor count is exact for boxes: an overlap of the reader's box and a
 holder's box moves as runs contiguous on both sides, one per index of the
@@ -26,6 +34,7 @@ from tensorhub.transport.cost import LinkCost
 
 TP = 8
 KINDS = ("rows", "cols", "kv", "whole")
+LAYOUTS = ("tp", "ep")
 
 
 def trainer_rules(dims0: np.ndarray, ranks: int, rank: int) -> tuple[list[Rule], np.ndarray]:
@@ -34,15 +43,38 @@ def trainer_rules(dims0: np.ndarray, ranks: int, rank: int) -> tuple[list[Rule],
     return [(0, ranks, rank)], (start < stop).astype(np.uint8)
 
 
-def worker_rules(kinds: np.ndarray, kv_heads: int, worker: int) -> tuple[list[Rule], np.ndarray]:
-    """(rules, rule_of) of TP worker ``worker`` of 8: what vLLM's loaders read on that rank."""
+def expert_owner(expert: int, experts: int) -> int:
+    """The EP worker (of 8) that holds routed expert ``expert`` of ``experts``:
+    vLLM's linear placement (``start = rank * base + min(rank, remainder)``)."""
+    base, rem = divmod(experts, TP)
+    # the first rem workers hold base + 1 experts: (base + 1) * rem of them
+    return expert // (base + 1) if expert < (base + 1) * rem else rem + (expert - (base + 1) * rem) // base
+
+
+def owners(model: list[Tensor], experts: int) -> np.ndarray:
+    """Per tensor, its EP owner, or -1 where every worker cuts it as TP (not a routed expert)."""
+    return np.array([expert_owner(t.expert, experts) if t.expert >= 0 else -1 for t in model], np.int64)
+
+
+def worker_rules(kinds: np.ndarray, kv_heads: int, worker: int,
+                 owner: np.ndarray | None = None) -> tuple[list[Rule], np.ndarray]:
+    """(rules, rule_of) of worker ``worker`` of 8: what vLLM's loaders read on that rank.
+    ``owner`` (``owners``) makes it an EP worker: its experts whole, the others not held."""
     kv = (0, kv_heads, worker * kv_heads // TP) if kv_heads and kv_heads < TP else (0, TP, worker)
     rules = [(0, TP, worker), (1, TP, worker), kv, (0, 1, 0)]
-    return rules, (kinds + 1).astype(np.uint8)
+    rule_of = kinds + 1
+    if owner is not None:
+        whole = KINDS.index("whole") + 1
+        rule_of = np.where(owner < 0, rule_of, np.where(owner == worker, whole, 0))
+    return rules, rule_of.astype(np.uint8)
 
 
-def worker_box(t: Tensor, kv_heads: int, worker: int) -> Bounds:
+def worker_box(t: Tensor, kv_heads: int, worker: int, ep_experts: int = 0) -> Bounds | None:
+    """The box worker ``worker`` reads of ``t``; None for another EP worker's expert.
+    ``ep_experts``: routed experts per layer when the engine runs expert parallel (0: TP)."""
     shape = t.shape
+    if ep_experts and t.expert >= 0:
+        return tuple((0, d) for d in shape) if expert_owner(t.expert, ep_experts) == worker else None
     box = [(0, d) for d in shape]
     if t.tp in ("rows", "cols"):
         d = 0 if t.tp == "rows" else 1
@@ -75,12 +107,17 @@ class FirstHop:
     seconds: float  # cost model: per-descriptor cost plus bytes over the link
 
 
-def first_hop(model: list[Tensor], ranks: int, kv_heads: int, worker: int, link: LinkCost) -> FirstHop:
+def first_hop(model: list[Tensor], ranks: int, kv_heads: int, worker: int, link: LinkCost,
+              ep_experts: int = 0) -> FirstHop:
     """The reader's overlaps with every FSDP rank, tensor by tensor, grouped by
-    (shape, dtype, cut): box algebra once per group and holder."""
+    (shape, dtype, cut): box algebra once per group and holder. Under EP a whole
+    expert out of a rank's rows is one contiguous run per rank."""
     groups: dict[tuple, int] = {}
     for t in model:
-        key = (t.shape, t.dtype, worker_box(t, kv_heads, worker))
+        box = worker_box(t, kv_heads, worker, ep_experts)
+        if box is None:  # another EP worker's expert: not read
+            continue
+        key = (t.shape, t.dtype, box)
         groups[key] = groups.get(key, 0) + 1
     wanted = read = exact_desc = desc = 0
     seconds = 0.0

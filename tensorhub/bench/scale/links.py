@@ -4,8 +4,10 @@ Every GPU has one NIC (``nic`` bytes/s, full duplex); FSDP ranks are GPUs too.
 Engines start together and relay (pipeline replication):
 
     wave 0: the trainer's egress (R x nic) feeds R/8 engines at full rate; their
-            workers read column slices out of row-sharded ranks: the strided hop,
-            priced by the cost model (exact runs or whole rows cut locally)
+            workers read their cuts out of row-sharded ranks, priced by the cost
+            model (exact runs or whole rows cut locally): under TP column slices
+            of every expert (the strided hop), under EP whole experts (one run
+            per rank); the layout only changes ``first_hop_*``
     chains: every other engine reads from an engine cut like itself (same box:
             one contiguous READ per chunk), one chain behind each wave-0 engine,
             a chunk behind its upstream; a chain moves no faster than its head

@@ -2,7 +2,11 @@
 reference server (its own process) and the real wire codec, the data path
 replaced by the link model (``links.py``).
 
-Per model and layout (FSDP ranks -> TP=8 engines), on a fresh server:
+Per model, layout and size (FSDP ranks -> TP=8 engines), on a fresh server.
+Two layouts of the engines (``cuts.py``): ``tp``, experts TP-sliced (rows of
+gate/up, columns of down); ``ep``, TP=8 with ``enable_expert_parallel``
+(experts whole on one worker each, the rest TP-sliced as before).
+
 
     1. every FSDP rank publishes its rows of every tensor (rules; the first with
        the manifest, the rest by fingerprint)             -> server CPU, request bytes
@@ -59,6 +63,7 @@ class ScaleConfig:
     nic_gbit: float = 400.0
     sample: int = 8  # readers that resolve for real per stage
     link: str = "rdma"
+    layouts: list[str] = field(default_factory=lambda: list(cuts.LAYOUTS))
 
     def ranks_for(self, engines: int, i: int) -> int:
         if self.trainer_ranks:
@@ -74,14 +79,15 @@ def run(cfg: ScaleConfig, out: str | None = None, console: Console | None = None
     for name in cfg.models:
         model_cfg = MODELS[name]
         model = tensors(model_cfg)
-        for i, engines in enumerate(cfg.engines):
-            ranks = cfg.ranks_for(engines, i)
-            with console.status(f"{model_cfg.name}: {ranks} FSDP ranks -> {engines} TP=8 engines"):
-                row = _one(model_cfg, model, engines, ranks, cfg, link)
-            rows.append(row)
-            console.print(f"{row['model']:16} {row['gpus']:5} GPUs  predicted {row['predicted_s']:.2f} s  "
-                          f"link limit {row['link_limit_s']:.2f} s  ({row['predicted_over_limit']:.2f}x)  "
-                          f"control plane {row['control_plane_s']:.3f} s ({row['control_plane_share']:.1%})")
+        for layout in cfg.layouts:
+            for i, engines in enumerate(cfg.engines):
+                ranks = cfg.ranks_for(engines, i)
+                with console.status(f"{model_cfg.name}: {ranks} FSDP ranks -> {engines} TP=8 engines ({layout})"):
+                    row = _one(model_cfg, model, engines, ranks, cfg, link, layout)
+                rows.append(row)
+                console.print(f"{row['model']:16} {layout} {row['gpus']:5} GPUs  predicted {row['predicted_s']:.2f} s  "
+                              f"link limit {row['link_limit_s']:.2f} s  ({row['predicted_over_limit']:.2f}x)  "
+                              f"control plane {row['control_plane_s']:.3f} s ({row['control_plane_share']:.1%})")
     _table(rows, console)
     if out:
         folder = Path(out)
@@ -93,7 +99,7 @@ def run(cfg: ScaleConfig, out: str | None = None, console: Console | None = None
     return rows
 
 
-def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleConfig, link) -> dict:
+def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleConfig, link, layout: str) -> dict:
     man = manifest(model)
     shapes = shapes_of(man)
     fingerprint = man.fingerprint
@@ -101,6 +107,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     dims0 = shapes.dims[:, 0]
     kinds = np.array([cuts.KINDS.index(t.tp) for t in model], np.int64)
     kv_heads = model_cfg.kv_heads
+    ep_experts = model_cfg.experts if layout == "ep" else 0
+    owner = cuts.owners(model, ep_experts) if ep_experts else None
 
     def publish_request(agent: str, rules, rule_of, base_addr: int, origin: bool, with_manifest: bool):
         held = pb.HeldRegions(rules=[pb.HeldRule(dim=d, parts=n, part=k) for d, n, k in rules],
@@ -117,7 +125,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
     readers = engines * cuts.TP
     sample = min(cfg.sample, readers)
-    out: dict = {"model": model_cfg.name, "parameters": parameters(model), "tensors": len(model),
+    out: dict = {"model": model_cfg.name, "layout": layout, "parameters": parameters(model), "tensors": len(model),
                  "gpus": readers, "engines": engines, "trainer_ranks": ranks, "sample_readers": sample}
     with ServerProcess(agent_ttl_s=3600, lease_ttl_s=3600, retain=0) as server, \
             grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 256 << 20),
@@ -155,8 +163,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                 stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent,
                                                            labels=pb.Labels(host=f"e{e}", rack=f"r{e // 16}")),
                                    timeout=60)
-                stub.Publish(publish_request(agent, *cuts.worker_rules(kinds, kv_heads, w), 1 << 41, False, False),
-                             timeout=120)
+                stub.Publish(publish_request(agent, *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41, False,
+                                             False), timeout=120)
         relay_cpu = _cpu(pid) - cpu0
         out.update(server_cpu_relay_publish_per_replica_s=relay_cpu / readers,
                    server_bytes_per_relay_replica=(_rss(pid) - rss0) / readers)
@@ -164,7 +172,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
     # 4. the reader's READs and the link model
     t0 = time.perf_counter()
-    hop = cuts.first_hop(model, ranks, kv_heads, 0, link)
+    hop = cuts.first_hop(model, ranks, kv_heads, 0, link, ep_experts)  # worker 0: every worker reads alike
     plan_s = time.perf_counter() - t0
     planning_s = max(first["decode_s"], late["decode_s"]) + plan_s
     resolve_cpu = max(first["cpu_per_resolve_s"], late["cpu_per_resolve_s"])
@@ -178,6 +186,9 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         control_plane_s=control_s, control_plane_share=control_s / p.link_limit_s,
         server_cpu_s=server_s, planning_s=planning_s, planning_boxes_s=plan_s,
         server_cpu_per_resolve_s=resolve_cpu,
+        # per stage: an EP layout doubles the server's coverage groups (each expert shape splits by its owner)
+        server_cpu_per_resolve_first_s=first["cpu_per_resolve_s"],
+        server_cpu_per_resolve_late_s=late["cpu_per_resolve_s"],
         resolve_request_bytes=max(first["request_bytes"], late["request_bytes"]),
         resolve_response_bytes_max=max(first["response_bytes_max"], late["response_bytes_max"]),
         resolve_holders_first=first["holders"], resolve_holders_late=late["holders"],
@@ -232,11 +243,11 @@ def _rss(pid: int) -> int:
 
 def _table(rows: list[dict], console: Console) -> None:
     table = Table(title="tensorhub bench scale: predicted update time (link model) over the real server and codec")
-    for col in ("model", "GPUs", "FSDP ranks", "predicted s", "link limit s", "x limit", "control plane",
+    for col in ("model", "layout", "GPUs", "FSDP ranks", "predicted s", "link limit s", "x limit", "control plane",
                 "Resolve max", "server B/replica", "descriptors/reader", "depth"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
-        table.add_row(r["model"], str(r["gpus"]), str(r["trainer_ranks"]), f"{r['predicted_s']:.2f}",
+        table.add_row(r["model"], r["layout"], str(r["gpus"]), str(r["trainer_ranks"]), f"{r['predicted_s']:.2f}",
                       f"{r['link_limit_s']:.2f}", f"{r['predicted_over_limit']:.2f}",
                       f"{r['control_plane_s']:.3f} s ({r['control_plane_share']:.1%})",
                       _size(r["resolve_response_bytes_max"]), _size(r["server_bytes_per_replica_max"]),
@@ -259,16 +270,23 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == name]
-        line, = ax.plot([r["gpus"] for r in mine], [r["predicted_s"] for r in mine], marker="o", label=name)
-        ax.plot([r["gpus"] for r in mine], [r["link_limit_s"] for r in mine], ls="--", color=line.get_color(),
-                alpha=0.6)
+    style = {"tp": ("-", "o"), "ep": ("--", "s")}
+    for k, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        color = f"C{k}"
+        for layout, (ls, marker) in style.items():
+            mine = [r for r in rows if r["model"] == name and r["layout"] == layout]
+            if mine:
+                ax.plot([r["gpus"] for r in mine], [r["predicted_s"] for r in mine], ls=ls, marker=marker,
+                        color=color, label=f"{name} {layout.upper()}")
+        # the link limit is the same for both layouts: each worker holds 1/8 of every expert's bytes either way
+        mine = [r for r in rows if r["model"] == name and r["layout"] == rows[0]["layout"]]
+        ax.plot([r["gpus"] for r in mine], [r["link_limit_s"] for r in mine], ls=":", color=color, alpha=0.6)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("rollout GPUs (TP=8 engines x 8)")
-    ax.set_ylabel("update time, s (dashed: link limit)")
+    ax.set_ylabel("update time, s (solid TP, dashed EP, dotted link limit)")
     ax.set_title("Predicted update time at paper scale (link model, real server)")
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
