@@ -315,7 +315,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
           group_round: int = 0, timeout: float | None = None, progress_file: str | None = None,
           read: tuple[str, int, int] | None = None, keep: str | None = None, have: int | None = None,
           unpublish_first: int | None = None, expect_step: tuple[int, float] | None = None,
-          expect_saved: tuple[str, int] | None = None) -> dict:
+          expect_saved: tuple[str, int] | None = None, start_at: float | None = None) -> dict:
     """``read``: ("tp" | "flat" | "whole", rank, world) pulls that slice (see read_region).
     ``expect_seed="version"``: the publisher seeded each version with its number.
     ``keep``: the destination is kept under that key and pulled into again by
@@ -323,7 +323,10 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
     ``unpublish_first``: that version's replica of this process is unpublished
     before the pull writes (``before_write``). ``expect_step=(seed, changed)``:
     compare with ``stepped_tensors``; ``expect_saved=(path, index)``: with
-    that saved version (``specs`` then default to its tensors')."""
+    that saved version (``specs`` then default to its tensors'). ``start_at``: a
+    ``time.monotonic()`` instant (the clock is the machine's, shared by every
+    process) to start at once the destination is ready, so that readers sent
+    their pulls one after another start together, as the raw NIXL rows do."""
     if expect_saved is not None and specs is None:
         specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                  for n, t in _saved(held, expect_saved[0])[expect_saved[1]].items()]
@@ -340,6 +343,8 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
                 f.write(str(done))
         time.sleep(pace_s)
 
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.monotonic()))
     start = time.monotonic()
     before_write = None
     if unpublish_first is not None:

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 MODEL = "bench/cluster"
 CHUNK = 4 << 20
 ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}  # no shared memory between "hosts"
+_START_DELAY_S = 0.5  # from sending the group its pulls to their common start (pull_together)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,8 +173,13 @@ def pull_together(hosts: netns.Hosts, trainer: Any, group: list[Any], *, version
     lands when ``serve``, and unpublishes its copy after."""
     trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=chunk)
     sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
+    # One start instant for the group, as the raw NIXL rows have (rawrelay): the
+    # pulls reach the readers one after another, and on 2 busy cores the 16th
+    # began up to 0.8 s after the first, which counted in ``seconds``.
+    start_at = time.monotonic() + _START_DELAY_S
     for reader in group:
-        reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version)
+        reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version,
+                    start_at=start_at)
     stall = trainer.call("unpublish", model=MODEL, version=version, timeout=timeout_s)
     got = [reader.result(timeout=timeout_s) for reader in group]
     egress = hosts.tx_bytes("trainer") - sent
