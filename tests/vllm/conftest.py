@@ -18,6 +18,10 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 HERE = Path(__file__).parent
 MODEL_KEY = "tiny-qwen2/policy"
+# The engine's workers spin on both cores of the CI machine: a registration with
+# the reference server once took past the default 10 s (DEADLINE_EXCEEDED), so
+# the tests let a Hub retry it longer (HubConfig.connect_timeout_s).
+HUB_CONFIG = {"connect_timeout_s": 60.0}
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +114,8 @@ def engine(tiny_model, hub_server):
     llm = LLM(model=str(tiny_model), dtype="bfloat16", max_model_len=256, enforce_eager=True,
               weight_transfer_config={"backend": "tensorhub"},
               worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
-    llm.init_weight_transfer_engine({"init_info": {"hub": hub_server.address, "model": MODEL_KEY}})
+    llm.init_weight_transfer_engine({"init_info": {"hub": hub_server.address, "model": MODEL_KEY,
+                                                 "hub_config": HUB_CONFIG}})
     yield llm
     llm.shutdown_weight_transfer_engine()
 
@@ -150,7 +155,8 @@ def tp_engine(model_dir: Path, hub_address: str, model_key: str = MODEL_KEY, tp:
     llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=tp,
               weight_transfer_config={"backend": "tensorhub"}, **engine_args,
               worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
-    llm.init_weight_transfer_engine({"init_info": {"hub": hub_address, "model": model_key}})
+    llm.init_weight_transfer_engine({"init_info": {"hub": hub_address, "model": model_key,
+                                                 "hub_config": HUB_CONFIG}})
     return llm
 
 

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_KEY, PROMPT, update
+from conftest import HUB_CONFIG, MODEL_KEY, PROMPT, update
 
 from tensorhub.client.rpc import ReferenceClient
 from tensorhub.testing import free_port, rendezvous
@@ -125,7 +125,8 @@ def test_fsdp_trainer_sends_through_vllms_trainer_api(server, hub_server, tiny_m
 
 
 def test_server_updates_from_another_engines_replica(server, engine, trainer, hub_server):
-    server.post("/init_weight_transfer_engine", {"init_info": {"hub": hub_server.address, "model": MODEL_KEY}})
+    server.post("/init_weight_transfer_engine", {"init_info": {"hub": hub_server.address, "model": MODEL_KEY,
+                                                                 "hub_config": HUB_CONFIG}})
     base = server.complete(PROMPT)
     trainer.publish(19, "perturbed")  # the reference: these bytes, pulled from the trainer
     server.update(19)

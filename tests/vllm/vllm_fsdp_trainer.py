@@ -42,7 +42,10 @@ def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, ou
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     engine = WeightTransferTrainerFactory.trainer_init(
-        TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, first_version=version),
+        TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, first_version=version,
+                                 # as conftest.HUB_CONFIG: registrations may wait on 2 busy cores
+                                 hub_config={"connect_timeout_s": 60.0},
+                                 engine={"hub_config": {"connect_timeout_s": 60.0}}),
         client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(model))
     engine.send_weights()
     with open(out, "w") as f:
