@@ -16,6 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+# As conftest.HUB_CONFIG (this script runs outside pytest): registrations may wait on 2 busy cores.
+HUB_CONFIG = {"connect_timeout_s": 60.0}
+
 
 def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, out: str, version: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -42,10 +45,8 @@ def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, ou
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     engine = WeightTransferTrainerFactory.trainer_init(
-        TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, first_version=version,
-                                 # as conftest.HUB_CONFIG: registrations may wait on 2 busy cores
-                                 hub_config={"connect_timeout_s": 60.0},
-                                 engine={"hub_config": {"connect_timeout_s": 60.0}}),
+        TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, first_version=version, hub_config=HUB_CONFIG,
+                                 engine={"hub_config": HUB_CONFIG}),
         client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(model))
     engine.send_weights()
     with open(out, "w") as f:
