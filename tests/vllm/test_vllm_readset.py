@@ -275,3 +275,67 @@ def test_a_tensor_no_loader_reads_is_pulled_as_one_element():
     for name, want in _expected(0).items():
         if name != "norm":
             assert torch.equal(getattr(model, name), want), name
+
+
+def test_rows_as_full_lays_the_full_tensor_over_a_box_of_rows():
+    """A box of whole rows in the staging is handed to loaders as a real tensor
+    of the full shape whose box is the staging itself (same memory); anything
+    else (columns, several parts, a full tensor reaching outside the buffer) is not."""
+    from tensorhub_vllm.readset import rows_as_full
+
+    meta = torch.empty(8, 6, dtype=torch.bfloat16, device="meta")
+    buffer = torch.arange(100, dtype=torch.bfloat16)
+    rows = Shard(buffer[40:64].view(4, 6), (8, 6), rows=(4, 8))  # rows 4-7 start 24 elements into the full tensor
+    full = rows_as_full(meta, [rows])
+    assert full is not None and full.shape == (8, 6) and full.is_contiguous()
+    assert full[4:8].data_ptr() == rows.tensor.data_ptr() and torch.equal(full[4:8], rows.tensor)
+    assert torch.equal(full.chunk(2)[1].t(), rows.tensor.t())  # any view inside the box reads the staging
+    assert rows_as_full(meta, [Shard(buffer[10:34].view(8, 3), (8, 6), cols=(3, 6))]) is None  # columns
+    assert rows_as_full(meta, [Shard(buffer[10:34].view(4, 6), (8, 6), rows=(4, 8))]) is None  # before the buffer
+    assert rows_as_full(meta, [Shard(buffer[80:92].view(2, 6), (8, 6), rows=(0, 2))]) is None  # past its end
+    assert rows_as_full(meta, [rows, rows]) is None
+    cube = torch.empty(3, 4, 5, dtype=torch.bfloat16, device="meta")
+    inner = Shard(buffer[60:70].view(1, 2, 5), (3, 4, 5), box=((1, 2), (2, 4), (0, 5)))
+    full = rows_as_full(cube, [inner])
+    assert full is not None and torch.equal(full[1:2, 2:4], inner.tensor)
+    assert rows_as_full(cube, [Shard(buffer[60:66].view(1, 2, 3), (3, 4, 5), box=((1, 2), (2, 4), (0, 3)))]) is None
+
+
+def test_a_replayed_box_of_rows_is_loaded_as_a_plain_tensor_next_time():
+    """The first update replays every loader through ViewTensors (the views are
+    checked against the dry run's); from the second on, a box of whole rows is
+    handed over as a real tensor. Both load exactly the checkpoint's slices."""
+    from tensorhub_vllm.readset import ViewTensor
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    for rank in (0, 1):
+        model = Toy(rank)
+        record_metadata_for_reloading(model)
+        layout = {n: torch.empty(CHECKPOINT[n].shape, dtype=CHECKPOINT[n].dtype, device="meta")
+                  for n in sorted(CHECKPOINT)}  # sorted, as checkpoint_layout: "rows" is not first in the buffer
+        read_set = dry_run(model, layout, torch.device("cpu"))
+        staged = read_set.allocate("cpu")
+        for step in range(3):
+            checkpoint = {n: t + step for n, t in CHECKPOINT.items()}
+            for name, value in staged.items():
+                for s in value if isinstance(value, list) else [Shard(value, value.shape)]:
+                    s.tensor.copy_(checkpoint[name][tuple(slice(a, b) for a, b in s.region.bounds(s.full_shape))])
+            handed = {}
+
+            def weights(read_set=read_set, staged=staged, handed=handed):
+                for name, w in read_set.weights(staged, torch.device("cpu")):
+                    handed[name] = type(w)
+                    yield name, w
+
+            initialize_layerwise_reload(model)
+            model.load_weights(weights())
+            finalize_layerwise_reload(model, None)
+            assert handed["rows"] is (ViewTensor if step == 0 else torch.Tensor), (rank, step)
+            assert handed["cols"] is ViewTensor  # columns: always through the ViewTensor
+            c = checkpoint
+            assert torch.equal(model.rows, c["rows"][4 * rank:4 * rank + 4]), (rank, step)
+            assert torch.equal(model.cols, c["cols"][:, 3 * rank:3 * rank + 3]), (rank, step)

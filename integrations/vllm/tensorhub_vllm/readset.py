@@ -29,7 +29,7 @@ from typing_extensions import Self  # typing.Self needs Python 3.11
 
 from tensorhub import Shard
 from tensorhub.regions import Bounds
-from tensorhub_vllm.views import BoxView, contains, merge_boxes, widening
+from tensorhub_vllm.views import BoxView, contains, merge_boxes, row_major_strides, widening
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class ReadSet:
     widened: dict[str, int] = field(default_factory=dict)  # bytes read beyond the loaders' boxes, by name
     unread: list[str] = field(default_factory=list)  # no loader reads them: one element each is pulled
     _replays: dict = field(default_factory=dict, repr=False, compare=False)  # ReplaySink.plans, kept across updates
+    _replayed: set = field(default_factory=set, repr=False, compare=False)  # names whose loaders replayed once
 
     def nbytes(self) -> int:
         return sum(self._numel(n) * t.element_size() for n, t in self.layout.items())
@@ -251,12 +252,51 @@ class ReadSet:
 
     def weights(self, staged: Mapping[str, torch.Tensor | list[Shard]], device: torch.device):
         """``(name, tensor)`` for ``model.load_weights``: the real tensor where it
-        was pulled whole, a ViewTensor over the pulled boxes otherwise."""
+        was pulled whole; a ViewTensor over the pulled boxes otherwise, or, for
+        a box of whole rows whose loaders an earlier update already replayed
+        through a ViewTensor, a real tensor of the full shape laid over the
+        staging (``rows_as_full``): the loaders then run at the speed of plain
+        tensors (a ViewTensor's Python dispatch cost a MoE apply about a fifth)."""
         sink = ReplaySink({n: [(s.region.box, s.tensor) for s in v] for n, v in staged.items() if isinstance(v, list)},
                           self._replays)
+        replayed = []
         for name, t in self.layout.items():
             value = staged[name]
-            yield name, (ViewTensor.full(name, t, sink, device) if isinstance(value, list) else value)
+            if not isinstance(value, list):
+                yield name, value
+                continue
+            full = rows_as_full(t, value) if name in self._replayed else None
+            if full is None:
+                replayed.append(name)
+                full = ViewTensor.full(name, t, sink, device)
+            yield name, full
+        # Every loader took its views of these without a refusal from the
+        # ReplaySink: the views are the dry run's, inside the pulled boxes.
+        self._replayed.update(replayed)
+
+
+def rows_as_full(meta: torch.Tensor, parts: list[Shard]) -> torch.Tensor | None:
+    """The full tensor ``meta`` describes as a real tensor over the staging of
+    ``parts``, when that is one box of whole rows (every dimension after its
+    first partial one whole): the box's elements are where a contiguous full
+    tensor would hold them, so every view that lies inside the box, however it
+    is taken, reads the pulled bytes. Elements outside the box alias other
+    staging memory; the dry run and the first replay showed the loaders read
+    none of them. None where that does not hold or the full tensor would reach
+    outside the staging buffer."""
+    if len(parts) != 1:
+        return None
+    (part,) = parts
+    local, box = part.tensor, part.region.box
+    if box is None or len(box) != meta.dim() or local.dtype != meta.dtype:
+        return None
+    strides = row_major_strides(meta.shape)
+    if any(b - a > 1 and local.stride(i) != strides[i] for i, ((a, b), s) in enumerate(zip(box, strides))):
+        return None
+    base = local.storage_offset() - sum(a * s for (a, _), s in zip(box, strides))
+    if base < 0 or base + meta.numel() > local.untyped_storage().nbytes() // local.element_size():
+        return None
+    return local.as_strided(meta.shape, strides, base)
 
 
 def dry_run(model: torch.nn.Module, layout: dict[str, torch.Tensor], device: torch.device) -> ReadSet:
