@@ -86,6 +86,30 @@ def trainer(hub_server, tiny_model):
     t.close()
 
 
+MOE_KEY = "tiny-qwen3-moe/policy"
+
+
+@pytest.fixture(scope="session")
+def moe_model(tmp_path_factory):
+    """A tiny Qwen3-MoE (vllm_tiny_model.build_moe): 8 experts, top-2."""
+    sys.path.insert(0, str(HERE))
+    from vllm_tiny_model import build_moe
+
+    return build_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="session")
+def moe_perturbed(moe_model, tmp_path_factory):
+    return perturbed_copy(moe_model, tmp_path_factory.mktemp("tiny-qwen3-moe-perturbed"))
+
+
+@pytest.fixture(scope="module")
+def moe_trainer(hub_server, moe_model):
+    t = Trainer(hub_server.address, moe_model, model_key=MOE_KEY)
+    yield t
+    t.close()
+
+
 PROMPT = "the quick brown"
 
 

@@ -16,29 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Trainer, engine_pair, greedy_many, perturbed_copy, tp_engine, update, update_and_relay
+from conftest import MOE_KEY, Trainer, engine_pair, greedy_many, tp_engine, update, update_and_relay
 
-MOE_KEY = "tiny-qwen3-moe/policy"
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
-
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    from vllm_tiny_model import build_moe
-
-    return build_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
-
-
-@pytest.fixture(scope="module")
-def moe_perturbed(moe_model, tmp_path_factory):
-    return perturbed_copy(moe_model, tmp_path_factory.mktemp("tiny-qwen3-moe-perturbed"))
-
-
-@pytest.fixture(scope="module")
-def moe_trainer(hub_server, moe_model):
-    t = Trainer(hub_server.address, moe_model, model_key=MOE_KEY)
-    yield t
-    t.close()
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +105,7 @@ def test_expert_parallel_workers_read_their_experts_whole(moe_engines, moe_train
     finally:
         llm.shutdown_weight_transfer_engine()
     per_rank = MOE_EXPERTS // 2
+    ep_agents = {s["agent"] for s in stats}
     for rank, (rs, s) in enumerate(zip(sets, stats)):
         assert rs["fallbacks"] == {}, rs["fallbacks"]
         mine = range(rank * per_rank, (rank + 1) * per_rank)
@@ -138,8 +119,11 @@ def test_expert_parallel_workers_read_their_experts_whole(moe_engines, moe_train
                         assert name in rs["unread"], (rank, name)
         # attention stays tensor-parallel: rows of q_proj
         assert rs["boxes"]["model.layers.0.self_attn.q_proj.weight"] == [[[rank * 64, (rank + 1) * 64], [0, 128]]]
-        # every byte from A's TP workers, from both of them
-        assert s["nbytes"] == s["read_set_nbytes"] and set(s["bytes_by_source"]) == a_agents, s
+        # every byte from A's TP workers, from both of them; replicated tensors
+        # (norms, the router) may come from the other EP worker, which serves
+        # what it has pulled as it fills (seen once in a full suite run)
+        sources = set(s["bytes_by_source"])
+        assert s["nbytes"] == s["read_set_nbytes"] and a_agents <= sources <= a_agents | ep_agents, s
 
 
 def test_mixtral_loads_a_version_of_fused_experts(tp_env, hub_server, tmp_path_factory):

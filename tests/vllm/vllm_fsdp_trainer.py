@@ -1,7 +1,8 @@
 """One rank of a 2-rank FSDP2 trainer (gloo, CPU) that sends a version to a
 vLLM server through vLLM's own trainer-side API: WeightTransferTrainerFactory
 with backend ``tensorhub`` and vLLM's HTTP client. ``DTensor.full_tensor`` is
-made to fail, so a gather anywhere fails the run. Writes what it published.
+made to fail, so a gather anywhere fails the run. Writes what it published
+(bytes, and the model's parameter names: fused experts for a transformers-5 MoE).
 The ranks meet at the rendezvous named by MASTER_ADDR and MASTER_PORT in the
 environment (the test's ``tensorhub.testing.rendezvous``).
 
@@ -50,7 +51,8 @@ def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, ou
         client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(model))
     engine.send_weights()
     with open(out, "w") as f:
-        json.dump({"rank": rank, "published_bytes": engine.published_bytes, "version": engine.version}, f)
+        json.dump({"rank": rank, "published_bytes": engine.published_bytes, "version": engine.version,
+                   "names": [n for n, _ in model.named_parameters()]}, f)
     engine.shutdown()
     dist.destroy_process_group()
 

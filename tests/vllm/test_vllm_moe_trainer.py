@@ -1,0 +1,47 @@
+"""vLLM's trainer side over an FSDP2 MoE module: a 2-rank FSDP2 trainer holding
+the tiny Qwen3-MoE as transformers 5 builds it (experts fused: gate_up_proj
+[E, 2I, H], down_proj [E, H, I], each rank Shard(0): whole experts) updates the
+OpenAI-compatible server (TP=2, whose checkpoint names experts one by one)
+through vLLM's WeightTransferTrainerFactory. What a user checks: the server
+then generates what a fresh server on those weights generates."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import HUB_CONFIG, MOE_KEY, PROMPT
+from vllm_server import Server, fsdp_trainer_send
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_perturbed, tmp_path_factory):
+    """The server started on the perturbed weights: its text is the fresh
+    engine's on them (``want``)."""
+    s = Server(moe_perturbed, tmp_path_factory.mktemp("moe-server") / "vllm-server.log")
+    s.want = s.complete(PROMPT)
+    yield s
+    s.close()
+
+
+def test_fsdp2_moe_trainer_updates_the_server_with_fused_experts(moe_server, moe_trainer, moe_perturbed,
+                                                                 hub_server, tmp_path):
+    import torch
+    from tensorhub_vllm.receiver import checkpoint_layout
+
+    server = moe_server
+    server.post("/init_weight_transfer_engine", {"init_info": {"hub": hub_server.address, "model": MOE_KEY,
+                                                                 "hub_config": HUB_CONFIG}})
+    moe_trainer.publish(50, "original")  # the server leaves the perturbed weights first
+    server.update(50)
+    assert server.complete(PROMPT) != server.want
+    moe_trainer.unpublish(50)
+
+    reports = fsdp_trainer_send(hub_server.address, server, moe_perturbed, MOE_KEY, 51, tmp_path)
+    assert server.get("/weight_info") == {"weight_version": "51"}
+    assert server.complete(PROMPT) == server.want  # the fresh engine's text on the trainer's weights
+
+    checkpoint = sum(t.numel() * t.element_size() for t in checkpoint_layout(moe_perturbed, torch.bfloat16).values())
+    for got in reports:
+        assert got["version"] == 51
+        assert any(n.endswith(".mlp.experts.gate_up_proj") for n in got["names"]), got["names"]  # fused
+        assert not any(".experts.0." in n for n in got["names"])
+        assert 0.4 * checkpoint <= got["published_bytes"] <= 0.6 * checkpoint, (got, checkpoint)
