@@ -21,7 +21,9 @@ fused tensor with the same elements in the same order: a destination laid out
 for the per-expert tensors is a destination for the fused version as it is.
 ``onto(into, manifest)`` renames it so; no byte is gathered or copied on
 either side, and the reader's staging, served as a replica, holds those boxes
-of the fused tensors for the next reader.
+of the fused tensors for the next reader. The same holds the other way round:
+a destination for the fused tensors (an engine whose checkpoint was saved
+fused) is one for a per-expert version, expert by expert.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tensorhub.shard import Entry, Shard
 PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+_PROJ_NAMES = tuple(zip(_GATE, _UP, _DOWN))  # (gate, up, down): Qwen-style, Mixtral-style
 # Renamed by transformers 5 on load (Mixtral's router: block_sparse_moe.gate -> mlp.gate)
 _RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
@@ -79,6 +82,55 @@ def _moved(shard: Shard, home: str, full: tuple[int, ...], e: int, row: int) -> 
     return Shard(shard.tensor, full, box=((e, e + 1), (row + r0, row + r1), (c0, c1)))
 
 
+FUSED = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def _experts_of(layer: str, e: int, kind: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, ...] | None:
+    """The manifest's per-expert names of expert ``e``'s part ``kind`` of a fused
+    tensor: (gate, up) for ``gate_up_proj``, (down,) for ``down_proj``, under
+    either block name; None where the manifest has them under neither."""
+    for block, (gate, up, down) in (("mlp", _PROJ_NAMES[0]), ("block_sparse_moe", _PROJ_NAMES[1])):
+        base = f"{layer}.{block}.experts.{e}."
+        names = (f"{base}{down}.weight",) if kind == "down_proj" else (f"{base}{gate}.weight", f"{base}{up}.weight")
+        if all(n in shapes for n in names):
+            return names
+    return None
+
+
+def per_expert_parts(name: str, entry: Entry, shapes: Mapping[str, tuple[int, ...]]
+                     ) -> dict[str, list[Shard]] | None:
+    """The other way round: a destination for fused tensor ``name`` (whole or
+    boxes of it) as shards of the manifest's per-expert tensors over the same
+    memory, one per expert and (for gate_up) half it meets. None where
+    ``name`` is not fused, the manifest lacks an expert or a shape disagrees,
+    or a part is a flat range (a reader's staging holds boxes). An expert no
+    part covers (an expert-parallel worker's staging of a fused checkpoint)
+    gets no shard, so the manifest check lists its per-expert names as missing."""
+    m = FUSED.match(name)
+    if m is None:
+        return None
+    kind = m["kind"]
+    shards = [entry] if isinstance(entry, (Shard, torch.Tensor)) else list(entry)
+    out: dict[str, list[Shard]] = {}
+    for s in shards:
+        whole = s if isinstance(s, Shard) else Shard(s, tuple(s.shape))
+        full = tuple(whole.full_shape)
+        if len(full) != 3 or whole.region.flat is not None:
+            return None
+        (e0, e1), (a, b), cols = whole.region.bounds(full)
+        half = full[1] // 2 if kind == "gate_up_proj" else full[1]
+        for e in range(e0, e1):
+            names = _experts_of(m["layer"], e, kind, shapes)
+            if names is None or any(shapes[n] != (half, full[2]) for n in names):
+                return None
+            for i, part in enumerate(names):  # gate rows [0, I), up rows [I, 2I) of the fused dim 1
+                lo, hi = max(a, i * half), min(b, (i + 1) * half)
+                if lo < hi:
+                    view = whole.tensor[e - e0, lo - a:hi - a]
+                    out.setdefault(part, []).append(Shard(view, (half, full[2]), box=((lo - i * half, hi - i * half), cols)))
+    return out
+
+
 def _renamed(name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     for old, new in _RENAMES:
         other = name.replace(old, new)
@@ -88,13 +140,14 @@ def _renamed(name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, 
 
 
 def onto(into: Mapping[str, Entry], manifest: Manifest) -> dict[str, Entry]:
-    """``into`` (names of a checkpoint) for a version whose manifest may hold
-    the experts fused: each per-expert entry the manifest lacks but holds fused
-    becomes shards of the fused tensor over the same memory, and a name
-    transformers 5 renames (Mixtral's ``block_sparse_moe.gate``) takes the
-    manifest's name. Everything else is
-    left as it is, so a name that matches neither convention still gets the
-    manifest check's listing."""
+    """``into`` (names of a checkpoint) for a version whose manifest may name
+    the experts the other way: each per-expert entry the manifest lacks but
+    holds fused becomes shards of the fused tensor over the same memory; each
+    fused entry (a checkpoint saved fused) the manifest holds per expert
+    becomes shards of those (``per_expert_parts``); a name transformers 5
+    renames (Mixtral's ``block_sparse_moe.gate``) takes the manifest's name.
+    Everything else is left as it is, so a name that matches neither
+    convention still gets the manifest check's listing."""
     shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
     out: dict[str, Entry] = {}
     fused: dict[str, list[Shard]] = {}
@@ -107,7 +160,11 @@ def onto(into: Mapping[str, Entry], manifest: Manifest) -> dict[str, Entry]:
             continue
         home = None if name in shapes else fused_home(name, full, shapes)
         if home is None:
-            out[name] = entry
+            parts = None if name in shapes else per_expert_parts(name, entry, shapes)
+            if parts is None:
+                out[name] = entry
+            else:  # a fused checkpoint's tensor, the version's experts apart
+                out.update(parts)
             continue
         fused_name, e, row = home
         for s in shards:

@@ -154,3 +154,67 @@ def test_expert_sharded_trainer_ranks_serve_a_per_expert_reader(server, hubs):
     for name, want in reference.items():
         got = into[name][0].tensor
         assert torch.equal(got, want[:, half:] if name.endswith("down_proj.weight") else want[half:]), name
+
+
+
+def _per_expert_manifest(names=("gate_proj", "up_proj", "down_proj"), block: str = "mlp") -> Manifest:
+    fused = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, _, s in FUSED_SPECS}
+    per_expert = _per_expert(fused, names, block)
+    return Manifest.of({**per_expert, f"{LAYER}.mlp.gate.weight": fused[f"{LAYER}.mlp.gate.weight"]})
+
+
+GATE_UP, DOWN, ROUTER = (n for n, _, _ in FUSED_SPECS)
+
+
+@pytest.mark.parametrize(("names", "block"), [(("gate_proj", "up_proj", "down_proj"), "mlp"),
+                                              (("w1", "w3", "w2"), "block_sparse_moe")])
+def test_a_fused_destination_takes_a_per_expert_version_expert_by_expert(names, block):
+    """The other way round (an engine whose checkpoint was saved fused): whole
+    fused tensors and boxes of them, a box across the gate/up boundary too,
+    become shards of the version's per-expert tensors over the same memory."""
+    fused = make_tensors(FUSED_SPECS, 6)
+    reference = _per_expert(fused, names, block)
+    first = Shard(torch.empty(1, 2, H, dtype=torch.bfloat16), (E, 2 * I, H), box=((0, 1), (I - 1, I + 1), (0, H)))
+    across = Shard(torch.empty(2, 5, H, dtype=torch.bfloat16), (E, 2 * I, H), box=((1, 3), (I - 2, I + 3), (0, H)))
+    columns = Shard(torch.empty(1, 2 * I, 3, dtype=torch.bfloat16), (E, 2 * I, H), box=((3, 4), (0, 2 * I), (2, 5)))
+    into = {GATE_UP: [first, across, columns], DOWN: torch.empty(E, H, I, dtype=torch.bfloat16),
+            ROUTER: torch.empty(E, H, dtype=torch.bfloat16)}
+    manifest = _per_expert_manifest(names, block)
+    mapped = experts.onto(into, manifest)
+    assert {n for n in mapped if ".experts." in n} == set(reference)
+    manifest.check_destination(mapped, model="m", version=0)  # regions fit, nothing overlaps
+    for name, v in mapped.items():
+        for s in v if isinstance(v, list) else []:
+            assert s.tensor.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in
+                                                             (first.tensor, across.tensor, columns.tensor,
+                                                              into[DOWN])}
+            s.tensor.copy_(_elements(reference[name], s).reshape(s.tensor.shape))  # what a pull writes there
+    assert torch.equal(first.tensor, fused[GATE_UP][0:1, I - 1:I + 1])
+    assert torch.equal(across.tensor, fused[GATE_UP][1:3, I - 2:I + 3])
+    assert torch.equal(columns.tensor, fused[GATE_UP][3:4, :, 2:5])
+    assert torch.equal(into[DOWN], fused[DOWN])
+    # an expert no box reads (an expert-parallel worker's): the manifest check names what is missing
+    with pytest.raises(ManifestMismatch, match=rf"missing '{LAYER}.{block}.experts.0.{names[0]}.weight'"):
+        manifest.check_destination(experts.onto({**into, GATE_UP: [across, columns]}, manifest), model="m",
+                                   version=0)
+
+
+def test_a_fused_reader_pulls_a_per_expert_version_in_place(server, hubs):
+    """Real NIXL, real gRPC: the trainer publishes a checkpoint's per-expert
+    tensors; a TP=2 rank of an engine whose checkpoint is fused (its rows of
+    every expert's gate and up, its columns of down) pulls exactly those bytes."""
+    fused = make_tensors(FUSED_SPECS, 11)
+    per_expert = {**_per_expert(fused), ROUTER: fused[ROUTER]}
+    half = I // 2
+    into = {GATE_UP: [Shard(torch.empty(E, half, H, dtype=torch.bfloat16), (E, 2 * I, H),
+                            box=((0, E), (i * I, i * I + half), (0, H))) for i in range(2)],
+            DOWN: [Shard(torch.empty(E, H, half, dtype=torch.bfloat16), (E, H, I), box=((0, E), (0, H), (0, half)))],
+            ROUTER: torch.empty(E, H, dtype=torch.bfloat16)}
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="reader") as hub:
+        trainer.publish("moe-per-expert", 1, {n: t.contiguous() for n, t in per_expert.items()})
+        result = hub.pull("moe-per-expert", 1, into=lambda manifest: experts.onto(into, manifest))
+    assert result.nbytes == sum(s.tensor.nbytes for v in into.values() if isinstance(v, list) for s in v) + E * H * 2
+    assert torch.equal(into[GATE_UP][0].tensor, fused[GATE_UP][:, :half])
+    assert torch.equal(into[GATE_UP][1].tensor, fused[GATE_UP][:, I:I + half])
+    assert torch.equal(into[DOWN][0].tensor, fused[DOWN][:, :, :half])
+    assert torch.equal(into[ROUTER], fused[ROUTER])

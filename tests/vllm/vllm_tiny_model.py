@@ -96,3 +96,22 @@ def build_mixtral(path: Path, seed: int = 0) -> Path:
         eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
     )
     return _save(MixtralForCausalLM(config), path)
+
+
+def fused_copy(model_dir: Path, path: Path) -> Path:
+    """``model_dir`` with its checkpoint saved fused, as the transformers-5 model
+    holds it (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]):
+    what a trainer's own ``save_file(model.state_dict())`` writes. vLLM's
+    Qwen3-MoE loads either form."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
+    for f in path.glob("model*.safetensors*"):
+        f.unlink()
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).state_dict()
+    save_file({n: t.contiguous() for n, t in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
