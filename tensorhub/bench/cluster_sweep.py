@@ -33,8 +33,8 @@ Each row: ``seconds`` (the first reader's start until every reader holds the
 version), ``trainer_egress_bytes`` (the trainer host's interface counter),
 ``trainer_copies`` (that / ``bytes``), ``cpu_busy``; ``tensorhub`` and
 ``single`` rows also ``reader_seconds`` (each reader's finish, from the first
-start), ``depth`` (hops from the trainer, see ``depths``), ``parent`` (where
-each reader's bytes came from most) and ``trainer_share`` (of its bytes, from
+start), ``depth`` (hops from the trainer of its deepest chunk, see
+``chunk_depths``), ``parent`` (where each reader's bytes came from most) and ``trainer_share`` (of its bytes, from
 the trainer). The goals of the issue are printed as met or not, and recorded.
 """
 
@@ -119,6 +119,29 @@ def depths(sources: dict[str, dict[str, int]]) -> tuple[dict[str, int], dict[str
             node = up
         depth[name] = d
     return depth, parent
+
+
+def chunk_depths(chunk_sources: dict[str, dict[int, str]]) -> dict[str, int]:
+    """Each reader's depth traced chunk by chunk: a chunk read from a source that
+    is not a reader (the trainer) is 1 hop from it, one read from a reader
+    1 + that reader's hops for the same chunk; a reader's depth is its deepest
+    chunk. ``chunk_sources``: reader name -> its pull's ``chunk_sources``.
+    Unlike ``depths`` it does not saturate when readers exchange chunks both
+    ways: a chunk's source held it before the reader did, so a chunk's path
+    has no cycle (a source without a record of the chunk counts as the origin;
+    a path longer than the readers, which cannot happen, stops there)."""
+    cap = len(chunk_sources)
+    memo: dict[tuple[str, int], int] = {}
+
+    def hops(reader: str, chunk: int, seen: int) -> int:
+        key = (reader, chunk)
+        if key not in memo:
+            src = chunk_sources[reader].get(chunk)
+            up = chunk_sources.get(src) if src is not None else None
+            memo[key] = 1 if up is None or chunk not in up or seen >= cap else 1 + hops(src, chunk, seen + 1)
+        return memo[key]
+
+    return {r: max((hops(r, c, 1) for c in got), default=0) for r, got in chunk_sources.items()}
 
 
 def tree_summary(depth: list[int]) -> str:
@@ -232,6 +255,8 @@ def _busy_since(since: tuple[int, int], row: Row) -> Row:
 def _tensorhub_row(method: str, moved: Any, size: int, names: list[str]) -> Row:
     start = min(g["start"] for g in moved.got)
     depth, parent = depths({name: g["sources"] for name, g in zip(names, moved.got)})
+    if all(g.get("chunk_sources") for g in moved.got):  # traced chunk by chunk: no saturation on cycles
+        depth = {**depth, **chunk_depths({name: g["chunk_sources"] for name, g in zip(names, moved.got)})}
     share = [round(sum(n for s, n in g["sources"].items() if s not in depth) / max(1, sum(g["sources"].values())), 3)
              for g in moved.got]
     return Row.of(method, len(names), size, [moved.seconds], trainer_egress_bytes=moved.egress,
@@ -341,11 +366,17 @@ def _print(cfg: SweepConfig, rows: list[Row], size: int, cap: float, rate: float
 
 
 def _chain(row: Row, i: int) -> list[str]:
-    """Reader ``i`` of a tensorhub row, then the parents its bytes came through, up to the trainer."""
+    """Reader ``i`` of a tensorhub row, then the parents its bytes came through
+    most, up to the trainer, or up to a reader already on the path (readers
+    that gave each other most of their bytes: shown once, then "...")."""
     parent = dict(zip((f"r{k}" for k in range(row.readers)), row.extra["parent"]))
     out = [f"r{i}"]
-    while len(out) <= row.readers and parent.get(out[-1]) is not None:
-        out.append(parent[out[-1]])
-        if out[-1] not in parent:
+    while parent.get(out[-1]) is not None:
+        up = parent[out[-1]]
+        if up in out:
+            out.append(f"{up} ...")
+            break
+        out.append(up)
+        if up not in parent:
             break
     return out

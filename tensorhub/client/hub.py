@@ -82,6 +82,8 @@ class PullResult:
     # around columns read wide (HubConfig.read_cost): ``nbytes`` when none was.
     read_bytes: int = 0
     descriptors: int = 0  # READ descriptors posted (of the READs that landed)
+    # Per chunk of the read set, the agent most of its bytes came from (empty for a delta pull)
+    chunk_sources: dict[int, str] = field(default_factory=dict)
     # A pull given ``have=u`` that patched the destination from v's deltas:
     # ``delta_from`` is u, ``delta_bytes`` the delta bytes read (then also
     # ``read_bytes``; ``nbytes`` stays the destination's bytes, and
@@ -393,7 +395,8 @@ class Hub:
                           lost_sources=stats.lost_sources, publication=publication,
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
-                          read_bytes=stats.read_bytes, descriptors=stats.descriptors)
+                          read_bytes=stats.read_bytes, descriptors=stats.descriptors,
+                          chunk_sources=stats.chunk_sources)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:

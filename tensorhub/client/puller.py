@@ -125,6 +125,10 @@ class PullStats:
     # the weights shows here, and so do the rows around a wide read's columns).
     read_bytes: int = 0
     descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
+    # Per chunk of the read set, the holder (agent name) most of its bytes came
+    # from: readers of one version cut alike share chunk numbers, so a relay
+    # tree can be traced chunk by chunk (``bench cluster``'s depth).
+    chunk_sources: dict[int, str] = field(default_factory=dict)
 
 
 def drain_s(chunk_timeout_s: float, failure_detection_s: float | None) -> float:
@@ -636,8 +640,10 @@ class PullJob:
                         # Counted once the whole chunk is in: a chunk that failed
                         # in part is read again, whole, next round.
                         del pending[chunk]
-                        for source, nbytes in got.pop(chunk).items():
+                        sources = got.pop(chunk)
+                        for source, nbytes in sources.items():
                             stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
+                        stats.chunk_sources[chunk] = max(sources, key=sources.__getitem__)
                         done_bytes += layout.chunk_bytes(chunk)
                         self._progress_at = time.monotonic()
                         needed.discard(chunk)

@@ -11,6 +11,7 @@ import pytest
 
 from tensorhub import cli, netns
 from tensorhub.bench.cluster_sweep import (
+    chunk_depths,
     depths,
     goals,
     link_bytes_per_s,
@@ -83,6 +84,20 @@ def test_a_cycle_stops_at_the_number_of_readers():
     assert parent == {"r0": "r1", "r1": "r0", "r2": "r1"}
 
 
+def test_chunk_depths_trace_each_chunk_so_an_exchange_is_two_hops_not_a_cycle():
+    # r0 and r1 each read half from the trainer and the other half from each other;
+    # r2 read everything from r1: r1's own half is 2 hops, the half r1 got from r0 is 3.
+    half = {c: "trainer" for c in range(4)}
+    chunks = {"r0": {**half, **{c: "r1" for c in range(4, 8)}},
+              "r1": {**{c: "r0" for c in range(4)}, **{c: "trainer" for c in range(4, 8)}},
+              "r2": {c: "r1" for c in range(8)},
+              "r3": {0: "r9"},  # a source that is not a reader: the origin
+              "r4": {}}  # got nothing
+    assert chunk_depths(chunks) == {"r0": 2, "r1": 2, "r2": 3, "r3": 1, "r4": 0}
+    # a record that cannot be (a chunk each read from the other) stops at the number of readers
+    assert max(chunk_depths({"a": {0: "b"}, "b": {0: "a"}}).values()) <= 2
+
+
 def test_a_reader_with_several_sources_follows_the_one_it_got_most_from():
     sources = {"r0": {"trainer": 64}, "r1": {"r0": 64},
                "r2": {"trainer": 20, "r0": 20, "r1": 24},  # most from r1: depth 1 + 2
@@ -145,7 +160,17 @@ def test_a_small_sweep_runs_on_emulated_hosts(tmp_path):
         assert {"method", "readers", "seconds", "trainer_egress_bytes", "bytes", "cpu_busy"} <= set(row)
         if row["method"] in ("tensorhub", "single"):
             assert len(row["reader_seconds"]) == len(row["depth"]) == row["readers"]
-            assert min(row["depth"]) == 1  # someone read the trainer
+            # each reader's deepest chunk: from the trainer (1), or through the other reader (2)
+            assert 1 <= min(row["depth"]) <= max(row["depth"]) <= row["readers"]
+            assert max(row["trainer_share"]) > 0  # someone read the trainer
     relay = next(r for r in got["results"] if r["method"] == "nixl-raw-relay" and r["readers"] == 2)
     assert relay["trainer_read_copies"] == 1.0
     assert got["sweep"] is True and got["readers"] == [1, 2] and len(got["goals"]) >= 2
+
+
+def test_the_last_readers_path_stops_at_the_trainer_or_a_reader_seen_before():
+    from tensorhub.bench.cluster_sweep import _chain
+
+    chain = _row("tensorhub", 4, 9.0, 1.0, parent=["trainer", "r0", "r3", "r2"])
+    assert _chain(chain, 1) == ["r1", "r0", "trainer"]
+    assert _chain(chain, 2) == ["r2", "r3", "r2 ..."]  # r2 and r3 gave each other most of their bytes

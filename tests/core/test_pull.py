@@ -117,6 +117,9 @@ def test_reader_serves_what_it_received_after_the_trainer_unpublished(hubs):
     trainer.call("unpublish", model="m", version=9)
     got = second.call("pull", model="m", version=9, specs=specs, expect_seed=9)
     assert got["mismatched"] == [] and got["sources"] == {"first": got["nbytes"]}
+    # chunk by chunk, where its bytes came from: every chunk of the read set, from "first"
+    assert sorted(got["chunk_sources"]) == list(range(len(got["chunk_sources"])))
+    assert len(got["chunk_sources"]) >= got["nbytes"] // (1 << 20) and set(got["chunk_sources"].values()) == {"first"}
 
 
 def test_group_members_get_the_version_the_first_member_fixed(hubs):
