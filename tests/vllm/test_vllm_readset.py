@@ -212,6 +212,13 @@ def test_staging_is_one_buffer_of_aligned_disjoint_tensors():
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 
+def _fill(staged, checkpoint) -> None:
+    """What a pull writes: each staging tensor gets its region of ``checkpoint``."""
+    for name, value in staged.items():
+        for s in value if isinstance(value, list) else [Shard(value, value.shape)]:
+            s.tensor.copy_(checkpoint[name][tuple(slice(a, b) for a, b in s.region.bounds(s.full_shape))])
+
+
 def test_replay_views_columns_inside_whole_rows():
     """The Toy's column loader replayed on a staging of whole rows (the coalesced
     read set) loads the same bytes as on its exact columns."""
@@ -228,9 +235,7 @@ def test_replay_views_columns_inside_whole_rows():
         read_set = dry_run(model, layout, torch.device("cpu")).coalesced(1.0)
         assert "cols" not in read_set.boxes and read_set.widened["cols"] == 8 * 3 * 2
         staged = read_set.allocate("cpu")
-        for name, value in staged.items():
-            for s in value if isinstance(value, list) else [Shard(value, value.shape)]:
-                s.tensor.copy_(CHECKPOINT[name][tuple(slice(a, b) for a, b in s.region.bounds(s.full_shape))])
+        _fill(staged, CHECKPOINT)
         initialize_layerwise_reload(model)
         model.load_weights(read_set.weights(staged, torch.device("cpu")))
         finalize_layerwise_reload(model, None)
@@ -321,9 +326,7 @@ def test_a_replayed_box_of_rows_is_loaded_as_a_plain_tensor_next_time():
         staged = read_set.allocate("cpu")
         for step in range(3):
             checkpoint = {n: t + step for n, t in CHECKPOINT.items()}
-            for name, value in staged.items():
-                for s in value if isinstance(value, list) else [Shard(value, value.shape)]:
-                    s.tensor.copy_(checkpoint[name][tuple(slice(a, b) for a, b in s.region.bounds(s.full_shape))])
+            _fill(staged, checkpoint)
             handed = {}
 
             def weights(read_set=read_set, staged=staged, handed=handed):
