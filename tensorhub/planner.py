@@ -13,7 +13,11 @@ A holder ranks before another when it is
   3. reliable before spot;
   4. a reader that already holds the chunk before the origin (the trainer), so
      the trainer's link stops being the bottleneck once copies exist;
-  5. less loaded: fewer other readers on it, then fewer chunks of this plan
+  5. laid out like the reader: fewer READ descriptors for the chunk, counted
+     in powers of 8 (a relay cut like the reader gives a column slice in a few
+     contiguous runs, a holder of whole rows in one run per row), so the strided
+     first hop is paid once and the engines after it relay in bulk;
+  6. less loaded: fewer other readers on it, then fewer chunks of this plan
      already given to it (ties spread evenly).
 A holder already serving ``cap`` readers or more ranks after every nearer-or-equal
 holder under the cap (a soft cap: it still serves when nobody else can).
@@ -35,7 +39,7 @@ should know of (``best_holders``): with a thousand holders a reader costs O(k).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tensorhub.topology import Labels, Reliability
@@ -77,6 +81,7 @@ def choose_sources(
     exclude: frozenset[str] = frozenset(),
     cap: int = 0,
     relayed: frozenset[int] | set[int] = frozenset(),
+    runs: Mapping[str, Sequence[int]] | None = None,
 ) -> Assignment:
     """Rank the holders of every chunk; spread ties evenly.
 
@@ -94,6 +99,8 @@ def choose_sources(
     wave of spot joiners, ranking it first put three joiners' relayed chunks on
     its one link while the joiners' own links idled (4.1-4.9 s joins against
     2.9-3.1 s, ``tensorhub bench rl scenario=elastic``).
+    ``runs[replica_id][chunk]``: the READ descriptors that holder needs for
+    its part of the chunk (``HolderMap.segments``); absent, every holder counts alike.
     """
     usable = {s.replica_id: s for s in sources if s.replica_id not in exclude}
     assigned = dict.fromkeys(usable, 0)
@@ -113,6 +120,7 @@ def choose_sources(
                 usable[rid].active_reads + assigned[rid] if chunk in relayed else 0,
                 usable[rid].reliability is Reliability.SPOT,
                 usable[rid].origin,
+                _layout_cost(runs, chunk, rid),
                 usable[rid].active_reads,
                 assigned[rid],
                 rid,
@@ -124,6 +132,13 @@ def choose_sources(
             assigned[rid] += 1
         out.order[chunk] = ranked
     return out
+
+
+def _layout_cost(runs: Mapping[str, Sequence[int]] | None, chunk: int, rid: str) -> int:
+    """A holder's descriptors for ``chunk`` in powers of 8: 1-7 runs 0, 8-63 1, ..., 4,096 and more 4+."""
+    counts = None if runs is None else runs.get(rid)
+    n = 1 if counts is None or chunk >= len(counts) else int(counts[chunk])
+    return (max(1, n).bit_length() - 1) // 3
 
 
 def best_holders(

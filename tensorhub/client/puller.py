@@ -316,7 +316,8 @@ class PullJob:
                     maps = self._refresh_quietly(res, excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
-                                  self.labels, exclude=frozenset(excluded), relayed=self._relayed)
+                                  self.labels, exclude=frozenset(excluded), relayed=self._relayed,
+                                  runs={m.replica_id: m.segments for m in usable})
             self._relayed = set()
             transfers: dict[int, list[Transfer]] = {}
             unavailable = list(plan.unavailable)

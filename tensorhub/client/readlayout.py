@@ -87,6 +87,8 @@ class HolderMap:
         self.chunk = cols["r_off"] // chunk_size
         self._bounds = np.searchsorted(self.chunk, np.arange(num_chunks + 1))
         self.covered = np.bincount(self.chunk, weights=cols["length"], minlength=num_chunks).astype(np.int64)
+        # Per chunk, this holder's segments of it: READ descriptors when read exactly (planner rule 5)
+        self.segments = np.diff(self._bounds)
 
     @property
     def replica_id(self) -> str:

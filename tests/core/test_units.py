@@ -129,6 +129,27 @@ def test_planner_exhaustive_small_cases_always_rank_exactly_the_holders():
                 assert chunk in plan.unavailable
 
 
+def test_planner_prefers_a_holder_laid_out_like_the_reader_among_equals():
+    """Two relays of the same tier: worker k of the engine before (its column
+    slice in one contiguous run) ranks before one holding whole rows (a run per
+    row), whatever their load; small differences (within a power of 8) leave the
+    load to decide; the origin still ranks after the relays, and whole holders
+    before part holders, however few runs the part holder needs."""
+    like_me, rows = _src("like-me", active_reads=3), _src("rows")
+    sources, reader = [like_me, rows], Labels("h0")
+    runs = {"like-me": [1] * 4, "rows": [4096] * 4}
+    plan = choose_sources(_all(range(4), sources), sources, reader, runs=runs)
+    assert all(order == ["like-me", "rows"] for order in plan.order.values())
+    assert choose_sources(_all(range(4), sources), sources, reader).primary_load() == {"rows": 4}  # no runs: load
+    near = {"like-me": [2] * 4, "rows": [7] * 4}
+    assert choose_sources(_all(range(4), sources), sources, reader, runs=near).primary_load() == {"rows": 4}
+    trainer = _src("trainer", origin=True)
+    runs = {"trainer": [1], "rows": [4096]}
+    assert choose_sources(_all([0], [trainer, rows]), [trainer, rows], reader, runs=runs).order[0] == ["rows", "trainer"]
+    part = {0: {"like-me": False, "rows": True}}
+    assert choose_sources(part, sources, reader, runs={"like-me": [1], "rows": [4096]}).order[0] == ["rows", "like-me"]
+
+
 def test_planner_cap_sends_readers_past_a_busy_holder_but_never_strands_a_chunk():
     # A peer already serving 4 readers, and the trainer (origin) idle, same rack.
     busy, calm = _src("busy", host="h1", active_reads=4), _src("calm", host="h2", origin=True)
