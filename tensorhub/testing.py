@@ -247,6 +247,25 @@ def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: lis
     return {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
 
 
+def _republish(hub: Any, held: dict, *, model: str, version: int, of: int, how: str | None = None, rank: int = 0,
+               world: int = 1, chunk_size: int | None = None) -> dict:
+    """Publish the buffers of this process's (unpublished) version ``of`` again
+    as ``version`` (rank ``rank``'s regions with ``how``): what a trainer does
+    every step, after ``overwrite`` put the step's bytes in place."""
+    specs, full = held[("tensors", model, of)]
+    entries: dict[str, Any] = dict(full)
+    if how is not None:
+        entries = {}
+        for name, tensor in full.items():
+            region = shard_region(tuple(tensor.shape), how, rank, world)
+            if region is not None:
+                entries[name] = Shard.of(tensor, box=region.box, flat=region.flat)
+    pub = hub.publish(model, version, entries, manifest=Manifest.of(full), chunk_size=chunk_size)
+    held[(model, version)] = pub
+    held[("tensors", model, version)] = (specs, full)
+    return {"nbytes": pub.nbytes}
+
+
 def _publish_step(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, changed: float,
                   delta_from: int | None = None, previous_step: int | None = None, how: str | None = None,
                   rank: int = 0, world: int = 1, chunk_size: int | None = None) -> dict:
@@ -360,7 +379,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
            "verified": result.verified_bytes, "unverified": result.unverified_bytes,
            "checks_failed": result.checks_failed, "read_bytes": result.read_bytes,
-           "descriptors": result.descriptors, "chunk_sources": result.chunk_sources, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,
+           "descriptors": result.descriptors, "plans_reused": result.plans_reused, "chunk_sources": result.chunk_sources, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
     if (expect_seed is not None or expect_step is not None or expect_saved is not None) and specs is not None:
         if expect_saved is not None:
@@ -434,7 +453,7 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
 
 
 _HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "publish_step": _publish_step,
-             "publish_saved": _publish_saved, "unpublish": _unpublish, "pull": _pull,
+             "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,
              "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,
              "overwrite": _overwrite, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
 

@@ -34,6 +34,7 @@ from tensorhub.client.delta import (
 )
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.holdings import Holdings
+from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
@@ -82,6 +83,9 @@ class PullResult:
     # around columns read wide (HubConfig.read_cost): ``nbytes`` when none was.
     read_bytes: int = 0
     descriptors: int = 0  # READ descriptors posted (of the READs that landed)
+    # Chunks whose READs an earlier pull into the same buffers planned, from
+    # holders laid out the same (the next version from the same buffers, too)
+    plans_reused: int = 0
     # Per chunk of the read set, the agent most of its bytes came from (empty for a delta pull)
     chunk_sources: dict[int, str] = field(default_factory=dict)
     # A pull given ``have=u`` that patched the destination from v's deltas:
@@ -176,6 +180,7 @@ class Hub:
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
         self._destinations = Destinations(self._nixl)
+        self._plans = PlanCache()  # holder tables and chunk READs, kept while the layouts stay the same
         self._deltas = DeltaPulls(self._holdings, self.pull)
         # A slot per READ in flight (HubConfig.read_workers): wide READs land there, then are cut into place.
         self._scratch = ScratchPool(2 * max(1, config.read_workers), register=self._nixl.register,
@@ -362,10 +367,11 @@ class Hub:
                      memory, p.region)
             for p, memory in zip(parts, registration.regions)
         ]
+        layout = ReadLayout(manifest, read_parts, chunk_size)
         job = PullJob(
             rpc=self._holdings.control_plane(), nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels,
             resolved=resolved,
-            layout=ReadLayout(manifest, read_parts, chunk_size), dest_kind=registration.kind,
+            layout=layout, plans=self._plans.plans(layout), dest_kind=registration.kind,
             in_flight=2 * max(1, self.config.read_workers), chunk_timeout_s=self.config.chunk_timeout_s,
             seeds_per_zone=self.config.seeds_per_zone, progress=progress, verify=self.config.verify_chunks,
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
@@ -396,7 +402,7 @@ class Hub:
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
-                          chunk_sources=stats.chunk_sources)
+                          chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tensorhub.client.leases import LeaseService, PullLeases
+from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.verify import ChunkVerifier, Mismatch
@@ -125,6 +126,7 @@ class PullStats:
     # the weights shows here, and so do the rows around a wide read's columns).
     read_bytes: int = 0
     descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
+    plans_reused: int = 0  # chunk plans an earlier pull into the same layout made (``plancache``)
     # Per chunk of the read set, the holder (agent name) most of its bytes came
     # from: readers of one version cut alike share chunk numbers, so a relay
     # tree can be traced chunk by chunk (``bench cluster``'s depth).
@@ -168,6 +170,9 @@ class PullJob:
     failure_detection_s: float | None = None
     # Which READs go wide, and the scratch they land in; the default reads exact runs only.
     wide: WideReads = field(default_factory=WideReads)
+    # What this pull plans from the two sides' layouts alone (holder tables,
+    # chunk READs): the Hub's, kept across pulls into the same layout; by default this pull's own.
+    plans: LayoutPlans = field(default_factory=LayoutPlans)
     _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
     _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
     # Read leases are kept until the pull ends: a holder that unpublishes
@@ -196,6 +201,7 @@ class PullJob:
     _asked_at: float = 0.0  # when this pull last asked who holds what
     _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
     _resettle_until: float = 0.0  # see _RESETTLE_S
+    _plans_reused: int = 0
 
     def __post_init__(self) -> None:
         self._leases = PullLeases(self.rpc, self.agent_id)
@@ -227,6 +233,7 @@ class PullJob:
             stats.checks_failed = len(self._checks.mismatches)
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
         stats.nbytes = self.layout.total_bytes
+        stats.plans_reused = self._plans_reused
         return stats
 
     def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
@@ -239,12 +246,12 @@ class PullJob:
                 continue
             table = self._tables.get(rid)
             if table is None:
-                table = self._tables[rid] = self.layout.holder_table(r)
+                table = self._tables[rid] = self.plans.table(self.layout, r)
                 self._checks.add_holder(r, table)
             else:
                 self._checks.refresh(r)
             if len(table["r_off"]):
-                m = self.layout.holder_map(r, table)
+                m = self.plans.holder_map(self.layout, r, table)
                 # A filling reader that has landed nothing yet stays: it takes its
                 # share of the wave (relay_share) from its first round on. Dropped,
                 # the readers of a wave each read others' shares from the complete
@@ -283,9 +290,8 @@ class PullJob:
         """The chunks of the read set a holder has or will have once it is complete."""
         held = self._will_hold.get(holder.replica_id)
         if held is None:
-            table = self._tables[holder.replica_id]
-            held = self._will_hold[holder.replica_id] = frozenset(
-                np.unique(table["r_off"] // self.layout.chunk_size).tolist())
+            held = self._will_hold[holder.replica_id] = self.plans.will_hold(
+                self.layout, holder.replica, self._tables[holder.replica_id])
         return held
 
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
@@ -323,13 +329,12 @@ class PullJob:
             unavailable = list(plan.unavailable)
             for chunk in chunks:  # in the batch's order: the round reads them in this order
                 ranked = plan.order.get(chunk)
-                planned = self.layout.transfers(chunk, [maps[rid] for rid in ranked]) if ranked else None
+                planned = self._planned(chunk, [maps[rid] for rid in ranked]) if ranked else None
                 if planned is None:
                     if ranked:
                         unavailable.append(chunk)
                 else:
-                    # checked READs: cut to be checked in cache; then wide where the link makes it pay
-                    transfers[chunk] = self.wide.plan(self._checks.pieces(planned), maps)
+                    transfers[chunk] = planned
             if unavailable:
                 self._leases.drop_upfront()  # the holders it leased cannot fill this round
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
@@ -364,6 +369,22 @@ class PullJob:
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed:  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(res, excluded, maps, needed)
+
+    def _planned(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:
+        """The READs that fill ``chunk`` from ``ranked`` holders, None if they miss
+        some bytes: each holder's segments of it, checked ones cut to be checked
+        in cache, then wide where the link makes it pay (the same for the same
+        layouts: ``plans`` keeps them)."""
+        def make() -> list[Transfer] | None:
+            planned = self.layout.transfers(chunk, ranked)
+            return None if planned is None else self.wide.plan(self._checks.pieces(planned), maps)
+
+        maps = {m.replica_id: m for m in ranked}
+        context = (self._checks.enabled, tuple(self._checks.checked(m.replica_id) for m in ranked),
+                   tuple(self.wide.cost(m.replica) for m in ranked), self.wide.slot_bytes)
+        planned, reused = self.plans.chunk(chunk, ranked, context, make)
+        self._plans_reused += reused
+        return planned
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
         """While this reader waits for its peers' chunks, report its own chunks

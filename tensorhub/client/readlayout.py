@@ -155,6 +155,15 @@ class ReadLayout:
             p += 1
         return out
 
+    def signature_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays that fix what this layout reads and where it lands
+        (``plancache.signature``; its parts without a box add their regions)."""
+        b = self._part_boxes
+        return (self.part_base, self._part_addr, self._part_dev, b.tensor, b.r0, b.r1, b.c0, b.c1, b.ok)
+
+    def parts_without_box(self) -> list[ReadPart]:
+        return [self.parts[i] for i in np.flatnonzero(~self._part_boxes.ok).tolist()]
+
     def same_cut(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> bool:
         """Whether ``replica``'s chunks are this read set's chunks, byte for byte
         (it holds exactly these parts in this order, cut at the same size)."""

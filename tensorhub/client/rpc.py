@@ -4,6 +4,7 @@ Protobuf and grpc stay inside this module; gRPC failures become TensorHub errors
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
 import logging
 import threading
@@ -39,6 +40,7 @@ from tensorhub.transport import MemoryKind, MemoryRegion
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _MANIFESTS_CACHED = 16
+_HELD_CACHED = 64  # holders' held tables (a 16-rank trainer, relays, two versions)
 _RELEASE_DELAY_S = 0.005
 # A holder's memory as the server sent it: kind, the regions (one per held
 # region: (regions x 3) addr/nbytes/device, or packed as address gaps and one
@@ -82,6 +84,10 @@ class RemoteReplica:
     bitmap: bytes = b""  # chunks present while filling (bit i, LSB first); unused when complete
     chunk_crc32: np.ndarray | None = None  # uint32 per own chunk (tensorhub.integrity); None: cannot be verified
     deltas: tuple[str, ...] = ()  # delta models holding its changes from an earlier version (tensorhub.delta)
+    # A digest of what a reader's plans of it depend on: its held regions, its
+    # memory regions and chunk size (``plancache``). Equal keys, equal layouts,
+    # whatever the version: b"" (a replica made by hand) is known by its id.
+    layout_key: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +160,9 @@ class ReferenceClient:
         # few hundred bytes a holder, not its NIXL metadata). Replaced, never mutated.
         self._memories: dict[str, dict[bytes, _Memory]] = {}
         self._cache_lock = threading.Lock()
+        # Held tables parsed, by their wire bytes: a holder's regions, resolved
+        # again and again (every refresh of every pull), are parsed once.
+        self._held = _HeldCache(_HELD_CACHED)
         self._releases: list[str] = []  # leases to release, not yet sent
         # Bytes of finished pulls by (Labels.tier, from an origin), not yet sent:
         # they ride on the next lease release or resolve (the server's metrics).
@@ -342,7 +351,7 @@ class ReferenceClient:
                                      "never listed its digest as known; the server is broken")
             if msg.memory_digest:
                 memories[msg.memory_digest] = memory
-            replicas.append(_replica(msg, manifest, memory))
+            replicas.append(_replica(msg, manifest, memory, self._held))
         self._memories[model] = memories
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
                         resp.instance_id, resp.change)
@@ -426,6 +435,28 @@ class ReferenceClient:
         return resp.version if resp.found else None
 
 
+class _HeldCache:
+    """Parsed held tables by wire bytes (LRU; its own lock: resolves run on several threads)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._items: dict[bytes, tuple[RegionTable, tuple[tuple[int, Region], ...]]] = {}
+
+    def get(self, key: bytes) -> tuple[RegionTable, tuple[tuple[int, Region], ...]] | None:
+        with self._lock:
+            hit = self._items.pop(key, None)
+            if hit is not None:
+                self._items[key] = hit  # the most recent last
+            return hit
+
+    def put(self, key: bytes, value: tuple[RegionTable, tuple[tuple[int, Region], ...]]) -> None:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._limit:
+                self._items.pop(next(iter(self._items)))
+
+
 def _memory(msg: pb.ReplicaMemory) -> _Memory:
     if msg.packed:
         return wire.KIND_BACK[msg.kind], (np.array(msg.region_gap, np.int64), msg.device_id), msg.nixl_metadata
@@ -433,7 +464,8 @@ def _memory(msg: pb.ReplicaMemory) -> _Memory:
     return wire.KIND_BACK[msg.kind], regions, msg.nixl_metadata
 
 
-def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> RemoteReplica:
+def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory,
+             held_cache: _HeldCache | None = None) -> RemoteReplica:
     source = Source(
         replica_id=msg.replica_id,
         agent_name=msg.agent_name,
@@ -445,12 +477,21 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
     )
     shapes = shapes_of(manifest)
     if msg.HasField("held_table"):
-        table = wire.held_from_wire(msg.held_table, shapes)
-        held = tuple(table.held(shapes))
+        held_bytes = msg.held_table.SerializeToString()
+        cache_key = manifest.fingerprint.encode() + held_bytes  # the same table parses by the manifest's shapes
+        hit = held_cache.get(cache_key) if held_cache is not None else None
+        if hit is None:
+            table = wire.held_from_wire(msg.held_table, shapes)
+            hit = (table, tuple(table.held(shapes)))
+            if held_cache is not None:
+                held_cache.put(cache_key, hit)
+        table, held = hit
     elif msg.held:
+        held_bytes = b"".join(r.SerializeToString() for r in msg.held)
         held = tuple(wire.region_from_wire(r) for r in msg.held)
         table = RegionTable.from_held(list(held), shapes)
     else:
+        held_bytes = b"whole"
         held = tuple(wire.whole_model(manifest))
         table = None  # every tensor whole
     kind, regions, metadata = memory
@@ -465,5 +506,8 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory) -> Remote
         regions = np.empty((len(sizes), 3), np.uint64)
         regions[:, 0], regions[:, 1], regions[:, 2] = memory_addrs(every, sizes), sizes, device
     crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
+    key = hashlib.blake2b(held_bytes, digest_size=20)
+    key.update(np.ascontiguousarray(regions, np.uint64).tobytes())
+    key.update(f"{msg.chunk_size}/{manifest.fingerprint}".encode())
     return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap),
-                         crcs, tuple(msg.deltas))
+                         crcs, tuple(msg.deltas), key.digest())

@@ -170,6 +170,11 @@ class ChunkVerifier:
         if holder is not None and holder.crcs is not None and crcs is not None and len(crcs) == len(holder.crcs):
             holder.crcs, holder.replica = crcs, replica  # the bitmap that goes with them
 
+    def checked(self, replica_id: str) -> bool:
+        """Whether READs from this holder are checked as they land (``pieces`` cuts them)."""
+        holder = self._holders.get(replica_id)
+        return self.enabled and holder is not None and holder.any_checkable
+
     def pieces(self, transfers: list[Transfer]) -> list[Transfer]:
         """The READs to post for ``transfers``: those from a holder with checksums
         cut to ``READ_PIECE_BYTES``, so that each is checked as it lands."""

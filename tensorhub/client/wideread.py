@@ -168,19 +168,29 @@ class WideReads:
         self._cost: dict[str, LinkCost | None] = {}
         self._slots: dict[int, Slot] = {}  # id(transfer) -> the slot its posted READ lands in
 
+    @property
+    def slot_bytes(self) -> int:
+        """The scratch a wide READ may fill; 0: every READ is its exact runs."""
+        return 0 if self.pool is None or self._costs is None else self.pool.slot_bytes
+
+    def cost(self, replica: RemoteReplica) -> LinkCost | None:
+        """The link cost READs from ``replica`` are weighed by; None: exact runs only."""
+        if self.pool is None or self._costs is None:
+            return None
+        rid = replica.source.replica_id
+        if rid not in self._cost:
+            self._cost[rid] = self._costs(replica)
+            self._held_ends[rid] = np.cumsum(replica.regions[:, 1].astype(np.int64))
+        return self._cost[rid]
+
     def plan(self, transfers: list[Transfer], holders: Mapping[str, HolderMap]) -> list[Transfer]:
         """``transfers`` (one chunk's), wide where it pays."""
         if self.pool is None or self._costs is None:
             return transfers
         out: list[Transfer] = []
         for t in transfers:
-            rid = t.replica_id
-            if rid not in self._cost:
-                replica = holders[rid].replica
-                self._cost[rid] = self._costs(replica)
-                self._held_ends[rid] = np.cumsum(replica.regions[:, 1].astype(np.int64))
-            cost = self._cost[rid]
-            out.extend([t] if cost is None else widen(t, self._held_ends[rid], cost, self.pool.slot_bytes))
+            cost = self.cost(holders[t.replica_id].replica)
+            out.extend([t] if cost is None else widen(t, self._held_ends[t.replica_id], cost, self.pool.slot_bytes))
         return out
 
     def posted(self, t: Transfer) -> tuple[np.ndarray, np.ndarray]:
