@@ -380,7 +380,7 @@ class PullJob:
             return None if planned is None else self.wide.plan(self._checks.pieces(planned), maps)
 
         maps = {m.replica_id: m for m in ranked}
-        context = (self._checks.enabled, tuple(self._checks.checked(m.replica_id) for m in ranked),
+        context = (tuple(self._checks.checked(m.replica_id) for m in ranked),
                    tuple(self.wide.cost(m.replica) for m in ranked), self.wide.slot_bytes)
         planned, reused = self.plans.chunk(chunk, ranked, context, make)
         self._plans_reused += reused
