@@ -247,20 +247,26 @@ def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: lis
     return {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
 
 
+def _shards(tensors: dict[str, torch.Tensor], how: str | None, rank: int, world: int) -> dict[str, Any]:
+    """Rank ``rank``'s regions of ``tensors`` split ``how`` (views); None: the tensors whole."""
+    if how is None:
+        return dict(tensors)
+    out = {}
+    for name, tensor in tensors.items():
+        region = shard_region(tuple(tensor.shape), how, rank, world)
+        if region is not None:
+            out[name] = Shard.of(tensor, box=region.box, flat=region.flat)
+    return out
+
+
 def _republish(hub: Any, held: dict, *, model: str, version: int, of: int, how: str | None = None, rank: int = 0,
                world: int = 1, chunk_size: int | None = None) -> dict:
     """Publish the buffers of this process's (unpublished) version ``of`` again
     as ``version`` (rank ``rank``'s regions with ``how``): what a trainer does
     every step, after ``overwrite`` put the step's bytes in place."""
     specs, full = held[("tensors", model, of)]
-    entries: dict[str, Any] = dict(full)
-    if how is not None:
-        entries = {}
-        for name, tensor in full.items():
-            region = shard_region(tuple(tensor.shape), how, rank, world)
-            if region is not None:
-                entries[name] = Shard.of(tensor, box=region.box, flat=region.flat)
-    pub = hub.publish(model, version, entries, manifest=Manifest.of(full), chunk_size=chunk_size)
+    pub = hub.publish(model, version, _shards(full, how, rank, world), manifest=Manifest.of(full),
+                      chunk_size=chunk_size)
     held[(model, version)] = pub
     held[("tensors", model, version)] = (specs, full)
     return {"nbytes": pub.nbytes}
@@ -276,14 +282,7 @@ def _publish_step(hub: Any, held: dict, *, model: str, version: int, specs: list
     full = stepped_tensors(specs, seed, version, changed)
 
     def regions_of(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        if how is None:
-            return tensors
-        out = {}
-        for name, tensor in tensors.items():
-            region = shard_region(tuple(tensor.shape), how, rank, world)
-            if region is not None:
-                out[name] = Shard.of(tensor, box=region.box, flat=region.flat)
-        return out
+        return _shards(tensors, how, rank, world)
 
     previous = None
     if previous_step is not None:

@@ -31,13 +31,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import TypeVar
 
 import numpy as np
 
+from tensorhub.client.lru import Lru
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
 from tensorhub.client.rpc import RemoteReplica
 
@@ -77,42 +77,22 @@ def _frozen(table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return table
 
 
-class _Lru(OrderedDict):
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def get_fresh(self, key: Hashable) -> object | None:
-        value = self.get(key)
-        if value is not None:
-            self.move_to_end(key)
-        return value
-
-    def put(self, key: Hashable, value: object) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
-
-
 class LayoutPlans:
     """One reader layout's plans. Thread-safe: a Hub may pull from several threads."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tables = _Lru(_HOLDERS)
-        self._maps = _Lru(_HOLDERS)
-        self._will_hold = _Lru(_HOLDERS)
-        self._chunks = _Lru(_CHUNK_PLANS)
+        self._tables: Lru[dict[str, np.ndarray]] = Lru(_HOLDERS)
+        self._maps: Lru[HolderMap] = Lru(_HOLDERS)
+        self._will_hold: Lru[frozenset[int]] = Lru(_HOLDERS)
+        self._chunks: Lru[tuple[tuple[int, Transfer], ...]] = Lru(_CHUNK_PLANS)
 
-    def _cached(self, lru: _Lru, key: Hashable, make: Callable[[], V]) -> V:
-        with self._lock:
-            value = lru.get_fresh(key)
+    @staticmethod
+    def _cached(lru: Lru[V], key: Hashable, make: Callable[[], V]) -> V:
+        value = lru.get(key)
         if value is None:
-            value = make()  # outside the lock: two threads may both make it, and both get the same
-            with self._lock:
-                lru.put(key, value)
-        return value  # type: ignore[return-value]
+            value = make()  # unlocked: two threads may both make it, and both get the same
+            lru.put(key, value)
+        return value
 
     def table(self, layout: ReadLayout, replica: RemoteReplica) -> dict[str, np.ndarray]:
         """``layout.holder_table(replica)``: it depends only on the two layouts."""
@@ -141,16 +121,14 @@ class LayoutPlans:
         if not all(m.replica.source.complete for m in ranked):
             return make(), False
         key = (chunk, tuple(holder_key(m.replica) for m in ranked), context)
-        with self._lock:
-            hit = self._chunks.get_fresh(key)
+        hit = self._chunks.get(key)
         ids = [m.replica_id for m in ranked]
         if hit is not None:  # the same layouts; this version's holders (replica ids) read
             return [t if t.replica_id == ids[i] else replace(t, replica_id=ids[i]) for i, t in hit], True
         planned = make()
         if planned is not None:
             at = {rid: i for i, rid in enumerate(ids)}
-            with self._lock:
-                self._chunks.put(key, tuple((at[t.replica_id], t) for t in planned))
+            self._chunks.put(key, tuple((at[t.replica_id], t) for t in planned))
         return planned, False
 
 
@@ -158,14 +136,14 @@ class PlanCache:
     """A Hub's plans, by reader layout."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._layouts = _Lru(_LAYOUTS)
+        self._lock = threading.Lock()  # one LayoutPlans per layout, even when two threads ask at once
+        self._layouts: Lru[LayoutPlans] = Lru(_LAYOUTS)
 
     def plans(self, layout: ReadLayout) -> LayoutPlans:
         key = signature(layout)
         with self._lock:
-            plans = self._layouts.get_fresh(key)
+            plans = self._layouts.get(key)
             if plans is None:
                 plans = LayoutPlans()
                 self._layouts.put(key, plans)
-        return plans  # type: ignore[return-value]
+        return plans

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from tensorhub.client.config import HubConfig
+from tensorhub.client.lru import Lru
 from tensorhub.errors import (
     AlreadyPublished,
     InvalidRequest,
@@ -162,7 +163,7 @@ class ReferenceClient:
         self._cache_lock = threading.Lock()
         # Held tables parsed, by their wire bytes: a holder's regions, resolved
         # again and again (every refresh of every pull), are parsed once.
-        self._held = _HeldCache(_HELD_CACHED)
+        self._held: Lru[tuple[RegionTable, tuple[tuple[int, Region], ...]]] = Lru(_HELD_CACHED)
         self._releases: list[str] = []  # leases to release, not yet sent
         # Bytes of finished pulls by (Labels.tier, from an origin), not yet sent:
         # they ride on the next lease release or resolve (the server's metrics).
@@ -435,28 +436,6 @@ class ReferenceClient:
         return resp.version if resp.found else None
 
 
-class _HeldCache:
-    """Parsed held tables by wire bytes (LRU; its own lock: resolves run on several threads)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._items: dict[bytes, tuple[RegionTable, tuple[tuple[int, Region], ...]]] = {}
-
-    def get(self, key: bytes) -> tuple[RegionTable, tuple[tuple[int, Region], ...]] | None:
-        with self._lock:
-            hit = self._items.pop(key, None)
-            if hit is not None:
-                self._items[key] = hit  # the most recent last
-            return hit
-
-    def put(self, key: bytes, value: tuple[RegionTable, tuple[tuple[int, Region], ...]]) -> None:
-        with self._lock:
-            self._items[key] = value
-            while len(self._items) > self._limit:
-                self._items.pop(next(iter(self._items)))
-
-
 def _memory(msg: pb.ReplicaMemory) -> _Memory:
     if msg.packed:
         return wire.KIND_BACK[msg.kind], (np.array(msg.region_gap, np.int64), msg.device_id), msg.nixl_metadata
@@ -465,7 +444,7 @@ def _memory(msg: pb.ReplicaMemory) -> _Memory:
 
 
 def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory,
-             held_cache: _HeldCache | None = None) -> RemoteReplica:
+             held_cache: Lru | None = None) -> RemoteReplica:
     source = Source(
         replica_id=msg.replica_id,
         agent_name=msg.agent_name,
