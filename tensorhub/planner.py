@@ -10,6 +10,8 @@
 A holder ranks before another when it is
   1. nearer: same host, then rack, then zone, then elsewhere;
   2. able to give the whole chunk (one read instead of several);
+     among those, the one the schedule picked for the chunk (a chain's
+     upstream peer, ``schedule.chain_owners``) first;
   3. reliable before spot;
   4. a reader that already holds the chunk before the origin (the trainer), so
      the trainer's link stops being the bottleneck once copies exist;
@@ -22,7 +24,8 @@ A holder ranks before another when it is
 A holder already serving ``cap`` readers or more ranks after every nearer-or-equal
 holder under the cap (a soft cap: it still serves when nobody else can).
 
-Readers that fill the same version together split the work (``relay_share``):
+Readers that fill the same version together in one zone form a chain
+(``schedule.chain_owners``). Across zones they split the work (``relay_share``):
 each owns an equal arc of the ring of chunks, reads its own arc from the origin and
 the rest from the peers that own it, as those chunks land. Per zone: a chunk no
 holder in the reader's zone has is owned only by the zone's first
@@ -82,6 +85,7 @@ def choose_sources(
     cap: int = 0,
     relayed: frozenset[int] | set[int] = frozenset(),
     runs: Mapping[str, Sequence[int]] | None = None,
+    prefer: Mapping[int, str] | None = None,
 ) -> Assignment:
     """Rank the holders of every chunk; spread ties evenly.
 
@@ -101,7 +105,11 @@ def choose_sources(
     2.9-3.1 s, ``tensorhub bench rl scenario=elastic``).
     ``runs[replica_id][chunk]``: the READ descriptors that holder needs for
     its part of the chunk (``HolderMap.segments``); absent, every holder counts alike.
+    ``prefer[chunk]``: the holder the schedule picked for a relayed chunk (the
+    reader's upstream peer in a chain, ``schedule.chain_owners``); it ranks first
+    among the nearest holders that give the whole chunk.
     """
+    prefer = prefer or {}
     usable = {s.replica_id: s for s in sources if s.replica_id not in exclude}
     assigned = dict.fromkeys(usable, 0)
     out = Assignment()
@@ -116,6 +124,7 @@ def choose_sources(
                 reader.tier(usable[rid].labels),
                 cap > 0 and usable[rid].active_reads >= cap,
                 not whole[rid],
+                prefer.get(chunk, rid) != rid,
                 chunk in relayed and usable[rid].complete,
                 usable[rid].active_reads + assigned[rid] if chunk in relayed else 0,
                 usable[rid].reliability is Reliability.SPOT,

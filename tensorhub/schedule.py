@@ -13,13 +13,25 @@
     READs in flight per holder ───────────────────────────────────────────────────────▶ holder has room
 
 Alone (no other reader fills the same version), a reader reads everything,
-from the best holders. While a wave of readers fills the same version, the
-chunks only complete holders have are shared out (``planner.relay_share``): a
-reader reads its own arc of chunks, takes the chunks its zone's filling peers
-already hold from them, and waits for the rest instead of racing its peers to
-the origin; a chunk no holder of its zone has is owned by the zone's seeds
-only, so it crosses the zone boundary once. After ``patience`` runs out
-without a chunk landing, it reads whatever is left from wherever it can.
+from the best holders. While a wave of readers fills the same version:
+
+* in one zone (every holder in the reader's zone), the wave is a chain
+  (``chain_owners``): the readers in one order (by hash), each reads every
+  chunk from the nearest reader before it that will hold the chunk and is not
+  behind it, as those chunks land; the first reads from the origin. Each link
+  then carries one stream in and one out, at its full rate, and the trainer
+  sends one copy; a reader that joins late is behind everybody and goes last.
+
+      origin ──▶ r_a ──▶ r_b ──▶ r_c ──▶ ...      (a newcomer: ... ──▶ r_new)
+
+* across zones, the chunks only complete holders have are shared out
+  (``planner.relay_share``): a reader reads its own arc of chunks, takes the
+  chunks its zone's filling peers already hold from them, and waits for the
+  rest instead of racing its peers to the origin; a chunk no holder of its
+  zone has is owned by the zone's seeds only, so it crosses the zone boundary once.
+
+After ``patience`` runs out without a chunk landing, it reads whatever is left
+from wherever it can.
 
 The puller (``client/puller.py``) executes a batch: it leases, posts, polls,
 checks, reports and fails over; it asks the server again who holds what
@@ -28,6 +40,7 @@ between batches.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
@@ -52,6 +65,18 @@ ORIGIN_READS_IN_WAVE = 1
 # in flight, 11.6 s with 8, 10.3-10.5 s with 16; ``tensorhub bench cluster
 # --readers 1,2,4,8,16`` has the sweep, docs/history/cluster-sweep.md).
 WAVE_READS_FACTOR = 4
+# A chain waits for an upstream peer's chunks while that peer landed one within
+# this long (the puller says so in ``HolderView.growing``). Longer than the
+# reader's own patience: the last of 16 readers gets its first chunk after 15
+# hops, each a chunk's transfer plus a report and a resolve.
+CHAIN_PATIENCE_S = 3.0
+# In a chain a reader keeps at most this many READs in flight from one holder:
+# READs in flight together on one link land together, and a chunk is passed on
+# only once it has landed. Two: one landing while the next is on its way (16 in
+# flight on a 50 Mbit/s link landed in bursts of 13-16 chunks every 1.2-1.4 s,
+# and the next reader in the chain waited for each burst; ``tensorhub bench
+# cluster --readers 2 --link 50mbit``).
+CHAIN_READS_PER_HOLDER = 2
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -67,6 +92,9 @@ class HolderView:
     complete: bool
     has: np.ndarray  # bool per chunk of the reader's layout
     will_hold: frozenset[int]
+    # A filling holder that landed a chunk lately (``CHAIN_PATIENCE_S``): a
+    # chain waits for its chunks; one that did not is read only for what it has.
+    growing: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +102,8 @@ class Batch:
     chunks: list[int]  # to plan and read now, in this order
     relayed: frozenset[int] = frozenset()  # of them, those to take from filling peers of the zone
     origin_cap: int = 0  # READs in flight from one complete holder, at most (0: no cap)
+    peer_cap: int = 0  # READs in flight from one filling holder, at most (0: no cap)
+    prefer: Mapping[int, str] = field(default_factory=dict)  # relayed chunk -> the peer (agent) to read it from
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +119,7 @@ class Wave:
     serving: bool = False  # it serves what lands (its chunks are its peers' sources)
     patience_out: bool = False  # no chunk landed for a while: read from anyone
     holders: Sequence[HolderView] = field(default_factory=tuple)
+    held: int = 0  # chunks of its read set it has landed (how far along it is, for the chain)
 
 
 def _any_has(holders: Sequence[HolderView], n: int) -> np.ndarray:
@@ -134,6 +165,8 @@ def next_chunks(order: Sequence[int], wave: Wave) -> Batch:
             return Batch(order[:1])
         return Batch(order)
     size = 2 * wave.in_flight
+    if all(h.zone == wave.zone for h in wave.holders):
+        return _chained(order, wave, peers, size)
     near = [h for h in peers if h.zone == wave.zone]
     at_peers = _any_has(near, n)
     relayable = [c for c in order if at_peers[c]]
@@ -159,6 +192,61 @@ def next_chunks(order: Sequence[int], wave: Wave) -> Batch:
     return Batch(alternate(from_peers, mine[: size - len(from_peers)]), frozenset(from_peers), cap)
 
 
+def chain_order(agents: Sequence[str]) -> list[str]:
+    """The order of a wave's chain: the same for every reader of the wave."""
+    return sorted(agents, key=lambda a: (zlib.crc32(a.encode()), a))
+
+
+def chain_owners(me: str, held: int, peers: Sequence[HolderView], num_chunks: int,
+                 slack: int = 0) -> list[HolderView | None]:
+    """Per chunk, the peer a reader of a one-zone wave takes it from: the
+    nearest before it in the chain's order (``chain_order``) that will hold the
+    chunk and either has it or is ``growing`` and not behind the reader by more
+    than ``slack`` chunks (the reader has ``held``); None where none does (the
+    reader reads the chunk itself). A peer behind it (one that joined later) or
+    stuck is not waited for. The slack: what the server says a peer holds lags
+    what it holds by a report and a resolve, and a reader just behind it in the
+    chain catches up to that often.""" 
+    by_agent = {h.agent_id: h for h in peers}
+    agents = chain_order([me, *by_agent])
+    upstream = [by_agent[a] for a in reversed(agents[: agents.index(me)])]  # nearest first
+    owner = np.full(num_chunks, -1)
+    for k, h in enumerate(upstream):
+        will = np.zeros(num_chunks, bool)
+        will[[c for c in h.will_hold if c < num_chunks]] = True
+        eligible = will & (h.has if int(h.has.sum()) < held - slack or not h.growing else True)
+        owner[(owner < 0) & eligible] = k
+    return [upstream[k] if k >= 0 else None for k in owner.tolist()]
+
+
+def _chained(order: list[int], wave: Wave, peers: list[HolderView], size: int) -> Batch:
+    """``next_chunks`` for a one-zone wave: the chain (see the module's
+    docstring). A chunk an upstream peer will hold waits for it; one no upstream
+    peer will hold is the reader's own (from any peer that has it, else the
+    origin). READs in flight from one holder: ``CHAIN_READS_PER_HOLDER``; a
+    reader with peers before it reads the origin only for what they will not
+    hold, one READ at a time (``ORIGIN_READS_IN_WAVE``). The reader's own patience does not apply: a
+    chain's last readers wait longer than it for their first chunk, and an
+    upstream peer that stops landing chunks stops being waited for."""
+    owners = chain_owners(wave.me, wave.held, peers, wave.num_chunks, slack=size)
+    at_peers = _any_has(peers, wave.num_chunks)
+    relayed: list[int] = []
+    prefer: dict[int, str] = {}
+    mine: list[int] = []
+    for c in order:
+        owner = owners[c]
+        if owner is None:
+            (relayed if at_peers[c] else mine).append(c)
+        elif owner.has[c]:
+            relayed.append(c)
+            prefer[c] = owner.agent_id
+    from_peers = relayed[:size]
+    first = chain_order([wave.me, *(h.agent_id for h in peers)])[0] == wave.me
+    return Batch(alternate(from_peers, mine[: size - len(from_peers)]), frozenset(from_peers),
+                 CHAIN_READS_PER_HOLDER if first else ORIGIN_READS_IN_WAVE, CHAIN_READS_PER_HOLDER,
+                 {c: prefer[c] for c in from_peers if c in prefer})
+
+
 def alternate(*lists: Sequence[T]) -> list[T]:
     """The lists' items in turns: [a0, b0, a1, b1, b2, ...]."""
     return [x for group in zip_longest(*lists) for x in group if x is not None]
@@ -177,7 +265,9 @@ def by_turns(reads: Mapping[int, Sequence[T]], holder_of: Callable[[T], Hashable
     return alternate(*queues.values())
 
 
-def admit(holder: K, *, complete: bool, flying: Mapping[K, int], cap: int) -> bool:
+def admit(holder: K, *, complete: bool, flying: Mapping[K, int], cap: int, peer_cap: int = 0) -> bool:
     """Whether a READ from ``holder`` may go out now: under the batch's cap on
-    READs in flight from one complete holder (``Batch.origin_cap``; 0: none)."""
-    return not cap or not complete or flying.get(holder, 0) < cap
+    READs in flight from one complete holder (``Batch.origin_cap``), or from one
+    filling holder (``Batch.peer_cap``); 0: no cap."""
+    limit = cap if complete else peer_cap
+    return not limit or flying.get(holder, 0) < limit

@@ -45,7 +45,7 @@ from tensorhub.errors import (
     VersionNotFound,
 )
 from tensorhub.planner import choose_sources, ring_offset
-from tensorhub.schedule import HolderView, Wave, admit, by_turns, next_chunks, reads_in_flight
+from tensorhub.schedule import CHAIN_PATIENCE_S, HolderView, Wave, admit, by_turns, next_chunks, reads_in_flight
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -194,7 +194,10 @@ class PullJob:
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
     _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
+    _peer_counts: dict[str, tuple[int, float]] = field(default_factory=dict)  # filling holder -> (chunks, since when)
+    _prefer: dict[int, str] = field(default_factory=dict)  # of _relayed, the peer (replica id) to read from (the chain's)
     _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
+    _peer_cap: int = 0  # and from one filling holder
     _slots: int = 0  # this round's READs in flight, at most (``schedule.reads_in_flight``; see _batch)
     _server: str = ""  # the server instance that last answered a resolve of this pull
     _seen_change: int = 0  # the version's change counter in the server's last answer (a long poll's start)
@@ -268,23 +271,37 @@ class PullJob:
         """This pull's chunk order: readers that start together begin at different chunks."""
         return (chunk - self._offset(self.agent_id)) % max(1, self.layout.num_chunks)
 
-    def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False) -> list[int]:
+    def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False, held: int = 0) -> list[int]:
         """The chunks of the next round (``schedule.next_chunks``, from what each
         usable holder has and will hold); it sets the round's ``_relayed`` and
         ``_origin_cap``. A round stops posting after ``_REFRESH_IDLE_S`` and the
         server is asked again, so readers that start together (and were not yet
         registered) find each other early; after ``_PATIENCE_S`` without a chunk
         a reader reads anything from anywhere."""
+        now = time.monotonic()
         holders = [HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
-                              m.covered > 0, self._chunks_of(m)) for m in usable]
+                              m.covered > 0, self._chunks_of(m), self._growing(m, now)) for m in usable]
         self._slots = reads_in_flight(self.in_flight, holders)
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
                     in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
                     serving=self.landed is not None,
-                    patience_out=time.monotonic() - self._progress_at > _PATIENCE_S, holders=holders)
+                    patience_out=time.monotonic() - self._progress_at > _PATIENCE_S, holders=holders, held=held)
         batch = next_chunks(sorted(needed, key=self._rotated), wave)
-        self._relayed, self._origin_cap = set(batch.relayed), batch.origin_cap
+        self._relayed, self._origin_cap, self._peer_cap = set(batch.relayed), batch.origin_cap, batch.peer_cap
+        replica_of = {m.replica.agent_id: m.replica_id for m in usable}
+        self._prefer = {c: replica_of[a] for c, a in batch.prefer.items()}
         return batch.chunks
+
+    def _growing(self, holder: HolderMap, now: float) -> bool:
+        """Whether a filling holder landed a chunk of the read set within
+        ``CHAIN_PATIENCE_S`` (since this pull first saw it, at first)."""
+        if holder.replica.source.complete:
+            return True
+        count = int(np.count_nonzero(holder.covered))
+        seen = self._peer_counts.get(holder.replica_id)
+        if seen is None or count > seen[0]:
+            self._peer_counts[holder.replica_id] = seen = (count, now)
+        return now - seen[1] <= CHAIN_PATIENCE_S
 
     def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
         """The chunks of the read set a holder has or will have once it is complete."""
@@ -311,7 +328,8 @@ class PullJob:
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
             in_air = {entry[0] for entry in self._flying}
-            chunks = self._batch(needed - in_air, usable, first=stats.rounds == 1)
+            chunks = self._batch(needed - in_air, usable, first=stats.rounds == 1,
+                                 held=self.layout.num_chunks - len(needed))
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
@@ -323,8 +341,8 @@ class PullJob:
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded), relayed=self._relayed,
-                                  runs={m.replica_id: m.segments for m in usable})
-            self._relayed = set()
+                                  runs={m.replica_id: m.segments for m in usable}, prefer=self._prefer)
+            self._relayed, self._prefer = set(), {}
             transfers: dict[int, list[Transfer]] = {}
             unavailable = list(plan.unavailable)
             for chunk in chunks:  # in the batch's order: the round reads them in this order
@@ -572,7 +590,7 @@ class PullJob:
 
         def room(transfer: Transfer) -> bool:
             rid = transfer.replica_id
-            return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap,
+            return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap, peer_cap=self._peer_cap,
                          flying={rid: sum(1 for entry in flying if entry[1].replica_id == rid)})
 
         def take() -> tuple[int, Transfer] | None:

@@ -1,5 +1,6 @@
-"""While a wave of readers relays, a reader keeps one READ at a time on a
-complete holder's link.
+"""While a wave of readers relays across zones, a reader keeps one READ at a
+time on a complete holder's link; in one zone (a chain) it keeps
+``CHAIN_READS_PER_HOLDER`` on the peer before it and none on the trainer.
 
 Every reader of the wave shares that holder's link: with all of each
 reader's READs on it, every chunk lands late (they share the link and finish
@@ -11,7 +12,8 @@ per reader on the trainer's link and 2.97-3.10 s with every slot;
 A reader alone keeps every slot on it.
 
 The control plane is a fake: a peer filling the same version lands 8 more
-chunks at each resolve. Bytes move for real (memmove) and are checked."""
+chunks at each resolve (and, for a wave across zones, a reader of another
+zone fills it too, with nothing landed). Bytes move for real (memmove) and are checked."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.planner import Source
 from tensorhub.regions import Region
+from tensorhub.schedule import CHAIN_READS_PER_HOLDER, chain_order
 from tensorhub.testing import GrantingLeases
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport import MemoryKind
@@ -72,16 +75,17 @@ class Wave(GrantingLeases):
     """The server's view: the trainer holds the version; a peer (when there is
     one) fills it, 8 chunks more at every resolve."""
 
-    def __init__(self, manifest: Manifest, trainer: torch.Tensor, peer: torch.Tensor | None) -> None:
-        self.manifest, self.trainer, self.peer = manifest, trainer, peer
+    def __init__(self, manifest: Manifest, trainer: torch.Tensor, peer: torch.Tensor | None,
+                 far: torch.Tensor | None = None) -> None:
+        self.manifest, self.trainer, self.peer, self.far = manifest, trainer, peer, far
         self.landed = 0
 
-    def _replica(self, rid: str, tensor: torch.Tensor, complete: bool) -> RemoteReplica:
+    def _replica(self, rid: str, tensor: torch.Tensor, complete: bool, zone: str = "", landed: int = -1) -> RemoteReplica:
         _, mem = regions_of([tensor])
         regions = np.array([(m.addr, m.size, 0) for m in mem], np.uint64).reshape(-1, 3)
         bits = np.zeros(CHUNKS, np.uint8)
-        bits[: self.landed] = 1
-        source = Source(rid, rid, Labels(rid), origin=complete, complete=complete,
+        bits[: self.landed if landed < 0 else landed] = 1
+        source = Source(rid, rid, Labels(rid, zone=zone), origin=complete, complete=complete,
                         reliability=Reliability.RELIABLE if complete else Reliability.SPOT)
         return RemoteReplica(source, rid, MemoryKind.DRAM, ((0, Region()),), regions, b"", CHUNK,
                              bitmap=b"" if complete else np.packbits(bits, bitorder="little").tobytes())
@@ -91,13 +95,16 @@ class Wave(GrantingLeases):
         if self.peer is not None:
             replicas.append(self._replica("peer", self.peer, False))
             self.landed = min(CHUNKS, self.landed + 8)
+        if self.far is not None:
+            replicas.append(self._replica("far", self.far, False, zone="z1", landed=0))
         return Resolved(model, 1, self.manifest, tuple(replicas))
 
 
-def _pull(with_peer: bool) -> CountingMemcpy:
+def _pull(with_peer: bool, zones: int = 1) -> CountingMemcpy:
     weights = torch.arange(CHUNKS * CHUNK // 4, dtype=torch.int32)
     manifest = Manifest.of({"w": weights})
-    plane = Wave(manifest, weights, weights.clone() if with_peer else None)
+    plane = Wave(manifest, weights, weights.clone() if with_peer else None,
+                 torch.zeros_like(weights) if zones > 1 else None)
     dest = torch.zeros_like(weights)
     _, mem = regions_of([dest])
     spec = manifest.tensors[0]
@@ -112,9 +119,15 @@ def _pull(with_peer: bool) -> CountingMemcpy:
 
 
 def test_a_relaying_reader_keeps_one_read_on_the_complete_holder():
-    transport = _pull(with_peer=True)
+    transport = _pull(with_peer=True, zones=2)
     assert transport.most.get("trainer", 0) == 1, transport.most
     assert transport.most.get("peer", 0) >= 2, f"the other slots stayed empty: {transport.most}"
+
+
+def test_in_one_zone_a_reader_chains_behind_its_peer_with_few_reads_on_it():
+    assert chain_order(["reader", "peer"]) == ["peer", "reader"]  # the peer is before it in the chain
+    transport = _pull(with_peer=True)
+    assert transport.most == {"peer": CHAIN_READS_PER_HOLDER}, transport.most
 
 
 def test_a_reader_alone_keeps_every_slot_on_it():

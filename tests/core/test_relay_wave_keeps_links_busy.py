@@ -13,6 +13,9 @@ over their link, for three reasons, each checked here:
 * a round's READs were posted in chunk order, so the few in flight queued on
   one source's link at a time.
 
+These are the shares of a wave across zones; in one zone the wave is a chain
+(``schedule.chain_owners``, tests/core/test_schedule.py).
+
 Plans only: the control plane is a fake, no byte moves."""
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ CHUNKS = 48
 IN_FLIGHT = 4
 
 
-def _replica(rid: str, *, complete: bool, landed: range = range(0)) -> RemoteReplica:
+def _replica(rid: str, *, complete: bool, landed: range = range(0), zone: str = "") -> RemoteReplica:
     bits = np.zeros(CHUNKS, np.uint8)
     bits[list(landed)] = 1
-    source = Source(rid, rid, Labels(rid), origin=complete, complete=complete,
+    source = Source(rid, rid, Labels(rid, zone=zone), origin=complete, complete=complete,
                     reliability=Reliability.RELIABLE if complete else Reliability.SPOT)
     return RemoteReplica(source, rid, MemoryKind.DRAM, ((0, Region()),),
                          np.array([[1 << 30, CHUNKS * CHUNK, 0]], np.uint64), b"", CHUNK,
@@ -61,7 +64,8 @@ def test_a_peer_with_nothing_landed_keeps_its_share_and_the_reader_reads_its_own
     trainer = _replica("trainer", complete=True)
     ahead = _replica("ahead", complete=False, landed=range(24))  # half the version landed
     late = _replica("late", complete=False)  # registered, nothing landed yet
-    job = _job(trainer, ahead, late, in_flight=1)  # in a wave: WAVE_READS_FACTOR READs, batches of twice that
+    far = _replica("far", complete=False, zone="z1")  # a wave across zones: shares (in one zone: a chain)
+    job = _job(trainer, ahead, late, far, in_flight=1)  # in a wave: WAVE_READS_FACTOR READs, batches of twice that
     maps = job._maps(job.resolved.replicas, set())
     assert "late" in maps, "a filling peer with nothing landed was dropped: its share is read by the others"
     batch = job._batch(set(range(CHUNKS)), list(maps.values()))

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub.schedule import (
+    CHAIN_READS_PER_HOLDER,
     ORIGIN_READS_IN_WAVE,
     WAVE_READS_FACTOR,
     Batch,
@@ -16,6 +17,8 @@ from tensorhub.schedule import (
     admit,
     alternate,
     by_turns,
+    chain_order,
+    chain_owners,
     next_chunks,
     reads_in_flight,
 )
@@ -23,10 +26,11 @@ from tensorhub.schedule import (
 N = 24
 
 
-def _holder(agent: str, zone: str, complete: bool, has: set[int], will: set[int] | None = None) -> HolderView:
+def _holder(agent: str, zone: str, complete: bool, has: set[int], will: set[int] | None = None,
+            growing: bool = True) -> HolderView:
     mask = np.zeros(N, bool)
     mask[list(has)] = True
-    return HolderView(agent, zone, complete, mask, frozenset(range(N) if will is None else will | has))
+    return HolderView(agent, zone, complete, mask, frozenset(range(N) if will is None else will | has), growing)
 
 
 chunk_sets = st.sets(st.integers(0, N - 1), max_size=N)
@@ -38,9 +42,10 @@ def waves(draw):
     holders = [_holder("trainer", "z0", True, set(range(N)))]
     for i in range(draw(st.integers(0, 4))):
         has = draw(chunk_sets)
-        holders.append(_holder(f"peer{i}", draw(st.sampled_from(zones)), False, has, has | draw(chunk_sets)))
+        holders.append(_holder(f"peer{i}", draw(st.sampled_from(zones)), False, has, has | draw(chunk_sets),
+                               growing=draw(st.booleans())))
     order = draw(st.permutations(sorted(draw(chunk_sets))))
-    wave = Wave(me="me", zone=draw(st.sampled_from(zones)), num_chunks=N, in_flight=draw(st.integers(1, 6)),
+    wave = Wave(me=draw(st.sampled_from(["me", "you", "a", "b", "c"])), zone=draw(st.sampled_from(zones)), num_chunks=N, in_flight=draw(st.integers(1, 6)),
                 seeds_per_zone=draw(st.integers(1, 2)), first=draw(st.booleans()), serving=draw(st.booleans()),
                 patience_out=draw(st.booleans()), holders=holders)
     return order, wave
@@ -66,9 +71,17 @@ def test_a_batch_is_chunks_asked_for_once_each_in_order(case):
     near = [h for h in peers if h.zone == wave.zone]
     for c in batch.relayed:  # taken from a filling peer of its zone that has it now
         assert any(h.has[c] for h in near)
-    assert batch.origin_cap == (0 if wave.patience_out else ORIGIN_READS_IN_WAVE)
+    one_zone = all(h.zone == wave.zone for h in wave.holders)
+    if one_zone:  # a chain: its first reads the origin uncapped, whatever its patience
+        first = chain_order([wave.me, *(h.agent_id for h in peers)])[0] == wave.me
+        assert batch.origin_cap == (CHAIN_READS_PER_HOLDER if first else ORIGIN_READS_IN_WAVE)
+        assert batch.peer_cap == CHAIN_READS_PER_HOLDER
+    else:
+        assert batch.origin_cap == (0 if wave.patience_out else ORIGIN_READS_IN_WAVE)
+    for c, agent in batch.prefer.items():  # a chain's upstream peer, which has the chunk now
+        assert c in batch.relayed and any(h.agent_id == agent and h.has[c] for h in near)
     rest = [c for c in order if not any(h.has[c] for h in near)]
-    if wave.patience_out:  # from anyone: the chunks no peer has, in order, nothing skipped for want of an owner
+    if wave.patience_out and not one_zone:  # from anyone: the chunks no peer has, in order, nothing skipped for want of an owner
         assert own == rest[:len(own)]
         assert len(batch.chunks) == min(2 * wave.in_flight, len(order)) or own == rest
 
@@ -97,13 +110,85 @@ def test_in_a_zone_without_the_origin_each_chunk_crosses_once(readers, in_flight
 def test_peers_chunks_come_from_peers_and_the_reader_keeps_reading_its_own():
     trainer = _holder("trainer", "z0", True, set(range(N)))
     ahead = _holder("ahead", "z0", False, set(range(12)), set(range(12)))  # it reads the first half only
-    wave = Wave(me="me", zone="z0", num_chunks=N, in_flight=4, holders=[trainer, ahead])
+    far = _holder("far", "z1", False, set())  # a wave across zones: shares, not a chain
+    wave = Wave(me="me", zone="z0", num_chunks=N, in_flight=4, holders=[trainer, ahead, far])
     batch = next_chunks(list(range(N)), wave)
     assert batch.relayed and batch.relayed <= set(range(12))
     assert [c for c in batch.chunks if c >= 12], "its own share waits while only relayed chunks are read"
     assert batch.origin_cap == 1
     assert next_chunks(list(range(N)), Wave(me="me", zone="z0", num_chunks=N, in_flight=4, patience_out=True,
-                                             holders=[trainer, ahead])).origin_cap == 0
+                                             holders=[trainer, ahead, far])).origin_cap == 0
+
+
+def _chain_run(wants: dict[str, set[int]], in_flight: int, turns: list[int], joined: dict[str, int]):
+    """A one-zone wave played out: in each step the readers (those ``joined``
+    by then) take turns in the order ``turns`` gives; each lands at once the
+    first ``in_flight`` chunks of its batch, from where the batch says. Returns
+    who gave each reader each chunk, and the steps it took."""
+    got: dict[str, dict[int, str]] = {a: {} for a in wants}
+    agents = sorted(wants)
+    for step in range(4 * N * len(wants) + 8):
+        if all(len(got[a]) == len(wants[a]) for a in agents):
+            return got, step
+        live = [a for a in agents if joined.get(a, 0) <= step]
+        for k in range(len(live)):
+            me = live[(turns[step % len(turns)] + k) % len(live)]
+            peers = [_holder(a, "z0", False, set(got[a]), wants[a]) for a in live if a != me]
+            wave = Wave(me=me, zone="z0", num_chunks=N, in_flight=in_flight, held=len(got[me]),
+                        holders=[_holder("trainer", "z0", True, set(range(N))), *peers])
+            batch = next_chunks(sorted(wants[me] - set(got[me])), wave)
+            for c in batch.chunks[:in_flight]:
+                if c in batch.prefer:
+                    source = batch.prefer[c]
+                elif c in batch.relayed:
+                    source = next(h.agent_id for h in peers if h.has[c])
+                else:
+                    source = "trainer"
+                got[me][c] = source
+    raise AssertionError(f"the wave never finished: {got}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 4), st.lists(st.integers(0, 5), min_size=1, max_size=6), st.data())
+def test_a_one_zone_wave_is_a_chain_that_takes_one_copy_from_the_origin(readers, in_flight, turns, data):
+    """Readers that start together and all want everything: the first in the
+    chain's order reads from the trainer, every other from the one before it;
+    the trainer sends each chunk once, whatever order the readers take turns in."""
+    wants = {f"r{i}": set(range(N)) for i in range(readers)}
+    got, _ = _chain_run(wants, in_flight, turns, {})
+    order = chain_order(list(wants))
+    for i, agent in enumerate(order):
+        assert set(got[agent].values()) == {"trainer" if i == 0 else order[i - 1]}, (agent, got[agent])
+    # Read sets of their own (TP slices): still every chunk once from the trainer at most per reader, all done.
+    wants = {f"r{i}": data.draw(chunk_sets) for i in range(readers)}
+    got, _ = _chain_run(wants, in_flight, turns, {})
+    assert all(set(got[a]) == wants[a] for a in wants)
+
+
+def test_a_reader_that_joins_late_is_not_waited_for():
+    """r_late sorts before the others in the chain's order, but joins when they
+    are half done: they do not wait for it, and it reads from them."""
+    names = ["a", "b", "c", "late"]
+    late = chain_order(names)[0]
+    wants = {a: set(range(N)) for a in names}
+    got, _ = _chain_run(wants, 2, [0], {late: N // 4})
+    assert "trainer" not in got[late].values()
+    assert sum(1 for a in names for s in got[a].values() if s == "trainer") == N
+    assert chain_owners("x", 5, [_holder("behind", "z0", False, {1})], N)[0] is None  # behind, lacks it
+
+
+def test_a_chain_stops_waiting_for_a_peer_that_stopped_landing_chunks():
+    """The peer before it in the chain holds chunk 0 and no more: chunk 0 still
+    comes from it, the rest from the trainer (one READ at a time: its peers
+    before it read there too) once the peer is no longer ``growing``."""
+    up, me = chain_order(["p", "q"])
+    for growing in (True, False):
+        peer = _holder(up, "z0", False, {0}, growing=growing)
+        wave = Wave(me=me, zone="z0", num_chunks=N, in_flight=2, patience_out=True,
+                    holders=[_holder("trainer", "z0", True, set(range(N))), peer])
+        batch = next_chunks(list(range(N)), wave)
+        assert batch.chunks[0] == 0 and batch.prefer == {0: up}
+        assert batch.chunks[1:] == ([] if growing else [1, 2, 3]) and batch.origin_cap == ORIGIN_READS_IN_WAVE
 
 
 def test_a_far_zones_chunk_on_its_way_to_a_reader_near_the_origin_waits_for_it():
@@ -123,6 +208,8 @@ def test_reads_take_turns_over_holders_and_admit_caps_complete_ones():
     assert admit("t", complete=True, flying={"t": 0}, cap=1) is True
     assert admit("p", complete=False, flying={"p": 7}, cap=1) is True  # filling peers are not capped
     assert admit("t", complete=True, flying={"t": 7}, cap=0) is True  # no cap: alone, or out of patience
+    assert admit("p", complete=False, flying={"p": 2}, cap=0, peer_cap=2) is False  # a chain caps peers too
+    assert admit("q", complete=False, flying={"p": 2}, cap=0, peer_cap=2) is True
 
 
 @given(st.integers(1, 16), st.lists(st.booleans(), max_size=6))

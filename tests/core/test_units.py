@@ -100,6 +100,20 @@ def test_planner_ranks_whole_chunk_holders_before_part_holders_of_the_same_tier(
     assert plan.order[3] == ["trainer"]
 
 
+def test_planner_ranks_the_schedules_pick_first_among_whole_holders_of_its_tier():
+    """A chain's upstream peer (``prefer``) reads first, even busier, but never
+    before a nearer holder nor a whole one before a part."""
+    up, idle = _src("up", complete=False, active_reads=5), _src("idle", complete=False)
+    far = _src("far", host="h9", complete=False)
+    sources = [up, idle, far]
+    plan = choose_sources(_all(range(3), sources), sources, Labels("h0", "r0", "z0"),
+                          relayed={0, 1, 2}, prefer={0: "up", 1: "far"})
+    assert plan.order[0][0] == "up" and plan.order[2][0] == "idle"
+    assert plan.order[1][0] != "far"  # same host first: a preference does not cross tiers
+    part = choose_sources({0: {"up": False, "idle": True}}, sources, Labels("h0", "r0", "z0"), prefer={0: "up"})
+    assert part.order[0] == ["idle", "up"]
+
+
 def test_planner_spreads_ties_and_reports_unavailable():
     a, b = _src("a"), _src("b")
     plan = choose_sources(_all(range(10), [a, b]), [a, b], Labels("h0"))
