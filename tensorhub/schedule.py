@@ -30,8 +30,9 @@ from the best holders. While a wave of readers fills the same version:
   rest instead of racing its peers to the origin; a chunk no holder of its
   zone has is owned by the zone's seeds only, so it crosses the zone boundary once.
 
-After ``patience`` runs out without a chunk landing, it reads whatever is left
-from wherever it can.
+Across zones, after ``patience`` runs out without a chunk landing, a reader
+reads whatever is left from wherever it can; in a chain, an upstream peer that
+stops landing chunks (``HolderView.growing``) stops being waited for instead.
 
 The puller (``client/puller.py``) executes a batch: it leases, posts, polls,
 checks, reports and fails over; it asks the server again who holds what
@@ -63,7 +64,7 @@ ORIGIN_READS_IN_WAVE = 1
 # READ lands later than from a holder of its own and more of them keep its link
 # busy (16 readers on 100 Mbit/s links, 64 MiB, warm: 15.2-15.3 s with 4 READs
 # in flight, 11.6 s with 8, 10.3-10.5 s with 16; ``tensorhub bench cluster
-# --readers 1,2,4,8,16`` has the sweep, docs/history/cluster-sweep.md).
+# --readers 1,2,4,8,16`` has the sweep, docs/history/cluster.md).
 WAVE_READS_FACTOR = 4
 # A chain waits for an upstream peer's chunks while that peer landed one within
 # this long (the puller says so in ``HolderView.growing``). Longer than the
@@ -206,7 +207,7 @@ def chain_owners(me: str, held: int, peers: Sequence[HolderView], num_chunks: in
     reader reads the chunk itself). A peer behind it (one that joined later) or
     stuck is not waited for. The slack: what the server says a peer holds lags
     what it holds by a report and a resolve, and a reader just behind it in the
-    chain catches up to that often.""" 
+    chain catches up to that often."""
     by_agent = {h.agent_id: h for h in peers}
     agents = chain_order([me, *by_agent])
     upstream = [by_agent[a] for a in reversed(agents[: agents.index(me)])]  # nearest first
@@ -225,9 +226,10 @@ def _chained(order: list[int], wave: Wave, peers: list[HolderView], size: int) -
     peer will hold is the reader's own (from any peer that has it, else the
     origin). READs in flight from one holder: ``CHAIN_READS_PER_HOLDER``; a
     reader with peers before it reads the origin only for what they will not
-    hold, one READ at a time (``ORIGIN_READS_IN_WAVE``). The reader's own patience does not apply: a
-    chain's last readers wait longer than it for their first chunk, and an
-    upstream peer that stops landing chunks stops being waited for."""
+    hold, one READ at a time (``ORIGIN_READS_IN_WAVE``). The reader's own
+    patience does not apply: a chain's last readers wait longer than it for
+    their first chunk, and an upstream peer that stops landing chunks stops
+    being waited for."""
     owners = chain_owners(wave.me, wave.held, peers, wave.num_chunks, slack=size)
     at_peers = _any_has(peers, wave.num_chunks)
     relayed: list[int] = []
