@@ -285,7 +285,7 @@ class PullJob:
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
                     in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
                     serving=self.landed is not None,
-                    patience_out=time.monotonic() - self._progress_at > _PATIENCE_S, holders=holders, held=held)
+                    patience_out=now - self._progress_at > _PATIENCE_S, holders=holders, held=held)
         batch = next_chunks(sorted(needed, key=self._rotated), wave)
         self._relayed, self._origin_cap, self._peer_cap = set(batch.relayed), batch.origin_cap, batch.peer_cap
         replica_of = {m.replica.agent_id: m.replica_id for m in usable}
