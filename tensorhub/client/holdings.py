@@ -144,12 +144,14 @@ class Holdings:
             return not self._publications and not self._unreported and not self._withdraw_notices
 
     def _heartbeat_once(self) -> None:
-        with self._lock:
-            pubs = [p for p in self._publications.values() if p.announced]
         timeout = max(self.config.heartbeat_interval_s, 1.0)
         with contextlib.ExitStack() as confirming:
-            for pub in pubs:
-                confirming.enter_context(pub.confirming(timeout))
+            # Entered under the lock that ends a drain: an unpublish that stops
+            # draining sees every confirmation sent of it in ``confirmed_by()``.
+            with self._lock:
+                pubs = [p for p in self._publications.values() if p.announced or p.draining]
+                for pub in pubs:
+                    confirming.enter_context(pub.confirming(timeout))
             instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, [p.replica_id for p in pubs],
                                                                     timeout=timeout)
         if not known or instance != self._instance_id:
@@ -367,6 +369,7 @@ class Holdings:
             # From here on heartbeats must never publish it again: the server may
             # drop it any moment, and the caller is about to reuse the memory.
             pub.state = PubState.WITHDRAWING
+            pub.draining = True
         # Every wait below comes out of the caller's one ``timeout``.
         deadline = time.monotonic() + timeout
 
@@ -379,21 +382,25 @@ class Holdings:
             return max(0.0, left() - slack)
 
         try:
-            drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, drain_s(), force=force,
-                                                               call_slack_s=slack)
-            if retain:
-                # The last reliable holder of a region of a retained version: keep
-                # the bytes in host memory of this process before letting go.
-                self._retain_copy(pub)
+            try:
                 drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, drain_s(),
-                                                                   call_slack_s=slack)
+                                                                   force=force, call_slack_s=slack)
                 if retain:
-                    raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
+                    # The last reliable holder of a region of a retained version: keep
+                    # the bytes in host memory of this process before letting go.
+                    self._retain_copy(pub)
+                    drained, outstanding, retain = self._rpc.unpublish(self.agent_id, pub.replica_id, drain_s(),
+                                                                       call_slack_s=slack)
+                    if retain:
+                        raise TensorHubError(f"{pub.model!r} v{pub.version}: retention copy was not accepted")
+            finally:
+                with self._lock:
+                    pub.draining = False
         except (ServerUnavailable, AgentUnknown) as e:
             # The server cannot say who still reads. Readers stop at their
             # lease's expiry, and the server ends every lease on this replica one
-            # TTL after it last heard that the replica is held (nothing says so
-            # since it began withdrawing): waiting for that is safe, if the timeout leaves that long.
+            # TTL after it last heard that the replica is held (heartbeats stopped
+            # saying so when the drain call ended): waiting for that is safe, if the timeout leaves that long.
             until = max(time.monotonic(), pub.confirmed_by()) + self.lease_ttl_s
             wait = min(until - time.monotonic(), left())
             log.warning("unpublish %r v%d: %s; waiting %.1fs for read leases to expire", pub.model, pub.version, e, wait)

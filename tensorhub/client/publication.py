@@ -84,6 +84,12 @@ class Publication:
         # holder cut off from the server mid-unpublish waits that long from
         # ``confirmed_by()``: when the last such call ended, or will end at the latest.
         self._confirmed_by = 0.0
+        # True while an unpublish waits for the server to drain this replica's
+        # readers: the holder is alive and its memory untouched, so heartbeats
+        # go on confirming it (else its readers' leases ran out one TTL after
+        # the unpublish began, mid-read). False again before a holder cut off
+        # from the server counts its TTL from ``confirmed_by()``.
+        self.draining = False
         self._confirming: dict[int, float] = {}  # call in flight -> its deadline
         self._calls = itertools.count()
 

@@ -174,9 +174,10 @@ def test_a_serving_reader_patches_only_after_its_readers_of_u_are_done(hubs, tmp
     # Writing into memory it still serves is refused, and nothing is written.
     with pytest.raises(RemoteError, match="still serves"):
         relay.call("pull", model="m", version=2, specs=SPECS, keep="b", have=1)
-    # A slow reader of u from the relay; the relay's patch waits for it (unpublish drains it).
+    # A slow reader of u from the relay, reading for longer than a lease TTL (5 s); the
+    # relay's patch waits for it (unpublish drains it, confirming the replica meanwhile).
     progress = str(tmp_path / "progress")
-    late.send("pull", model="m", version=1, specs=SPECS, expect_step=STEP, pace_s=0.3, progress_file=progress)
+    late.send("pull", model="m", version=1, specs=SPECS, expect_step=STEP, pace_s=0.45, progress_file=progress)
     from tensorhub.testing import wait_for_progress
     wait_for_progress(progress)
     got = relay.call("pull", model="m", version=2, specs=SPECS, keep="b", have=1, unpublish_first=1,
