@@ -15,7 +15,8 @@
 Alone (no other reader fills the same version), a reader reads everything,
 from the best holders. While a wave of readers fills the same version:
 
-* in one zone (every holder in the reader's zone), the wave is a chain
+* in one zone (every holder in the reader's zone), a wave of
+  ``CHAIN_MIN_READERS`` readers or more is a chain
   (``chain_owners``): the readers in one order (by hash), each reads every
   chunk from the nearest reader before it that will hold the chunk and is not
   behind it, as those chunks land; the first reads from the origin. Each link
@@ -24,13 +25,13 @@ from the best holders. While a wave of readers fills the same version:
 
       origin ──▶ r_a ──▶ r_b ──▶ r_c ──▶ ...      (a newcomer: ... ──▶ r_new)
 
-* across zones, the chunks only complete holders have are shared out
+* across zones, or in a shorter wave, the chunks only complete holders have are shared out
   (``planner.relay_share``): a reader reads its own arc of chunks, takes the
   chunks its zone's filling peers already hold from them, and waits for the
   rest instead of racing its peers to the origin; a chunk no holder of its
   zone has is owned by the zone's seeds only, so it crosses the zone boundary once.
 
-Across zones, after ``patience`` runs out without a chunk landing, a reader
+Sharing, after ``patience`` runs out without a chunk landing, a reader
 reads whatever is left from wherever it can; in a chain, an upstream peer that
 stops landing chunks (``HolderView.growing``) stops being waited for instead.
 
@@ -78,6 +79,15 @@ CHAIN_PATIENCE_S = 3.0
 # and the next reader in the chain waited for each burst; ``tensorhub bench
 # cluster --readers 2 --link 50mbit``).
 CHAIN_READS_PER_HOLDER = 2
+# A wave of fewer readers shares the chunks out instead of forming a chain:
+# every hop of a chain adds a report and a resolve to the chunk's way, and in a
+# short wave that costs more than the shares' crowded links. ``tensorhub bench
+# rl scenario=elastic`` (a wave of 3 joiners beside a rollout that stayed, 1
+# Gbit/s): joins 2.54-2.57 s with shares against 2.69-2.74 s as a chain (a lone
+# copy 2.29-2.31 s); ``tensorhub bench cluster --readers 4`` (1 Gbit/s): 2.91 s
+# against 2.95 s. At 8 readers and more the chain is ahead (``--readers
+# 1,2,4,8,16``, docs/history/cluster.md); 6 was not measured both ways.
+CHAIN_MIN_READERS = 6
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -166,7 +176,7 @@ def next_chunks(order: Sequence[int], wave: Wave) -> Batch:
             return Batch(order[:1])
         return Batch(order)
     size = 2 * wave.in_flight
-    if all(h.zone == wave.zone for h in wave.holders):
+    if len(peers) + 1 >= CHAIN_MIN_READERS and all(h.zone == wave.zone for h in wave.holders):
         return _chained(order, wave, peers, size)
     near = [h for h in peers if h.zone == wave.zone]
     at_peers = _any_has(near, n)

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from tensorhub import schedule
 from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
@@ -124,10 +125,16 @@ def test_a_relaying_reader_keeps_one_read_on_the_complete_holder():
     assert transport.most.get("peer", 0) >= 2, f"the other slots stayed empty: {transport.most}"
 
 
-def test_in_one_zone_a_reader_chains_behind_its_peer_with_few_reads_on_it():
+def test_in_one_zone_a_reader_chains_behind_its_peer_with_few_reads_on_it(monkeypatch):
+    monkeypatch.setattr(schedule, "CHAIN_MIN_READERS", 2)  # a chain of two (real ones are longer)
     assert chain_order(["reader", "peer"]) == ["peer", "reader"]  # the peer is before it in the chain
     transport = _pull(with_peer=True)
     assert transport.most == {"peer": CHAIN_READS_PER_HOLDER}, transport.most
+
+
+def test_in_a_short_wave_of_one_zone_the_reader_shares_instead():
+    transport = _pull(with_peer=True)  # two readers: fewer than CHAIN_MIN_READERS
+    assert transport.most.get("trainer", 0) == 1, transport.most
 
 
 def test_a_reader_alone_keeps_every_slot_on_it():

@@ -3,11 +3,15 @@ generated waves (hypothesis) and a few cases spelled out."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tensorhub import schedule
 from tensorhub.schedule import (
+    CHAIN_MIN_READERS,
     CHAIN_READS_PER_HOLDER,
     ORIGIN_READS_IN_WAVE,
     WAVE_READS_FACTOR,
@@ -40,7 +44,7 @@ chunk_sets = st.sets(st.integers(0, N - 1), max_size=N)
 def waves(draw):
     zones = ["z0", "z1"]
     holders = [_holder("trainer", "z0", True, set(range(N)))]
-    for i in range(draw(st.integers(0, 4))):
+    for i in range(draw(st.integers(0, CHAIN_MIN_READERS + 1))):  # short waves and chains
         has = draw(chunk_sets)
         holders.append(_holder(f"peer{i}", draw(st.sampled_from(zones)), False, has, has | draw(chunk_sets),
                                growing=draw(st.booleans())))
@@ -71,8 +75,8 @@ def test_a_batch_is_chunks_asked_for_once_each_in_order(case):
     near = [h for h in peers if h.zone == wave.zone]
     for c in batch.relayed:  # taken from a filling peer of its zone that has it now
         assert any(h.has[c] for h in near)
-    one_zone = all(h.zone == wave.zone for h in wave.holders)
-    if one_zone:  # a chain: its first reads the origin uncapped, whatever its patience
+    chained = len(peers) + 1 >= CHAIN_MIN_READERS and all(h.zone == wave.zone for h in wave.holders)
+    if chained:  # a chain: its first reads the origin uncapped, whatever its patience
         first = chain_order([wave.me, *(h.agent_id for h in peers)])[0] == wave.me
         assert batch.origin_cap == (CHAIN_READS_PER_HOLDER if first else ORIGIN_READS_IN_WAVE)
         assert batch.peer_cap == CHAIN_READS_PER_HOLDER
@@ -81,7 +85,7 @@ def test_a_batch_is_chunks_asked_for_once_each_in_order(case):
     for c, agent in batch.prefer.items():  # a chain's upstream peer, which has the chunk now
         assert c in batch.relayed and any(h.agent_id == agent and h.has[c] for h in near)
     rest = [c for c in order if not any(h.has[c] for h in near)]
-    if wave.patience_out and not one_zone:  # from anyone: the chunks no peer has, in order, nothing skipped for want of an owner
+    if wave.patience_out and not chained:  # from anyone: the chunks no peer has, in order, nothing skipped for want of an owner
         assert own == rest[:len(own)]
         assert len(batch.chunks) == min(2 * wave.in_flight, len(order)) or own == rest
 
@@ -125,6 +129,11 @@ def _chain_run(wants: dict[str, set[int]], in_flight: int, turns: list[int], joi
     by then) take turns in the order ``turns`` gives; each lands at once the
     first ``in_flight`` chunks of its batch, from where the batch says. Returns
     who gave each reader each chunk, and the steps it took."""
+    with mock.patch.object(schedule, "CHAIN_MIN_READERS", 2):  # the chain's mechanics, on short waves too
+        return _play(wants, in_flight, turns, joined)
+
+
+def _play(wants: dict[str, set[int]], in_flight: int, turns: list[int], joined: dict[str, int]):
     got: dict[str, dict[int, str]] = {a: {} for a in wants}
     agents = sorted(wants)
     for step in range(4 * N * len(wants) + 8):
@@ -165,6 +174,23 @@ def test_a_one_zone_wave_is_a_chain_that_takes_one_copy_from_the_origin(readers,
     assert all(set(got[a]) == wants[a] for a in wants)
 
 
+def test_a_wave_shorter_than_chain_min_readers_shares_instead():
+    """One zone, every reader wanting everything: a chain from
+    ``CHAIN_MIN_READERS`` readers on; fewer share the chunks out (one READ at a
+    time on the trainer, none waits behind a peer with nothing yet)."""
+    for readers in (CHAIN_MIN_READERS - 1, CHAIN_MIN_READERS):
+        names = [f"r{i}" for i in range(readers)]
+        me = chain_order(names)[-1]
+        peers = [_holder(a, "z0", False, set()) for a in names if a != me]
+        wave = Wave(me=me, zone="z0", num_chunks=N, in_flight=2,
+                    holders=[_holder("trainer", "z0", True, set(range(N))), *peers])
+        batch = next_chunks(list(range(N)), wave)
+        if readers < CHAIN_MIN_READERS:
+            assert batch.chunks and batch.peer_cap == 0 and batch.origin_cap == ORIGIN_READS_IN_WAVE
+        else:
+            assert batch.chunks == [] and batch.peer_cap == CHAIN_READS_PER_HOLDER
+
+
 def test_a_reader_that_joins_late_is_not_waited_for():
     """r_late sorts before the others in the chain's order, but joins when they
     are half done: they do not wait for it, and it reads from them."""
@@ -181,11 +207,13 @@ def test_a_chain_stops_waiting_for_a_peer_that_stopped_landing_chunks():
     """The peer before it in the chain holds chunk 0 and no more: chunk 0 still
     comes from it, the rest from the trainer (one READ at a time: its peers
     before it read there too) once the peer is no longer ``growing``."""
-    up, me = chain_order(["p", "q"])
+    names = [f"p{i}" for i in range(CHAIN_MIN_READERS)]
+    up, me, *after = chain_order(names)
     for growing in (True, False):
         peer = _holder(up, "z0", False, {0}, growing=growing)
         wave = Wave(me=me, zone="z0", num_chunks=N, in_flight=2, patience_out=True,
-                    holders=[_holder("trainer", "z0", True, set(range(N))), peer])
+                    holders=[_holder("trainer", "z0", True, set(range(N))), peer,
+                             *(_holder(a, "z0", False, set()) for a in after)])
         batch = next_chunks(list(range(N)), wave)
         assert batch.chunks[0] == 0 and batch.prefer == {0: up}
         assert batch.chunks[1:] == ([] if growing else [1, 2, 3]) and batch.origin_cap == ORIGIN_READS_IN_WAVE
