@@ -5,7 +5,8 @@ A column slice of a row-sharded matrix is one short run per row: a TP=8
 reader of a Qwen3-30B-A3B expert's ``down_proj`` [2048, 768] wants 192 bytes
 of every 1,536-byte row. One READ descriptor per run costs ~2.5 us each over
 shared memory (``transport.cost``): the layer's 144 MiB slice in 262,400 runs
-pulled 65x slower than a memcpy of its bytes. Reading the rows whole moves 8x
+pulled 65x slower than a memcpy of its bytes (``tensorhub bench pull --layout
+moe --reader-slice tp8``, before wide reads; docs/history/moe-slices.md). Reading the rows whole moves 8x
 the bytes in one descriptor, and a strided copy cuts the columns out at
 memory speed.
 
