@@ -56,7 +56,7 @@ def signature(layout: ReadLayout) -> bytes:
     h.update(np.array([layout.chunk_size], np.int64).tobytes())
     for arr in layout.signature_arrays():
         h.update(arr.tobytes())
-    for p in layout.parts_without_box():  # flat regions, more than 2 dimensions: by region or runs
+    for p in layout.parts_without_box():  # flat regions: by region or runs
         if p.region is not None:
             h.update(repr((p.tensor, p.region)).encode())
         else:

@@ -159,10 +159,11 @@ class ReadLayout:
         """The arrays that fix what this layout reads and where it lands
         (``plancache.signature``; its parts without a box add their regions)."""
         b = self._part_boxes
-        return (self.part_base, self._part_addr, self._part_dev, b.tensor, b.r0, b.r1, b.c0, b.c1, b.ok)
+        return (self.part_base, self._part_addr, self._part_dev, b.tensor, b.r0, b.r1, b.c0, b.c1, b.ok, b.index,
+                b.base)
 
     def parts_without_box(self) -> list[ReadPart]:
-        return [self.parts[i] for i in np.flatnonzero(~self._part_boxes.ok).tolist()]
+        return [self.parts[i] for i in self._part_boxes.regions_without_box().tolist()]
 
     def same_cut(self, replica: RemoteReplica, table: dict[str, np.ndarray]) -> bool:
         """Whether ``replica``'s chunks are this read set's chunks, byte for byte
@@ -215,9 +216,10 @@ class ReadLayout:
 
     def _segments(self, held: list[tuple[int, Region]]) -> tuple[np.ndarray, ...]:
         """What ``held`` regions give of the read set: (part, held region, element
-        offset in the part, in the held region, elements). Tensors whose regions
-        are all boxes of at most 2 dimensions from their corners (``boxsegments``),
-        the rest by intersecting element runs."""
+        offset in the part, in the held region, elements). Tensors whose parts
+        name their region from the boxes' corners (``boxsegments``: boxes of any
+        number of dimensions, flat ranges as a few boxes), the rest (parts
+        given as element runs only) by intersecting element runs."""
         boxes = Boxes.of(held, self._shapes)
         by_box = np.ones(len(self._shapes), bool)
         by_box[self._part_boxes.tensor[~self._part_boxes.ok]] = False

@@ -89,10 +89,15 @@ def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_tra
 def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pull(tmp_path):
     with _cluster(["r0", "r1", "r2", "r3"], chunk_timeout_s=3.0) as (_, readers):
         marks = str(tmp_path / "progress")
-        readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks)
+        readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks, pace_s=1.0)
         for reader in readers[1:]:
             reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
-        wait_for_progress(marks, at_least=8 << 20)
+        wait_for_progress(marks, at_least=4 << 20)
+        # Killed half-way through the 1 s it sleeps in its progress callback, once
+        # the READs it had out landed: a reader killed with a READ out crashes the
+        # peer serving it over TCP (UCX's abort on a failed reply of its emulated
+        # GET, docs/history/fault-campaign.md), which no code of ours can catch.
+        time.sleep(0.5)
         readers[0].kill()  # it served some chunks and owned others
         results = [reader.result(timeout=120) for reader in readers[1:]]
     assert all(r["mismatched"] == [] for r in results)

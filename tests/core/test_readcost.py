@@ -136,21 +136,29 @@ def _held(rng, shape: tuple[int, ...]) -> list[Region]:
     if how == "one" or not shape or shape[0] < 2:
         return [_region(rng, shape)]
     cut = rng.randrange(1, shape[0])
-    if rng.random() < 0.5:  # rows, as two FSDP ranks; else a flat range and a box after it
+    kind = rng.random()
+    if kind < 0.4:  # rows, as two FSDP ranks
         return [Region.of(shape, rows=(0, cut)), Region.of(shape, rows=(cut, shape[0]))]
-    return [Region(flat=(0, cut * int(np.prod(shape[1:])))), Region.of(shape, rows=(cut, shape[0]))]
+    if kind < 0.7:  # a flat range and a box after it
+        return [Region(flat=(0, cut * int(np.prod(shape[1:])))), Region.of(shape, rows=(cut, shape[0]))]
+    n = int(np.prod(shape))  # two ZeRO-3 partitions, cut anywhere
+    cut = rng.randrange(1, n)
+    return [Region(flat=(0, cut)), Region(flat=(cut, n))]
 
 
 def test_holder_tables_from_boxes_are_those_from_element_runs():
     """The box path (``boxsegments``) against intersecting element runs, on
-    random boxes, rows, columns, flat ranges and whole tensors of 0 to 3
-    dimensions: the same segments, byte for byte, cut at the same chunks."""
+    random boxes, rows, columns, flat ranges and whole tensors of 0 to 4
+    dimensions (fused experts' [E, rows, columns] among them), as the reader's
+    parts and as the holder's regions: the same segments, byte for byte, cut
+    at the same chunks."""
     import random
 
     rng = random.Random(5)
-    boxed = 0
-    for trial in range(200):
-        shapes = [rng.choice([(), (37,), (12, 9), (8, 64), (5, 6, 7), (1, 40)]) for _ in range(rng.randint(1, 4))]
+    boxed = boxed_nd = boxed_flat = 0
+    for trial in range(300):
+        shapes = [rng.choice([(), (37,), (12, 9), (8, 64), (5, 6, 7), (1, 40), (4, 1, 9), (8, 6, 10), (3, 4, 5, 6)])
+                  for _ in range(rng.randint(1, 4))]
         manifest = Manifest.of({f"t{i}": torch.zeros(s, dtype=torch.bfloat16) for i, s in enumerate(shapes)})
         wants = [(t, _region(rng, shapes[t])) for t in (rng.randrange(len(shapes)) for _ in range(rng.randint(1, 5)))]
         held = [(t, r) for t in range(len(shapes)) for r in _held(rng, shapes[t])]
@@ -172,7 +180,9 @@ def test_holder_tables_from_boxes_are_those_from_element_runs():
         for key in tables[0]:
             assert np.array_equal(tables[0][key], tables[1][key]), (trial, key, wants, held)
         boxed += any(r.flat is None and len(shapes[t]) <= 2 for t, r in held)
-    assert boxed > 100  # most trials took the box path for some tensor
+        boxed_nd += any(r.flat is None and len(shapes[t]) > 2 for t, r in held)
+        boxed_flat += any(r.flat is not None for t, r in held)
+    assert boxed > 100 and boxed_nd > 50 and boxed_flat > 50  # every kind of region took the box path
 
 
 # ---------------------------------------------------------------- pulls with fakes
@@ -224,12 +234,13 @@ def _replica(rid: str, manifest: Manifest, held: list[tuple[str, Region, torch.T
 
 
 def _pull(manifest: Manifest, replicas: list[RemoteReplica], want: list[tuple[str, Region]], *, wide: bool,
-          transport: MemcpyTransport, verify: bool = True):
+          transport: MemcpyTransport, verify: bool = True, boxed: bool = False):
     index = manifest.index()
     dests = [torch.full((r.numel(manifest.tensors[index[n]].shape),), -1, dtype=torch.bfloat16) for n, r in want]
     _, mem = regions_of(dests)
     parts = [ReadPart(n, index[n], manifest.tensors[index[n]].shape, r.runs(manifest.tensors[index[n]].shape),
-                      itemsize(manifest.tensors[index[n]].dtype), m) for (n, r), m in zip(want, mem)]
+                      itemsize(manifest.tensors[index[n]].dtype), m, r if boxed else None)
+             for (n, r), m in zip(want, mem)]
     plane = FakeControlPlane(Resolved("m", 1, manifest, tuple(replicas)))
     reads = WideReads(ScratchPool(4, 1 << 20), lambda replica: SHM) if wide else WideReads()
     job = PullJob(rpc=plane, nixl=transport, agent_id="reader", labels=Labels("h0"),
@@ -265,6 +276,29 @@ def test_a_column_slice_from_row_shards_lands_exactly_with_fewer_descriptors_and
     assert stats.read_bytes <= 2048 * 768 * 2
     assert exact.descriptors == stats_exact.descriptors >= 2048  # a descriptor per row
     assert wide.descriptors == stats.descriptors < 2048 // 50
+
+
+def test_fused_experts_from_expert_shards_land_exactly_through_the_box_path():
+    """Fused 3-D experts ([E, 2I, H] and [E, H, I], as transformers 5 and
+    FSDP2 ``Shard(0)`` hold them) in two expert shards; a TP reader wants rows
+    of every expert of one and columns of every expert of the other. Its parts
+    given as boxes (the box path of more than 2 dimensions) land the same bytes
+    with the same READs as given as element runs."""
+    gate_up, down = torch.randn(8, 96, 64).to(torch.bfloat16), torch.randn(8, 64, 48).to(torch.bfloat16)
+    manifest = Manifest.of({"gate_up": gate_up, "down": down})
+    shards = [(gate_up[r * 4:(r + 1) * 4].clone(), down[r * 4:(r + 1) * 4].clone()) for r in range(2)]
+    replicas = [_replica(f"rank{r}", manifest, [
+        ("gate_up", Region(box=((r * 4, r * 4 + 4), (0, 96), (0, 64))), shards[r][0]),
+        ("down", Region(box=((r * 4, r * 4 + 4), (0, 64), (0, 48))), shards[r][1])]) for r in range(2)]
+    want = [("gate_up", Region(box=((0, 8), (12, 24), (0, 64)))), ("down", Region(box=((0, 8), (0, 64), (6, 12))))]
+    got = []
+    for boxed in (True, False):
+        transport = MemcpyTransport()
+        stats, (a, b), _ = _pull(manifest, replicas, want, wide=False, transport=transport, boxed=boxed)
+        assert torch.equal(a.view(8, 12, 64), gate_up[:, 12:24]) and torch.equal(b.view(8, 64, 6), down[:, :, 6:12])
+        assert stats.checks_failed == 0 and stats.nbytes == stats.read_bytes == (a.numel() + b.numel()) * 2
+        got.append(transport.descriptors)
+    assert got[0] == got[1] == 8 + 8 * 64  # a READ per expert's rows, one per row of columns
 
 
 def test_checks_pass_on_the_cut_bytes_of_a_wide_read():
