@@ -127,6 +127,26 @@ def columns(shapes: list[tuple[int, ...]]) -> np.ndarray:
     return np.array([shape[-1] if shape else 1 for shape in shapes], np.int64)
 
 
+def pairs(parts: Boxes, held: Boxes, pi: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (part box, held box) pairs, of boxes ``pi`` and ``hi``, of one tensor
+    whose rows may meet, held box by held box. Parts sorted by (tensor, first
+    row) and keyed tensor * span + row: those before ``lo`` end (running
+    maximum of their last row) before the held box starts, those from ``hi`` on
+    start after it ends. Not every pair of one tensor: a fused expert tensor
+    relayed cut as the reader cuts it is a box per expert on both sides, and
+    all pairs would be experts squared."""
+    pi = pi[np.lexsort((parts.r0[pi], parts.tensor[pi]))]
+    span = int(max(parts.r1.max(initial=0), held.r1.max(initial=0))) + 1
+    starts = parts.tensor[pi] * span + parts.r0[pi]
+    ends = np.maximum.accumulate(parts.tensor[pi] * span + parts.r1[pi]) if len(pi) else starts
+    key = held.tensor[hi] * span
+    lo = np.searchsorted(ends, key + held.r0[hi], side="right")
+    count = np.maximum(np.searchsorted(starts, key + held.r1[hi], side="left") - lo, 0)
+    h = np.repeat(hi, count)
+    p = pi[np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)]
+    return p, h
+
+
 def box_segments(parts: Boxes, held: Boxes, cols: np.ndarray,
                  tensors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The segments held regions give parts, for the ``tensors`` (a mask per
@@ -134,14 +154,8 @@ def box_segments(parts: Boxes, held: Boxes, cols: np.ndarray,
     the part, element offset in the held region, elements), in held box
     order, rows ascending; part and held region are the indices ``Boxes.of``
     was given."""
-    pi = np.flatnonzero(parts.ok & tensors[parts.tensor])
-    hi = np.flatnonzero(held.ok & tensors[held.tensor])
-    pi = pi[np.argsort(parts.tensor[pi], kind="stable")]
-    pt = parts.tensor[pi]
-    lo = np.searchsorted(pt, held.tensor[hi], side="left")
-    count = np.searchsorted(pt, held.tensor[hi], side="right") - lo
-    h = np.repeat(hi, count)  # every (part, held region) pair of one tensor
-    p = pi[np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)]
+    p, h = pairs(parts, held, np.flatnonzero(parts.ok & tensors[parts.tensor]),
+                 np.flatnonzero(held.ok & tensors[held.tensor]))
     r0, r1 = np.maximum(parts.r0[p], held.r0[h]), np.minimum(parts.r1[p], held.r1[h])
     c0, c1 = np.maximum(parts.c0[p], held.c0[h]), np.minimum(parts.c1[p], held.c1[h])
     meet = (r0 < r1) & (c0 < c1)

@@ -185,6 +185,34 @@ def test_holder_tables_from_boxes_are_those_from_element_runs():
     assert boxed > 100 and boxed_nd > 50 and boxed_flat > 50  # every kind of region took the box path
 
 
+def test_box_pairs_are_every_pair_whose_rows_meet_and_not_experts_squared():
+    """``boxsegments.pairs`` against every pair of one tensor, on random
+    regions (rows that meet: none missed); and a fused expert tensor relayed
+    cut as the reader cuts it (a box per expert on both sides) pairs each
+    expert once, not 384 x 384 times."""
+    import random
+
+    from tensorhub.client.boxsegments import Boxes, pairs
+
+    rng = random.Random(7)
+    for _ in range(200):
+        shapes = [rng.choice([(37,), (12, 9), (5, 6, 7), (3, 4, 5, 6)]) for _ in range(rng.randint(1, 3))]
+        a = Boxes.of([(t, _region(rng, shapes[t])) for t in (rng.randrange(len(shapes)) for _ in range(4))], shapes)
+        b = Boxes.of([(t, r) for t in range(len(shapes)) for r in _held(rng, shapes[t])], shapes)
+        p, h = pairs(a, b, np.arange(len(a.ok)), np.arange(len(b.ok)))
+        got = set(zip(p.tolist(), h.tolist()))
+        for i in range(len(a.ok)):
+            for j in range(len(b.ok)):
+                meet = a.tensor[i] == b.tensor[j] and max(a.r0[i], b.r0[j]) < min(a.r1[i], b.r1[j])
+                assert not meet or (i, j) in got, (i, j)
+    shape = (384, 64, 32)  # [experts, rows, columns]: rows 8:16 of every expert on both sides
+    tp = Region(box=((0, 384), (8, 16), (0, 32)))
+    mine, relay = Boxes.of([(0, tp)], [shape]), Boxes.of([(0, tp)], [shape])
+    assert len(mine.ok) == 384
+    p, h = pairs(mine, relay, np.arange(384), np.arange(384))
+    assert len(p) == 384 and bool((p == h).all())
+
+
 # ---------------------------------------------------------------- pulls with fakes
 
 
