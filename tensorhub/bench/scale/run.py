@@ -17,9 +17,11 @@ gate/up, columns of down); ``ep``, TP=8 with ``enable_expert_parallel``
     4. the link model turns bytes, descriptors and the measured control plane
        into a predicted update time against the link limit
 
-The server's work for all readers is the sample's CPU per resolve times the
-readers (each resolves twice: at the start and when relays appear), done one
-after another on its one core. Planning is per reader and in parallel: one
+The server's work for all readers is, per stage (each reader resolves twice:
+at the start and when relays appear), the stage's first resolve (it also builds
+the coverage keys of every new holder, kept while the grouping stands) plus the
+sample's CPU per later resolve times the other readers, done one after another
+on its one core. Planning is per reader and in parallel: one
 reader's. What is not the real code: the holders publish no bytes (their NIXL
 metadata is a placeholder of 2 KB), and planning here intersects boxes per
 group of alike tensors, as the server's coverage does; today's ReadLayout
@@ -176,7 +178,10 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     plan_s = time.perf_counter() - t0
     planning_s = max(first["decode_s"], late["decode_s"]) + plan_s
     resolve_cpu = max(first["cpu_per_resolve_s"], late["cpu_per_resolve_s"])
-    server_s = publish_cpu + relay_cpu + 2 * readers * resolve_cpu
+    # A stage's first resolve also builds every new holder's coverage keys (kept per grouping epoch):
+    # counted once per stage, the rest once per reader.
+    server_s = publish_cpu + relay_cpu + sum(s["cpu_first_s"] + (readers - 1) * s["cpu_per_resolve_s"]
+                                             for s in (first, late))
     control_s = server_s + planning_s
     p = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
                       first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
@@ -189,6 +194,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         # per stage: an EP layout doubles the server's coverage groups (each expert shape splits by its owner)
         server_cpu_per_resolve_first_s=first["cpu_per_resolve_s"],
         server_cpu_per_resolve_late_s=late["cpu_per_resolve_s"],
+        server_cpu_first_resolve_s=first["cpu_first_s"], server_cpu_first_late_resolve_s=late["cpu_first_s"],
         resolve_request_bytes=max(first["request_bytes"], late["request_bytes"]),
         resolve_response_bytes_max=max(first["response_bytes_max"], late["response_bytes_max"]),
         resolve_holders_first=first["holders"], resolve_holders_late=late["holders"],
@@ -212,7 +218,9 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
     response, holders, decode = [], [], []
     cpu0 = _cpu(pid)
     request = None
-    for agent in agents:
+    for n, agent in enumerate(agents):
+        if n == 1:
+            cpu1 = _cpu(pid)
         stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent, labels=pb.Labels(host=agent)),
                            timeout=60)
         request = pb.ResolveRequest(agent_id=agent, model="m", version=1, known_fingerprint=fingerprint)
@@ -224,9 +232,14 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
             table = wire.held_from_wire(info.held_table, shapes)
             wire.memory_regions_from_wire(info.memory, table.nbytes(shapes))
         decode.append(time.perf_counter() - t0)
-    cpu = _cpu(pid) - cpu0  # includes the sample's RegisterAgent calls: an upper bound
+    # Both include the sample's RegisterAgent calls: an upper bound. The first resolve is apart:
+    # it builds the coverage keys of every holder new since the grouping last changed.
+    end = _cpu(pid)
+    first_s = (cpu1 if len(agents) > 1 else end) - cpu0
+    rest = (end - cpu1) / (len(agents) - 1) if len(agents) > 1 else first_s
     return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
-            "cpu_per_resolve_s": cpu / len(agents), "request_bytes": request.ByteSize() if request else 0}
+            "cpu_first_s": first_s, "cpu_per_resolve_s": rest,
+            "request_bytes": request.ByteSize() if request else 0}
 
 
 def _cpu(pid: int) -> float:
