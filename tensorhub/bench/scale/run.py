@@ -216,11 +216,9 @@ def _spread(engines: int, sample: int) -> list[tuple[int, int]]:
 
 def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes) -> dict:
     response, holders, decode = [], [], []
-    cpu0 = _cpu(pid)
+    marks = [_cpu(pid)]  # the server's CPU before the sample and after each resolve
     request = None
-    for n, agent in enumerate(agents):
-        if n == 1:
-            cpu1 = _cpu(pid)
+    for agent in agents:
         stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent, labels=pb.Labels(host=agent)),
                            timeout=60)
         request = pb.ResolveRequest(agent_id=agent, model="m", version=1, known_fingerprint=fingerprint)
@@ -232,11 +230,11 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
             table = wire.held_from_wire(info.held_table, shapes)
             wire.memory_regions_from_wire(info.memory, table.nbytes(shapes))
         decode.append(time.perf_counter() - t0)
+        marks.append(_cpu(pid))
     # Both include the sample's RegisterAgent calls: an upper bound. The first resolve is apart:
     # it builds the coverage keys of every holder new since the grouping last changed.
-    end = _cpu(pid)
-    first_s = (cpu1 if len(agents) > 1 else end) - cpu0
-    rest = (end - cpu1) / (len(agents) - 1) if len(agents) > 1 else first_s
+    first_s = marks[1] - marks[0]
+    rest = (marks[-1] - marks[1]) / (len(agents) - 1) if len(agents) > 1 else first_s
     return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
             "cpu_first_s": first_s, "cpu_per_resolve_s": rest,
             "request_bytes": request.ByteSize() if request else 0}
