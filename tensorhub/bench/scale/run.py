@@ -194,7 +194,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         # per stage: an EP layout doubles the server's coverage groups (each expert shape splits by its owner)
         server_cpu_per_resolve_first_s=first["cpu_per_resolve_s"],
         server_cpu_per_resolve_late_s=late["cpu_per_resolve_s"],
-        server_cpu_first_resolve_s=first["cpu_first_s"], server_cpu_first_late_resolve_s=late["cpu_first_s"],
+        server_cpu_opening_resolve_first_s=first["cpu_first_s"], server_cpu_opening_resolve_late_s=late["cpu_first_s"],
         resolve_request_bytes=max(first["request_bytes"], late["request_bytes"]),
         resolve_response_bytes_max=max(first["response_bytes_max"], late["response_bytes_max"]),
         resolve_holders_first=first["holders"], resolve_holders_late=late["holders"],
