@@ -59,6 +59,10 @@ class Source:
     complete: bool = True
     origin: bool = False
     active_reads: int = 0
+    # The holder's agent: equal holders are spread by it, so a reader is told of
+    # the same agents version after version (their layouts it knows: ``replay``).
+    # Empty: the replica id stands in.
+    agent_id: str = ""
 
 
 @dataclass(slots=True)
@@ -165,8 +169,9 @@ def best_holders(
 
     Best: nearer, reliable before spot, readers before the origin (the trainer's
     link is the scarce one), fewer active readers. Equal holders are ordered by a
-    hash of (``salt``, replica id): each reader (salt = its agent id) gets its own
-    spread of equally good holders, and one reader always gets the same one.
+    hash of (``salt``, holder's agent id): each reader (salt = its agent id) gets
+    its own spread of equally good holders, and one reader always gets the same
+    ones, also for the next version from the same holders (the steady state).
     """
     if k <= 0 or len(candidates) <= k:
         return list(candidates)
@@ -176,7 +181,7 @@ def best_holders(
 
     def key(s: Source) -> tuple:
         return (tier(s.labels), s.reliability is Reliability.SPOT, s.origin, s.active_reads,
-                zlib.crc32(s.replica_id.encode(), seed))
+                zlib.crc32((s.agent_id or s.replica_id).encode(), seed))
 
     ranked = sorted(candidates, key=key)
     chosen = ranked[:k]

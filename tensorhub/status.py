@@ -10,7 +10,7 @@ seconds from the moment the server answered.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tensorhub.topology import Labels, Reliability
@@ -67,6 +67,22 @@ class LeaseView:
     expires_in_s: float
 
 
+@dataclass(slots=True, kw_only=True)
+class ControlView:
+    """What the control plane sent since the server started: holders sent whole
+    against lean (the reader knew their layout: ``steady state``), and pulls
+    that replayed their plans against those that planned, as readers report them."""
+
+    resolves: int = 0
+    holders_full: int = 0
+    holders_lean: int = 0
+    answer_bytes: int = 0
+    pulls_replayed: int = 0
+    pulls_planned: int = 0
+    publishes_full: int = 0
+    publishes_lean: int = 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HubStatus:
     instance_id: str
@@ -74,6 +90,7 @@ class HubStatus:
     agents: tuple[AgentView, ...]
     models: tuple[ModelView, ...]
     leases: tuple[LeaseView, ...]
+    control: ControlView = field(default_factory=ControlView)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON values: labels as an object, reliability as its name."""

@@ -39,6 +39,7 @@ from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
+from tensorhub.client.replay import DELTA, PLANNED, path_of
 from tensorhub.client.scratch import ScratchPool
 from tensorhub.client.wideread import WideReads
 from tensorhub.delta.codec import Delta
@@ -94,6 +95,12 @@ class PullResult:
     # ``bytes_by_source`` counts the delta bytes). None: v was read whole.
     delta_from: int | None = None
     delta_bytes: int = 0
+    # Which path the pull took (``client/replay.py``): "replayed" (every holder's
+    # layout known, every chunk's READs planned by an earlier pull into the
+    # same buffers: the steady state), "planned", or "delta"; and for the last
+    # two why it did not replay.
+    path: str = PLANNED
+    not_replayed: str = ""
 
     @property
     def gbps(self) -> float:
@@ -394,6 +401,10 @@ class Hub:
                 self._destinations.release(registration, cached=into is not None)
             raise
         self._rpc.report_pulled(self.agent_id, _bytes_by_kind(stats))
+        path = path_of(earlier_pulls=job.plans.pulls, holders_read=stats.lean_sources.items(),
+                       lost=stats.lost_sources, plans_made=stats.plans_made)
+        job.plans.pulls += 1
+        self._rpc.report_path(path.replayed)
         if publication is None:
             self._destinations.release(registration, cached=into is not None)
         return PullResult(model=model, version=resolved.version, tensors=result_tensors(parts), nbytes=stats.nbytes,
@@ -402,7 +413,8 @@ class Hub:
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
-                          chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused)
+                          chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused,
+                          path=path.path, not_replayed=path.why)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:
@@ -418,7 +430,8 @@ class Hub:
                           nbytes=sum(p.nbytes for p in parts), seconds=time.perf_counter() - start,
                           bytes_by_source=outcome.bytes_by_source, publication=publication,
                           verified_bytes=outcome.verified_bytes, unverified_bytes=outcome.unverified_bytes,
-                          read_bytes=outcome.delta_bytes, delta_from=have, delta_bytes=outcome.delta_bytes)
+                          read_bytes=outcome.delta_bytes, delta_from=have, delta_bytes=outcome.delta_bytes,
+                          path=DELTA, not_replayed="a delta pull (have=) patches the destination instead")
 
     def _wide_reads(self, dest_kind: MemoryKind) -> WideReads:
         """Wide READs into host memory only: the cut is a host copy (a GPU

@@ -85,6 +85,7 @@ class LayoutPlans:
         self._maps: Lru[HolderMap] = Lru(_HOLDERS)
         self._will_hold: Lru[frozenset[int]] = Lru(_HOLDERS)
         self._chunks: Lru[tuple[tuple[int, Transfer], ...]] = Lru(_CHUNK_PLANS)
+        self.pulls = 0  # finished pulls into this layout (``replay.path_of``)
 
     @staticmethod
     def _cached(lru: Lru[V], key: Hashable, make: Callable[[], V]) -> V:

@@ -127,6 +127,10 @@ class PullStats:
     read_bytes: int = 0
     descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
     plans_reused: int = 0  # chunk plans an earlier pull into the same layout made (``plancache``)
+    plans_made: int = 0  # chunk plans made by this pull (not in the cache)
+    # Holders a byte was read from, by agent name: whether each came lean (its
+    # layout known from an earlier answer: ``replay``)
+    lean_sources: dict[str, bool] = field(default_factory=dict)
     # Per chunk of the read set, the holder (agent name) most of its bytes came
     # from: readers of one version cut alike share chunk numbers, so a relay
     # tree can be traced chunk by chunk (``bench cluster``'s depth).
@@ -205,6 +209,7 @@ class PullJob:
     _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
     _resettle_until: float = 0.0  # see _RESETTLE_S
     _plans_reused: int = 0
+    _plans_made: int = 0
 
     def __post_init__(self) -> None:
         self._leases = PullLeases(self.rpc, self.agent_id)
@@ -236,7 +241,7 @@ class PullJob:
             stats.checks_failed = len(self._checks.mismatches)
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
         stats.nbytes = self.layout.total_bytes
-        stats.plans_reused = self._plans_reused
+        stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
         return stats
 
     def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
@@ -402,6 +407,7 @@ class PullJob:
                    tuple(self.wide.cost(m.replica) for m in ranked), self.wide.slot_bytes)
         planned, reused = self.plans.chunk(chunk, ranked, context, make)
         self._plans_reused += reused
+        self._plans_made += not reused
         return planned
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
@@ -672,6 +678,7 @@ class PullJob:
                     by_source = got.setdefault(chunk, {})
                     name = replica.source.agent_name
                     stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
+                    stats.lean_sources[name] = stats.lean_sources.get(name, True) and replica.lean
                     by_source[name] = by_source.get(name, 0) + transfer.nbytes
                     self._arrived.setdefault(chunk, []).append(transfer)
                     self._checks.arrived(transfer)  # its CRC now, while its bytes are in cache

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,6 +41,8 @@ from tensorhub.transport import MemoryKind, MemoryRegion
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _MANIFESTS_CACHED = 16
+_LAYOUTS_SENT = 64  # publish layouts remembered: a few models' and versions' buffers
+_LAYOUTS_KNOWN = 1024  # holder layouts listed per model in a Resolve (the server takes 4096)
 _HELD_CACHED = 64  # holders' held tables (a 16-rank trainer, relays, two versions)
 _RELEASE_DELAY_S = 0.005
 # A holder's memory as the server sent it: kind, the regions (one per held
@@ -89,6 +91,7 @@ class RemoteReplica:
     # memory regions and chunk size (``plancache``). Equal keys, equal layouts,
     # whatever the version: b"" (a replica made by hand) is known by its id.
     layout_key: bytes = b""
+    lean: bool = False  # sent lean: its layout was known from an earlier answer (nothing decoded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,12 @@ class ReferenceClient:
         # Manifests by fingerprint: the server omits one the client already has.
         self._manifests: dict[str, Manifest] = {}
         self._manifests_sent: dict[str, None] = {}  # fingerprints this server took a publish of (LRU)
+        self._layouts_sent: dict[tuple[str, bytes], None] = {}  # (agent, wire.publish_layout) this server took
+        # Per model, by ReplicaInfo.layout, a holder as an earlier answer gave it:
+        # the server sends a holder whose layout the client lists lean (its id,
+        # checksums, state), rebound here to that holder (the steady state).
+        self._layouts: dict[str, dict[bytes, RemoteReplica]] = {}
+        self._pull_paths = [0, 0]  # finished pulls (replayed, planned) not reported yet
         self._last_fingerprint: dict[str, str] = {}
         # Per model, the memory of the last answer's holders by digest: the server
         # leaves out what the client has (a re-resolve during a pull then costs a
@@ -270,18 +279,43 @@ class ReferenceClient:
         if fingerprint in self._manifests_sent:
             request.manifest_fingerprint = fingerprint
             try:
-                self._call(self._stub.Publish, request, not_found=lambda d: VersionNotFound(model, version, d))
+                self._publish_lean(request, model, version)
                 return
             except TensorHubError as e:
                 if "manifest unknown" not in str(e):
                     raise
             request.ClearField("manifest_fingerprint")
         request.manifest.CopyFrom(wire.manifest_to_wire(manifest))
-        self._call(self._stub.Publish, request, not_found=lambda d: VersionNotFound(model, version, d))
+        self._publish_lean(request, model, version)
         with self._cache_lock:
             self._manifests_sent[fingerprint] = None
             while len(self._manifests_sent) > _MANIFESTS_CACHED:
                 self._manifests_sent.pop(next(iter(self._manifests_sent)))
+
+    def _publish_lean(self, request: pb.PublishRequest, model: str, version: int) -> None:
+        """Send ``request``, naming its layout instead of its regions and memory
+        when this server took a publish of the same layout from this client
+        (``wire.publish_layout``: a trainer publishing every step from the same
+        buffers); whole when it did not, or no longer has it."""
+        layout = wire.publish_layout(request)
+        key = (request.agent_id, layout)
+        if key in self._layouts_sent:
+            lean = pb.PublishRequest()
+            lean.CopyFrom(request)
+            for name in ("held", "held_table", "memory"):
+                lean.ClearField(name)
+            lean.layout = layout
+            try:
+                self._call(self._stub.Publish, lean, not_found=lambda d: VersionNotFound(model, version, d))
+                return
+            except TensorHubError as e:
+                if "layout unknown" not in str(e):
+                    raise
+        self._call(self._stub.Publish, request, not_found=lambda d: VersionNotFound(model, version, d))
+        with self._cache_lock:
+            self._layouts_sent[key] = None
+            while len(self._layouts_sent) > _LAYOUTS_SENT:
+                self._layouts_sent.pop(next(iter(self._layouts_sent)))
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
                       chunk_crc32: list[int] | None = None) -> None:
@@ -325,6 +359,10 @@ class ReferenceClient:
                                     release_leases=self._take_releases(), pulled=self._take_pulled())
         known = self._memories.get(model, {})
         request.known_memory.extend(known)
+        templates = self._layouts.get(model, {})
+        request.known_layouts.extend(templates)
+        with self._cache_lock:
+            (request.pulls_replayed, request.pulls_planned), self._pull_paths = self._pull_paths, [0, 0]
         if version is None:
             request.latest = True
         else:
@@ -344,7 +382,15 @@ class ReferenceClient:
             self.last_resolve = (resp.instance_id, sent)
         memories: dict[bytes, _Memory] = {}
         replicas = []
+        seen = dict(templates)
         for msg in resp.replicas:
+            if not msg.agent_id and msg.layout:  # lean: a holder laid out as one this client has
+                template = templates.get(msg.layout)
+                if template is None:
+                    raise TensorHubError(f"the server sent replica {msg.replica_id!r} lean, by a layout this client "
+                                         "never listed as known; the server is broken")
+                replicas.append(_rebound(template, msg))
+                continue
             if msg.HasField("memory"):
                 memory = _memory(msg.memory)
             elif (memory := known.get(msg.memory_digest)) is None:
@@ -353,7 +399,13 @@ class ReferenceClient:
             if msg.memory_digest:
                 memories[msg.memory_digest] = memory
             replicas.append(_replica(msg, manifest, memory, self._held))
+            if msg.layout:
+                seen.pop(msg.layout, None)
+                seen[msg.layout] = replicas[-1]
         self._memories[model] = memories
+        while len(seen) > _LAYOUTS_KNOWN:  # the oldest go first
+            seen.pop(next(iter(seen)))
+        self._layouts[model] = seen
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
                         resp.instance_id, resp.change)
 
@@ -374,6 +426,12 @@ class ReferenceClient:
         with self._cache_lock:
             self._releases.append(lease_id)
         self._background.submit(self._flush_releases, agent_id)
+
+    def report_path(self, replayed: bool) -> None:
+        """A finished pull's path (``PullResult.path``), for the server's counters:
+        sent with the next Resolve."""
+        with self._cache_lock:
+            self._pull_paths[0 if replayed else 1] += 1
 
     def report_pulled(self, agent_id: str, by_kind: dict[tuple[int, bool], int]) -> None:
         """Bytes a finished pull read, by (``Labels.tier`` of the source, from an
@@ -436,6 +494,17 @@ class ReferenceClient:
         return resp.version if resp.found else None
 
 
+def _rebound(template: RemoteReplica, msg: pb.ReplicaInfo) -> RemoteReplica:
+    """The holder ``msg`` names lean, from ``template``, one laid out the same
+    (same agent, regions, memory, manifest): only what belongs to this replica
+    of this version is new (its id, state, load, checksums, deltas)."""
+    source = replace(template.source, replica_id=msg.replica_id, complete=msg.state == pb.REPLICA_STATE_COMPLETE,
+                     active_reads=msg.active_reads)
+    crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
+    return replace(template, source=source, bitmap=bytes(msg.chunk_bitmap), chunk_crc32=crcs,
+                   deltas=tuple(msg.deltas), lean=True)
+
+
 def _memory(msg: pb.ReplicaMemory) -> _Memory:
     if msg.packed:
         return wire.KIND_BACK[msg.kind], (np.array(msg.region_gap, np.int64), msg.device_id), msg.nixl_metadata
@@ -453,6 +522,7 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory,
         complete=msg.state == pb.REPLICA_STATE_COMPLETE,
         origin=msg.origin,
         active_reads=msg.active_reads,
+        agent_id=msg.agent_id,
     )
     shapes = shapes_of(manifest)
     if msg.HasField("held_table"):

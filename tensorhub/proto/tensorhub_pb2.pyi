@@ -150,7 +150,7 @@ class ReplicaMemory(_message.Message):
     def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., region_gap: _Optional[_Iterable[int]] = ..., device_id: _Optional[int] = ..., packed: _Optional[bool] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest", "chunk_crc32", "held_table", "deltas")
+    __slots__ = ("replica_id", "agent_id", "agent_name", "labels", "reliability", "state", "chunk_bitmap", "memory", "active_reads", "origin", "held", "chunk_size", "memory_digest", "chunk_crc32", "held_table", "deltas", "layout")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class ReplicaInfo(_message.Message):
     CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
     HELD_TABLE_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     agent_name: str
@@ -183,7 +184,8 @@ class ReplicaInfo(_message.Message):
     chunk_crc32: _containers.RepeatedScalarFieldContainer[int]
     held_table: HeldRegions
     deltas: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., deltas: _Optional[_Iterable[str]] = ...) -> None: ...
+    layout: bytes
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., active_reads: _Optional[int] = ..., origin: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_size: _Optional[int] = ..., memory_digest: _Optional[bytes] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("agent_id", "name", "labels", "reliability")
@@ -228,7 +230,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class PublishRequest(_message.Message):
     HELD_TABLE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -261,7 +264,8 @@ class PublishRequest(_message.Message):
     held_table: HeldRegions
     manifest_fingerprint: str
     deltas: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ...) -> None: ...
+    layout: bytes
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
@@ -310,7 +314,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +329,9 @@ class ResolveRequest(_message.Message):
     PULLED_FIELD_NUMBER: _ClassVar[int]
     WAIT_CHANGE_S_FIELD_NUMBER: _ClassVar[int]
     SEEN_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_PLANNED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -339,7 +346,10 @@ class ResolveRequest(_message.Message):
     pulled: _containers.RepeatedCompositeFieldContainer[PulledBytes]
     wait_change_s: float
     seen_change: int
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ...) -> None: ...
+    known_layouts: _containers.RepeatedScalarFieldContainer[bytes]
+    pulls_replayed: int
+    pulls_planned: int
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
     __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change")
@@ -550,15 +560,37 @@ class LeaseStatus(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., replica_ids: _Optional[_Iterable[str]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "uptime_s", "agents", "models", "leases")
+    __slots__ = ("instance_id", "uptime_s", "agents", "models", "leases", "control")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     uptime_s: float
     agents: _containers.RepeatedCompositeFieldContainer[AgentStatus]
     models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
     leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
-    def __init__(self, instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+    control: ControlCounters
+    def __init__(self, instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., control: _Optional[_Union[ControlCounters, _Mapping]] = ...) -> None: ...
+
+class ControlCounters(_message.Message):
+    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean")
+    RESOLVES_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FULL_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_LEAN_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_PLANNED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_FULL_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_LEAN_FIELD_NUMBER: _ClassVar[int]
+    resolves: int
+    holders_full: int
+    holders_lean: int
+    answer_bytes: int
+    pulls_replayed: int
+    pulls_planned: int
+    publishes_full: int
+    publishes_lean: int
+    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ...) -> None: ...

@@ -3,7 +3,9 @@ and the server (``server/service.py``). Only the RPC modules import this."""
 
 from __future__ import annotations
 
+import hashlib
 import zlib
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.regions import Region
 from tensorhub.regiontable import MAX_RULES, RegionTable, Shapes, memory_addrs, memory_gaps, rules_of, table_of_rules
-from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
+from tensorhub.status import AgentView, ControlView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 from tensorhub.transport.memory import MemoryKind, MemoryRegion
 
@@ -191,6 +193,23 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def publish_layout(request: pb.PublishRequest) -> bytes:
+    """The digest of what a Publish says about its layout (PublishRequest.layout):
+    its manifest's fingerprint, chunk size, held regions and memory. The client
+    and the server compute it alike from the request, so a later Publish from
+    the same buffers can name it instead of sending them."""
+    h = hashlib.blake2b(digest_size=16)
+    fingerprint = request.manifest.fingerprint if request.HasField("manifest") else request.manifest_fingerprint
+    h.update(f"{fingerprint}/{request.chunk_size}/{len(request.held)}/".encode())
+    for region in request.held:
+        h.update(region.SerializeToString(deterministic=True))
+    h.update(b"/table/" if request.HasField("held_table") else b"/none/")
+    h.update(request.held_table.SerializeToString(deterministic=True))
+    h.update(b"/memory/")
+    h.update(request.memory.SerializeToString(deterministic=True))
+    return h.digest()
+
+
 def embedded_fields(number: int, payloads: list[bytes]) -> bytes:
     """Already serialized messages as the repeated message field ``number``: a
     parser reads ``SerializeToString()`` of the rest + this as one message (the
@@ -220,6 +239,7 @@ def status_to_wire(status: HubStatus) -> pb.DescribeResponse:
             for v in m.versions]) for m in status.models],
         leases=[pb.LeaseStatus(lease_id=x.lease_id, agent_id=x.agent_id, replica_ids=x.replica_ids,
                                expires_in_s=x.expires_in_s) for x in status.leases],
+        control=pb.ControlCounters(**asdict(status.control)),
     )
 
 
@@ -243,6 +263,7 @@ def status_from_wire(msg: pb.DescribeResponse) -> HubStatus:
             for v in m.versions)) for m in msg.models),
         leases=tuple(LeaseView(lease_id=x.lease_id, agent_id=x.agent_id, replica_ids=tuple(x.replica_ids),
                                expires_in_s=x.expires_in_s) for x in msg.leases),
+        control=ControlView(**{f: getattr(msg.control, f) for f in ControlView.__slots__}),
     )
 
 

@@ -122,7 +122,7 @@ class _StateCollector:
         self._state = state
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         state = self._state
         yield GaugeMetricFamily("tensorhub_agents", "Registered agents (alive: heartbeating within their TTL)",
@@ -141,3 +141,23 @@ class _StateCollector:
         versions.add_metric(["true"], sum(e.visible for e in entries))
         versions.add_metric(["false"], sum(not e.visible for e in entries))
         yield versions
+        control = state.control
+        holders = CounterMetricFamily("tensorhub_resolve_holders", "Holders sent in Resolve answers: full (with "
+                                      "their regions and memory) or lean (the reader knew their layout)",
+                                      labels=["form"])
+        holders.add_metric(["full"], control.holders_full)
+        holders.add_metric(["lean"], control.holders_lean)
+        yield holders
+        yield CounterMetricFamily("tensorhub_resolve_answer_bytes", "Bytes of Resolve answers sent",
+                                  value=control.answer_bytes)
+        paths = CounterMetricFamily("tensorhub_pull_paths", "Finished pulls by path, as readers report them: "
+                                    "replayed (an earlier pull's plans, every holder's layout known) or planned",
+                                    labels=["path"])
+        paths.add_metric(["replayed"], control.pulls_replayed)
+        paths.add_metric(["planned"], control.pulls_planned)
+        yield paths
+        publishes = CounterMetricFamily("tensorhub_publishes", "Publish requests: full (regions and memory sent) or "
+                                        "lean (naming a layout published before)", labels=["form"])
+        publishes.add_metric(["full"], control.publishes_full)
+        publishes.add_metric(["lean"], control.publishes_lean)
+        yield publishes

@@ -10,6 +10,7 @@ import logging
 import math
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -74,6 +75,7 @@ def _require_version(version: int) -> int:
 
 _MANIFESTS_KEPT = 8
 _RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP worker's, per manifest)
+_LAYOUTS_KEPT = 8192  # publish layouts (``_known_layout``): two per agent of a 4,096-agent job
 
 
 def _manifest(msg: pb.Manifest, kept: dict[bytes, Manifest] | None = None) -> Manifest:
@@ -219,6 +221,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self.metrics = metrics or NoMetrics()
         self._manifests: dict[bytes, Manifest] = {}  # checked manifests by wire digest (_manifest)
         self._rule_tables: dict[bytes, tuple[RegionTable, np.ndarray, bytes]] = {}  # _held_of
+        # Checked layouts of earlier publishes, by (agent, wire.publish_layout): _known_layout
+        self._layouts: OrderedDict[tuple[str, bytes], tuple[str, int, RegionTable, bytes, int, Any]] = OrderedDict()
         self.changes = VersionChanges()  # what long-poll Resolves wait on
 
     def _held_of(self, manifest: Manifest, request: pb.PublishRequest) -> tuple[RegionTable, np.ndarray | None, bytes]:
@@ -241,6 +245,27 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 self._rule_tables.pop(next(iter(self._rule_tables)))
             self._rule_tables[key] = kept
         return kept
+
+    def _known_layout(self, agent_id: str, request: pb.PublishRequest,
+                      manifest: Manifest) -> tuple[RegionTable, bytes, int, Any]:
+        """The checked regions and memory of an earlier Publish of this agent that
+        had the digest ``request.layout`` (``wire.publish_layout``): the same
+        manifest, chunk size, regions and memory, so nothing needs checking again."""
+        if request.held or request.HasField("held_table") or request.HasField("memory"):
+            raise Invalid("a Publish naming a layout sends no held regions and no memory")
+        kept = self._layouts.get((agent_id, request.layout))
+        if kept is None or kept[:2] != (manifest.fingerprint, request.chunk_size):
+            raise StateError("FAILED_PRECONDITION", "layout unknown: this server instance has no earlier Publish of "
+                             "this agent with that layout; send the held regions and memory")
+        self._layouts.move_to_end((agent_id, request.layout))
+        return kept[2:]
+
+    def _remember_layout(self, agent_id: str, request: pb.PublishRequest, checked: tuple) -> None:
+        key = (agent_id, wire.publish_layout(request))
+        self._layouts[key] = checked
+        self._layouts.move_to_end(key)
+        while len(self._layouts) > _LAYOUTS_KEPT:
+            self._layouts.popitem(last=False)
 
     def _known_manifest(self, fingerprint: str) -> Manifest:
         """A manifest this server holds, by fingerprint: kept checked ones, or a version's."""
@@ -314,10 +339,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise Invalid("manifest is missing")
             if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
                 raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-            held, sizes, wire_held = self._held_of(manifest, request)
-            total, memory = _check_memory(manifest, held, request.memory,
-                                          whole_model=not request.held and not request.HasField("held_table"),
-                                          sizes=sizes)
+            if request.layout:
+                held, wire_held, total, memory = self._known_layout(agent_id, request, manifest)
+                self.state.control.publishes_lean += 1
+            else:
+                held, sizes, wire_held = self._held_of(manifest, request)
+                total, memory = _check_memory(manifest, held, request.memory,
+                                              whole_model=not request.held and not request.HasField("held_table"),
+                                              sizes=sizes)
+                self.state.control.publishes_full += 1
             if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
                 raise Invalid("state must be FILLING or COMPLETE")
             num_chunks = -(-total // request.chunk_size)
@@ -348,6 +378,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             else:
                 replica.wire_held = wire_held or wire.held_table_field(
                     wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
+            if not request.layout:
+                self._remember_layout(agent_id, request, (manifest.fingerprint, request.chunk_size, held,
+                                                          replica.wire_held, total, memory))
             replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
             replica.deltas = deltas
             entry = self.state.models[model][version]
@@ -440,6 +473,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.known_memory) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_memory)} known_memory digests, more than {MAX_KNOWN_MEMORY}")
             known = frozenset(request.known_memory)
+            if len(request.known_layouts) > MAX_KNOWN_MEMORY:
+                raise Invalid(f"{len(request.known_layouts)} known_layouts, more than {MAX_KNOWN_MEMORY}")
+            layouts = frozenset(request.known_layouts)
+            self.state.control.pulls_replayed += request.pulls_replayed
+            self.state.control.pulls_planned += request.pulls_planned
             if request.wait_change_s:
                 if not 0 < request.wait_change_s <= MAX_WAIT_CHANGE_S or version is None or request.lease:
                     raise Invalid(f"wait_change_s must be within (0, {MAX_WAIT_CHANGE_S}], for one version, "
@@ -467,7 +505,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                     granted = set(lease.replica_ids)
                     sources = [r for r in sources if r.replica_id in granted]
             answer = response.SerializeToString() + wire.embedded_fields(
-                RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known) for r in sources])
+                RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts) for r in sources])
+            control = self.state.control
+            control.resolves += 1
+            control.answer_bytes += len(answer)
             outcome = "ok"
             return answer
 
@@ -486,18 +527,20 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         for lease_id in lease_ids:
             self.state.release_lease(lease_id)
 
-    def _replica_info(self, replica: Replica, known_memory: frozenset[bytes]) -> bytes:
+    def _replica_info(self, replica: Replica, known_memory: frozenset[bytes], known: frozenset[bytes]) -> bytes:
         """The replica's serialized ReplicaInfo. The fields that do not change
         while it is published (its memory, NIXL metadata and held regions: most
         of the bytes) are serialized once per agent record; the ones that do
         (state, bitmap, load) are appended: a parser merges the two. ``memory``
-        is left out when the reader says it has it (``known_memory``)."""
+        is left out when the reader says it has it (``known_memory``); every
+        field that stays put from one version to the next when the reader
+        says it has the holder's layout (``known``: the steady state)."""
         agent = self.state.agents[replica.agent_id]
         cached = replica.wire_info
         if cached is None or cached[0] is not agent:  # a re-registered agent may have new labels
-            digest = hashlib.blake2b(replica.memory.SerializeToString(), digest_size=16).digest()
-            lean = pb.ReplicaInfo(
-                replica_id=replica.replica_id,
+            memory = replica.memory.SerializeToString()
+            digest = hashlib.blake2b(memory, digest_size=16).digest()
+            static = pb.ReplicaInfo(
                 agent_id=agent.agent_id,
                 agent_name=agent.name,
                 labels=wire.labels_to_wire(agent.labels),
@@ -505,14 +548,26 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 origin=replica.origin,
                 chunk_size=replica.chunk_size,
                 memory_digest=digest,
-                chunk_crc32=replica.chunk_crc32 or [],
-                deltas=replica.deltas,
-            )
-            lean_bytes = lean.SerializeToString() + replica.wire_held
-            full = lean_bytes + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
-            cached = replica.wire_info = (agent, digest, lean_bytes, full)
-        _, digest, lean_bytes, full_bytes = cached
-        return (lean_bytes if digest in known_memory else full_bytes) + _changing(replica)
+            ).SerializeToString() + replica.wire_held
+            # What stays put from one version to the next (ReplicaInfo.layout): the
+            # static fields, the memory and the manifest that the held regions index.
+            layout = hashlib.blake2b(static, digest_size=16, key=b"tensorhub layout")
+            layout.update(memory)
+            layout.update(self.state.models[replica.model][replica.version].fingerprint.encode())
+            per_version = pb.ReplicaInfo(replica_id=replica.replica_id, layout=layout.digest(),
+                                         chunk_crc32=replica.chunk_crc32 or [], deltas=replica.deltas,
+                                         ).SerializeToString()
+            without_memory = per_version + static
+            full = without_memory + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
+            cached = replica.wire_info = (agent, digest, layout.digest(), per_version, without_memory, full)
+        _, digest, layout_key, per_version, without_memory, full_bytes = cached
+        if layout_key in known:
+            self.state.control.holders_lean += 1
+            fixed = per_version
+        else:
+            self.state.control.holders_full += 1
+            fixed = without_memory if digest in known_memory else full_bytes
+        return fixed + _changing(replica)
 
     async def AcquireReadLease(self, request: pb.AcquireReadLeaseRequest, context: Any) -> pb.AcquireReadLeaseResponse:
         async def go() -> pb.AcquireReadLeaseResponse:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import math
 import time
 import uuid
@@ -33,7 +34,7 @@ from tensorhub.regions import Bounds, Region, describe_box, intersect
 from tensorhub.regiontable import RegionTable, Shapes, shapes_of, whole_table
 from tensorhub.server.config import ServerConfig
 from tensorhub.server.coverage import Coverage, Grouping, HolderKeys, covering_prefix, covers
-from tensorhub.status import AgentView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
+from tensorhub.status import AgentView, ControlView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
@@ -217,6 +218,7 @@ class State:
         self.models: dict[str, dict[int, Version]] = {}
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
+        self.control = ControlView()  # what the control plane sent (the service counts it)
         self.leases_of: dict[str, int] = {}  # agent id -> read leases it holds (a pull in flight when > 0)
         self.groups: dict[str, dict[int, int]] = {}
         # Set (and replaced) whenever some version's visibility flips.
@@ -560,7 +562,7 @@ class State:
         when they are ``k`` or fewer: all of them are returned), and the part of
         ``best_holders``' key for each that stays put while nobody publishes,
         withdraws, registers or expires (``_holders_changed``), packed in one
-        int: (tier, spot, origin, -, crc32(replica id, crc32(reader id + "/"))),
+        int: (tier, spot, origin, -, crc32(holder's agent id, crc32(reader id + "/"))),
         with bits 32-63 left for the holder's reads in flight. Kept per reader
         of a version with more holders than a resolve returns (a list of
         holders and one of ints: about 5 KiB a reader at 100 holders), so
@@ -584,7 +586,7 @@ class State:
         salts: dict[int, int] = {}
         fixed = []
         for r in live:
-            rid = r.replica_id.encode()
+            rid = r.agent_id.encode()  # by agent: the same holders rank alike in every version
             n = len(rid)
             salt = salts.get(n)
             if salt is None:
@@ -730,7 +732,7 @@ class State:
                        if not model or any((r := self.replicas.get(rid)) is not None and r.model == model
                                            for rid in lease.replica_ids))
         return HubStatus(instance_id=self.instance_id, uptime_s=now - self.started_at, agents=agents,
-                         models=tuple(models), leases=leases)
+                         models=tuple(models), leases=leases, control=copy.copy(self.control))
 
     def _missing(self, entry: Version) -> str:
         if entry.visible:

@@ -104,7 +104,8 @@ def test_the_servers_holder_ranking_is_the_planners():
             live = [r for r in entry.replicas.values()
                     if r.agent_id != reader and not r.withdrawn and r.agent_id in state.agents]
             sources = [Source(r.replica_id, r.agent_id, state.agents[r.agent_id].labels,
-                              state.agents[r.agent_id].reliability, r.complete, r.origin, len(r.leases)) for r in live]
+                              state.agents[r.agent_id].reliability, r.complete, r.origin, len(r.leases), r.agent_id)
+                       for r in live]
             by_id = {r.replica_id: r for r in live}
 
             def covers(complete: list[Source], by_id: dict = by_id) -> bool:

@@ -112,10 +112,12 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     ep_experts = model_cfg.experts if layout == "ep" else 0
     owner = cuts.owners(model, ep_experts) if ep_experts else None
 
-    def publish_request(agent: str, rules, rule_of, base_addr: int, origin: bool, with_manifest: bool):
+    def publish_request(agent: str, rules, rule_of, base_addr: int, origin: bool, with_manifest: bool,
+                        version: int = 1):
         held = pb.HeldRegions(rules=[pb.HeldRule(dim=d, parts=n, part=k) for d, n, k in rules],
                               rule_of=zlib.compress(rule_of.tobytes(), 6))
-        req = pb.PublishRequest(agent_id=agent, replica_id=f"{agent}.1", model="m", version=1, chunk_size=CHUNK,
+        req = pb.PublishRequest(agent_id=agent, replica_id=f"{agent}.{version}", model="m", version=version,
+                                chunk_size=CHUNK,
                                 state=pb.REPLICA_STATE_COMPLETE, origin=origin, held_table=held,
                                 memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_VRAM, packed=True, region_gap=[base_addr],
                                                         nixl_metadata=NIXL_METADATA))
@@ -172,6 +174,13 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                    server_bytes_per_relay_replica=(_rss(pid) - rss0) / readers)
         late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
 
+        # 5. the steady state: version 2 from the same buffers, every reader's messages for real
+        steady = _steady(stub, pid, ranks, engines, fingerprint, first["layouts"] | late["layouts"],
+                         lambda r: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40, True,
+                                                   False, version=2),
+                         lambda e, w: publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner),
+                                                      1 << 41, False, False, version=2))
+
     # 4. the reader's READs and the link model
     t0 = time.perf_counter()
     hop = cuts.first_hop(model, ranks, kv_heads, 0, link, ep_experts)  # worker 0: every worker reads alike
@@ -205,7 +214,82 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         first_hop_s=p.first_hop_s, relay_hop_s=p.relay_hop_s, depth=p.depth, wave0_engines=p.wave0_engines,
         trainer_egress_bytes=p.trainer_egress_bytes, relay_bytes=p.relay_bytes,
     )
+    # The steady state: the same first hop and relays; the control plane is what the server spent on
+    # every message of version 2, one after another on its core, plus one reader's parse of its answers
+    # (its plans come from the plan cache: nothing to decode or plan).
+    steady_control_s = steady["server_cpu_s"] + steady["parse_s"]
+    ps = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
+                       first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
+                       control_plane_s=steady_control_s)
+    out.update(
+        steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
+        steady_server_cpu_s=steady["server_cpu_s"], steady_answer_bytes_max=steady["answer_bytes_max"],
+        steady_request_bytes_max=steady["request_bytes_max"], steady_resolves=steady["resolves"],
+        steady_holders_full=steady["holders_full"], steady_holders_lean=steady["holders_lean"],
+        steady_server_cpu_publish_s=steady["publish_cpu_s"], steady_server_cpu_resolve_s=steady["resolve_cpu_s"],
+        steady_parse_s=steady["parse_s"], steady_predicted_s=ps.predicted_s,
+        steady_predicted_over_limit=ps.predicted_s / ps.link_limit_s,
+    )
     return out
+
+
+def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: set[bytes], trainer_request,
+            relay_request) -> dict:
+    """Version 2 from the same buffers, as an RL step makes it: the trainer's
+    ranks publish naming their version-1 layout, every reader (each engine's 8
+    workers) resolves knowing the holders' layouts from its version-1 answers,
+    the workers publish what they pulled as relays (naming their layouts too),
+    and every reader resolves again. Every message is sent for real, none
+    sampled, and the server's CPU for all of them is measured."""
+    workers = [(e, w) for e in range(engines) for w in range(cuts.TP)]
+    full = lean = 0
+    cpu0 = _cpu(pid)
+    for r in range(ranks):
+        _publish_lean(stub, trainer_request(r))
+    publish_cpu = _cpu(pid) - cpu0
+    answers, requests, resolve_cpu = [], [], 0.0
+    parse_s = 0.0
+    knows = {worker: sorted(known) for worker in workers}  # the trainer's holders: every answer names them all
+    for stage in range(2):
+        if stage == 1:
+            # What each reader was told of version 1 once relays held it (not measured: that was version 1's
+            # cost): the holders its late answer named, the same agents its version-2 answer names.
+            for e, w in workers:
+                v1 = stub.Resolve(pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=1,
+                                                    known_fingerprint=fingerprint, known_layouts=knows[(e, w)]),
+                                  timeout=120)
+                knows[(e, w)] = sorted(set(knows[(e, w)]) | {info.layout for info in v1.replicas})
+            cpu = _cpu(pid)
+            for e, w in workers:
+                _publish_lean(stub, relay_request(e, w))
+            publish_cpu += _cpu(pid) - cpu
+        counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
+        cpu = _cpu(pid)
+        for e, w in workers:
+            request = pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=2,
+                                        known_fingerprint=fingerprint, known_layouts=knows[(e, w)])
+            answer = stub.Resolve(request, timeout=120)
+            answers.append(answer.ByteSize())
+            requests.append(request.ByteSize())
+        resolve_cpu += _cpu(pid) - cpu
+        counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
+        full += counters.holders_full - counters0.holders_full
+        lean += counters.holders_lean - counters0.holders_lean
+        t0 = time.perf_counter()  # one reader's parse of its answer (the rebinding is a few attributes a holder)
+        answer = pb.ResolveResponse.FromString(answer.SerializeToString())
+        parse_s += time.perf_counter() - t0
+    return {"server_cpu_s": publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu, "resolve_cpu_s": resolve_cpu,
+            "answer_bytes_max": max(answers), "request_bytes_max": max(requests), "resolves": len(answers),
+            "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
+
+
+def _publish_lean(stub, request: pb.PublishRequest) -> None:
+    """Publish naming the layout of the request's earlier version (it must be known)."""
+    layout = wire.publish_layout(request)
+    for name in ("held", "held_table", "memory"):
+        request.ClearField(name)
+    request.layout = layout
+    stub.Publish(request, timeout=120)
 
 
 def _spread(engines: int, sample: int) -> list[tuple[int, int]]:
@@ -216,6 +300,7 @@ def _spread(engines: int, sample: int) -> list[tuple[int, int]]:
 
 def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes) -> dict:
     response, holders, decode = [], [], []
+    layouts: set[bytes] = set()
     marks = [_cpu(pid)]  # the server's CPU before the sample and after each resolve
     request = None
     for agent in agents:
@@ -225,6 +310,7 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
         answer = stub.Resolve(request, timeout=120)
         response.append(answer.ByteSize())
         holders.append(len(answer.replicas))
+        layouts.update(info.layout for info in answer.replicas)
         t0 = time.perf_counter()  # the client's decode: every holder's regions and memory
         for info in answer.replicas:
             table = wire.held_from_wire(info.held_table, shapes)
@@ -237,7 +323,7 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
     rest = (marks[-1] - marks[1]) / (len(agents) - 1) if len(agents) > 1 else first_s
     return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
             "cpu_first_s": first_s, "cpu_per_resolve_s": rest,
-            "request_bytes": request.ByteSize() if request else 0}
+            "request_bytes": request.ByteSize() if request else 0, "layouts": layouts}
 
 
 def _cpu(pid: int) -> float:
