@@ -88,7 +88,7 @@ def _bench_pull_moe(args: argparse.Namespace) -> int:
         return 2
     cfg = moe.MoeBenchConfig(experts=args.experts, publishers=args.publishers or 2, reps=args.reps,
                              chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
-                             verify=not args.no_verify)
+                             verify=not args.no_verify, versions=args.versions)
     moe.run(cfg, json_path=args.json)
     return 0
 
@@ -137,6 +137,8 @@ def _bench_rl(args: argparse.Namespace) -> int:
 def _bench_server(args: argparse.Namespace) -> int:
     from tensorhub.bench import server
 
+    if args.steady:
+        return _bench_server_steady(args)
     try:
         cfg = server.ServerBenchConfig(agents=args.agents, holders=args.holders, tensors=args.tensors,
                                        seconds=args.seconds, resolve_interval_s=args.resolve_interval,
@@ -148,6 +150,32 @@ def _bench_server(args: argparse.Namespace) -> int:
         print(f"tensorhub bench server: {e}", file=sys.stderr)
         return 2
     server.run(cfg, json_path=args.json)
+    return 0
+
+
+def _bench_server_steady(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from tensorhub.bench import server_steady
+
+    cfg = server_steady.SteadyConfig(readers=args.agents, holders=args.holders, tensors=args.tensors,
+                                     versions=args.versions, pin=not args.no_pin)
+    console = Console()
+    with console.status(f"{cfg.readers} readers in groups of {cfg.group}, {cfg.holders} holders, "
+                        f"{cfg.versions} versions..."):
+        out = server_steady.run(cfg)
+    for k, v in enumerate(out["versions"], 1):
+        console.print(f"version {k:3}: server CPU {v['server_cpu_s']:.3f} s, Resolve p99 {v['resolve_ms']['p99']:.1f} ms, "
+                      f"all {cfg.readers} answered in {v['all_answered_s']:.3f} s, answer <= {v['answer_bytes_max']:,} B, "
+                      f"holders sent whole {v['holders_full']:,}, lean {v['holders_lean']:,}")
+    console.print(f"steady state (versions 2-{cfg.versions}, median): server CPU {out['steady_server_cpu_s_per_version']:.3f} s "
+                  f"per version (goal <= 0.25), Resolve p99 {out['steady_resolve_p99_ms']:.1f} ms (goal <= 20), "
+                  f"answers <= {out['steady_answer_bytes_max']:,} B")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 
@@ -287,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "rows of gate and up, columns of down, beside raw NIXL READs of the exact runs and of "
                            "whole rows")
     pull.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
+    pull.add_argument("--versions", type=int, default=1,
+                      help="moe layout: then step the publishers through this many versions from the same buffers, "
+                           "a fresh reader pulling each: the first (planned) and the replayed rest reported apart")
     pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
     pull.add_argument("--read-workers", type=int, default=2, help="READs in flight per reader: twice this")
     pull.add_argument("--no-verify", action="store_true",
@@ -344,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-pin", action="store_true",
                      help="let the OS place the server and the load generators (default: the server on a core of "
                           "its own, the generators on the others)")
+    srv.add_argument("--steady", action="store_true",
+                     help="instead: --agents readers in groups of 8 pull --versions versions from --holders "
+                          "holders publishing from the same buffers (tensorhub.bench.server_steady)")
+    srv.add_argument("--versions", type=int, default=10, help="with --steady: versions (default 10)")
     srv.add_argument("--json", help="write the results here as JSON")
     srv.set_defaults(func=_bench_server)
 

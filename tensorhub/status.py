@@ -181,4 +181,9 @@ def render(status: HubStatus, console: Any | None = None) -> None:
     for table in (versions, holders, readers, agent_table):
         if table.row_count:
             console.print(table)
+    c = status.control
+    if c.resolves or c.publishes_full or c.publishes_lean:
+        console.print(f"control plane: {c.resolves:,} resolves ({_bytes(c.answer_bytes)} answered), holders sent "
+                      f"whole {c.holders_full:,} / lean {c.holders_lean:,}; publishes whole {c.publishes_full:,} / by "
+                      f"layout {c.publishes_lean:,}; pulls replayed {c.pulls_replayed:,} / planned {c.pulls_planned:,}")
 

@@ -55,6 +55,10 @@ class MoeBenchConfig:
     chunk_size: int = 32 << 20
     read_workers: int = 2
     verify: bool = True
+    # > 1: after the rows above, the publishers step through this many versions
+    # from the same buffers and a fresh reader Hub pulls each: the first is
+    # planned, the rest replay its plans (``client/replay.py``), reported apart.
+    versions: int = 1
 
     def __post_init__(self) -> None:
         if self.publishers < 1 or self.intermediate % self.tp or self.hidden % self.publishers:
@@ -122,9 +126,12 @@ def _publisher(conn, address: str, cfg: MoeBenchConfig, rank: int) -> None:
     raw = new_agent(f"raw-moe-pub-{rank}-{os.getpid()}")  # configured as the hub's agents are
     raw.register_memory([(buffer.data_ptr(), buffer.numel(), 0, "")], "DRAM")
     with Hub.connect(address, name=f"publisher-{rank}", chunk_size=cfg.chunk_size, verify_chunks=cfg.verify) as hub:
-        hub.publish(MODEL, 1, held, manifest=manifest)
+        pub = hub.publish(MODEL, 1, held, manifest=manifest)
         conn.send((raw.get_agent_metadata(), buffer.data_ptr()))
-        conn.recv()  # stop
+        while (cmd := conn.recv()) != "stop":  # ("step", v): the trainer's next version, the same buffers
+            pub.unpublish(timeout=60)
+            pub = hub.publish(MODEL, cmd[1], held, manifest=manifest)
+            conn.send("ok")
 
 
 def _reader(conn, address: str, cfg: MoeBenchConfig, raw_infos: list) -> None:
@@ -156,10 +163,22 @@ def _reader(conn, address: str, cfg: MoeBenchConfig, raw_infos: list) -> None:
                       read_cost="exact") as exact):
         conn.send(("ready", dest.numel(), raw.runs, (measured.per_descriptor_s, measured.bandwidth),
                    (documented.per_descriptor_s, documented.bandwidth)))
+        steady = None
         while True:
             cmd, check = conn.recv()
             if cmd == "stop":
                 break
+            if isinstance(cmd, tuple):  # ("version", v): a fresh Hub's pull of version v, its CPU and path
+                if steady is None:
+                    steady = Hub.connect(address, name="reader-steady", read_workers=cfg.read_workers,
+                                         verify_chunks=cfg.verify)
+                dest.zero_()
+                cpu, start = time.process_time(), time.perf_counter()
+                result = steady.pull(MODEL, cmd[1], into=into)
+                seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+                conn.send((seconds, torch.equal(dest, expected), result.read_bytes, result.descriptors, cpu,
+                           result.path, result.not_replayed))
+                continue
             dest.zero_()
             start = time.perf_counter()
             read, descriptors = dest.numel(), 0
@@ -175,7 +194,37 @@ def _reader(conn, address: str, cfg: MoeBenchConfig, raw_infos: list) -> None:
                 np.copyto(dest.numpy(), source.numpy())
             seconds = time.perf_counter() - start
             conn.send((seconds, not check or torch.equal(dest, expected), read, descriptors))
+        if steady is not None:
+            steady.close()
     raw.close()
+
+
+def _versions(cfg: MoeBenchConfig, reader, publishers: list, progress: Progress) -> list[tuple]:
+    """Versions 2..versions+1 from the same buffers, each pulled by a fresh Hub in
+    the reader: (row name, seconds, read bytes, descriptors, median CPU s) for
+    the first version and for the replayed rest."""
+    task = progress.add_task("versions", total=cfg.versions)
+    first, rest = None, []
+    for v in range(2, cfg.versions + 2):
+        for conn in publishers:
+            conn.send(("step", v))
+        children.receive(publishers, 120, f"a publisher did not publish version {v}")
+        reader.send((("version", v), True))
+        seconds, ok, read, descriptors, cpu, path, why = children.receive([reader], 300, f"version {v}")[0]
+        if not ok:
+            raise RuntimeError(f"version {v}: the reader received wrong bytes")
+        if first is None:
+            first = (seconds, read, descriptors, cpu)
+        else:
+            if path != "replayed":
+                raise RuntimeError(f"version {v} from the same buffers was not replayed: {why}")
+            rest.append((seconds, read, descriptors, cpu))
+        progress.advance(task)
+    out = [("tensorhub-first-version", [first[0]], first[1], first[2], first[3])]
+    if rest:
+        out.append(("tensorhub-replayed", [r[0] for r in rest], rest[-1][1], rest[-1][2],
+                    statistics.median(r[3] for r in rest)))
+    return out
 
 
 def run(cfg: MoeBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
@@ -211,9 +260,20 @@ def run(cfg: MoeBenchConfig, *, json_path: str | None = None, quiet: bool = Fals
         for method, values in samples.items():
             rows.append(Row.of(method, 1, requested, values, **shape, read_bytes=reads[method][0],
                                descriptors=reads[method][1]))
+        steady = _versions(cfg, conns[0], pub_conns, progress) if cfg.versions > 1 else []
+        for name, values, read, descriptors, cpu in steady:
+            rows.append(Row.of(name, 1, requested, values, **shape, read_bytes=read, descriptors=descriptors,
+                               cpu_s_per_version=cpu))
         children.stop(conns[:1], ("stop", False), pub_conns, [*procs, *publishers])
     by = {r.method: r for r in rows}
     cheaper_raw = min(by["nixl-raw-exact"].seconds, by["nixl-raw-rows"].seconds)
+    if "tensorhub-replayed" in by:
+        ratios_steady = {"first_version_vs_raw_rows": by["tensorhub-first-version"].seconds / by["nixl-raw-rows"].seconds,
+                         "replayed_vs_raw_rows": by["tensorhub-replayed"].seconds / by["nixl-raw-rows"].seconds,
+                         "cpu_s_first_version": by["tensorhub-first-version"].extra["cpu_s_per_version"],
+                         "cpu_s_replayed": by["tensorhub-replayed"].extra["cpu_s_per_version"]}
+    else:
+        ratios_steady = {}
     # Each repetition's pull against the raw rows beside it: paired, so that
     # machine noise which hits a whole repetition cancels.
     paired = [th / min(a, b) for th, a, b in zip(samples["tensorhub"], samples["nixl-raw-exact"],
@@ -227,7 +287,8 @@ def run(cfg: MoeBenchConfig, *, json_path: str | None = None, quiet: bool = Fals
         print_table(f"pull the TP rank 0 of {cfg.tp} slice of a Qwen3-30B-A3B MoE layer ({cfg.experts} experts): "
                     f"{requested:,} bytes in {runs:,} runs, from {cfg.publishers} row-sharded publisher(s), "
                     f"median of {cfg.reps}", rows,
-                    {"tensorhub": "nixl-raw-rows", "tensorhub-exact": "nixl-raw-exact", "memcpy": "tensorhub"})
+                    {"tensorhub": "nixl-raw-rows", "tensorhub-exact": "nixl-raw-exact", "memcpy": "tensorhub",
+                     "tensorhub-first-version": "nixl-raw-rows", "tensorhub-replayed": "nixl-raw-rows"})
         for row in rows:
             print(f"  {row.method}: {row.extra['read_bytes']:,} bytes read in {row.extra['descriptors']:,} descriptors")
         print(f"tensorhub / the cheaper raw row: {ratios['vs_cheaper_raw']:.2f}x (goal <= 1.3), "
@@ -235,8 +296,13 @@ def run(cfg: MoeBenchConfig, *, json_path: str | None = None, quiet: bool = Fals
               f"tensorhub vs a memcpy of the slice: 1/{1 / ratios['memcpy_fraction']:.1f} (goal >= 1/16)")
         print(f"link cost measured here: {measured[0] * 1e6:.2f} us per descriptor, {measured[1] / 1e9:.1f} GB/s "
               f"(the cost model's shared memory: {documented[0] * 1e6:.2f} us, {documented[1] / 1e9:.1f} GB/s)")
+        if ratios_steady:
+            print(f"versions from the same buffers, a fresh reader: the first {ratios_steady['first_version_vs_raw_rows']:.2f}x "
+                  f"the raw rows, {ratios_steady['cpu_s_first_version']:.3f} CPU s; replayed "
+                  f"{ratios_steady['replayed_vs_raw_rows']:.2f}x (goal <= 1.05), "
+                  f"{ratios_steady['cpu_s_replayed']:.3f} CPU s per version (the reader process's, NIXL's threads too)")
     if json_path:
         write_json(json_path, rows, benchmark="pull", layout="moe", reader_slice=f"tp{cfg.tp}",
                    publishers=cfg.publishers, chunk_size=cfg.chunk_size, read_workers=cfg.read_workers,
-                   verify_chunks=cfg.verify, **ratios)
+                   verify_chunks=cfg.verify, versions=cfg.versions, **ratios, **ratios_steady)
     return rows

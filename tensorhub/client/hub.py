@@ -38,8 +38,8 @@ from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
-from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
 from tensorhub.client.replay import DELTA, PLANNED, path_of
+from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
 from tensorhub.client.scratch import ScratchPool
 from tensorhub.client.wideread import WideReads
 from tensorhub.delta.codec import Delta

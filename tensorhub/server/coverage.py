@@ -43,6 +43,7 @@ class Grouping:
         # their keys for this epoch: relays of one cut share one table (service.py).
         self._refined: dict[int, RegionTable] = {}
         self._keys: dict[int, tuple[RegionTable | None, HolderKeys]] = {}
+        self.covers_memo: dict = {}  # ``covers``' answers for this epoch, by the set of keys asked about
         if n:
             _, self.of = unique_rows(np.column_stack([shapes.ndim, shapes.dims]))
             self._set_reps()
@@ -281,9 +282,35 @@ def covering_prefix(grouping: Grouping, base: list[HolderKeys], more: list[Holde
 
 
 def covers(grouping: Grouping, holders: list[HolderKeys]) -> bool:
-    """Whether the holders cover every tensor: per group, the holders' boxes on
-    a grid of their own boundaries (coordinate compression), with a difference
-    array; no order, no remainders, a few numpy calls per group."""
+    """Whether the holders cover every tensor. The answer depends only on which
+    distinct regions they hold, and holders cut alike share their keys (the
+    relays of one TP rank, every version's trainer rank r): kept per set of
+    keys for the grouping's epoch, so the thousand readers of a version, each
+    asking about its own few holders, pay the box algebra once per distinct set."""
+    distinct = list({id(k): k for k in holders}.values())
+    memo = grouping.covers_memo
+    if memo.get("epoch") != grouping.epoch:
+        memo.clear()
+        memo["epoch"] = grouping.epoch
+    key = frozenset(id(k) for k in distinct)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit[0]
+    result = _covers(grouping, distinct)
+    if len(memo) > _COVERS_KEPT:
+        memo.clear()
+        memo["epoch"] = grouping.epoch
+    memo[key] = (result, tuple(distinct))  # the keys kept alive: their ids stay theirs
+    return result
+
+
+_COVERS_KEPT = 4096  # distinct holder sets remembered per grouping epoch
+
+
+def _covers(grouping: Grouping, holders: list[HolderKeys]) -> bool:
+    """``covers``, computed: per group, the holders' boxes on a grid of their own
+    boundaries (coordinate compression), with a difference array; no order, no
+    remainders, a few numpy calls per group."""
     if not holders:
         return len(grouping.of) == 0
     lo = np.stack([k.lo for k in holders])  # H x G x D

@@ -341,13 +341,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
             if request.layout:
                 held, wire_held, total, memory = self._known_layout(agent_id, request, manifest)
-                self.state.control.publishes_lean += 1
             else:
                 held, sizes, wire_held = self._held_of(manifest, request)
                 total, memory = _check_memory(manifest, held, request.memory,
                                               whole_model=not request.held and not request.HasField("held_table"),
                                               sizes=sizes)
-                self.state.control.publishes_full += 1
             if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
                 raise Invalid("state must be FILLING or COMPLETE")
             num_chunks = -(-total // request.chunk_size)
@@ -371,6 +369,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 bitmap=request.chunk_bitmap,
                 origin=request.origin,
                 retained=request.retained,
+                total_bytes=total,
             )
             # A whole-model replica goes out with an empty held list, to keep Resolve small.
             if replica.held is None:
@@ -378,7 +377,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             else:
                 replica.wire_held = wire_held or wire.held_table_field(
                     wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
-            if not request.layout:
+            if request.layout:
+                self.state.control.publishes_lean += 1
+            else:
+                self.state.control.publishes_full += 1
                 self._remember_layout(agent_id, request, (manifest.fingerprint, request.chunk_size, held,
                                                           replica.wire_held, total, memory))
             replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
@@ -492,7 +494,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             except StateError as e:
                 outcome = "not_found" if e.code == "NOT_FOUND" else outcome
                 raise
-            sources = self.state.sources(entry, agent_id, request.max_sources)
+            if request.group and not request.max_sources:  # one list per engine (State.group_sources)
+                sources = self.state.group_sources(model, entry, agent_id, request.group)
+            else:
+                sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
                                           instance_id=self.state.instance_id, change=change)
             if request.known_fingerprint != entry.fingerprint:

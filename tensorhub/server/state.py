@@ -38,6 +38,7 @@ from tensorhub.status import AgentView, ControlView, HubStatus, LeaseView, Model
 from tensorhub.topology import Labels, Reliability
 
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
+MAX_GROUP_MEMBERS = 1024  # members of one group remembered (a group is an engine: 8 or 16 workers)
 MISSING_SHOWN = 8  # missing regions named in a "not complete" message
 
 Held = tuple[int, Region]  # (index of the tensor in the manifest, region)
@@ -221,6 +222,7 @@ class State:
         self.control = ControlView()  # what the control plane sent (the service counts it)
         self.leases_of: dict[str, int] = {}  # agent id -> read leases it holds (a pull in flight when > 0)
         self.groups: dict[str, dict[int, int]] = {}
+        self.group_members: dict[str, set[str]] = {}  # "model\0group" -> member agents (group_sources)
         # Set (and replaced) whenever some version's visibility flips.
         self._visibility_changed = asyncio.Event()
         # No agent or lease expires before this (a lower bound: renewals only push
@@ -279,9 +281,11 @@ class State:
         bitmap: bytes,
         origin: bool,
         retained: bool = False,
+        total_bytes: int | None = None,
     ) -> Replica:
         """Record a replica holding ``held`` (as returned by ``check_held``; a
-        list of (tensor, region) is checked here)."""
+        list of (tensor, region) is checked here); ``total_bytes``: its bytes,
+        when the caller has counted them."""
         self._agent(agent_id)
         if not isinstance(held, RegionTable):
             held = check_held(manifest, held)
@@ -312,8 +316,17 @@ class State:
                     )
         if entry is None or not entry.replicas:
             entry = Version(manifest, fingerprint)
-            self.models.setdefault(model, {})[version] = entry
-        num_chunks = -(-int(held_bytes(manifest, held).sum()) // chunk_size)
+            versions = self.models.setdefault(model, {})
+            # The grouping of an earlier version with this manifest, shared: the next
+            # version's holders are most often the same tables (the steady state),
+            # which then refine nothing. A grouping finer than a version needs is
+            # still right (its groups are cut alike by every holder it saw).
+            entry.grouping = next((other.grouping for other in reversed(versions.values())
+                                   if other.fingerprint == fingerprint and other.grouping is not None), None)
+            versions[version] = entry
+        if total_bytes is None:  # the service passes what it checked the memory against
+            total_bytes = int(held_bytes(manifest, held).sum())
+        num_chunks = -(-total_bytes // chunk_size)
         bits = bitmap_full(num_chunks) if complete else bitmap_empty(num_chunks)
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
@@ -533,7 +546,33 @@ class State:
         return any(lease.agent_id == reader and any(rid in entry.replicas for rid in lease.replica_ids)
                    for lease in self.leases.values())
 
-    def sources(self, entry: Version, reader_agent_id: str, k: int = 0) -> list[Replica]:
+    def group_sources(self, model: str, entry: Version, reader_agent_id: str, group: str,
+                      k: int = 0) -> list[Replica]:
+        """``sources`` for a member of ``group`` (the workers of one engine): one
+        list for the whole group, ranked for the group (as a reader whose id is
+        the group's) and without the replicas of any of its members (they load
+        the same version at once, each its own slices: not each other's
+        sources). Made when the first member asks and kept while nobody
+        publishes, withdraws, registers or expires, so the other members' asks
+        cost a lookup: one ranking and one coverage search per engine, not per
+        worker. Members are learnt from their asks; a new member makes it anew."""
+        members = self.group_members.setdefault(f"{model}\0{group}", set())
+        if reader_agent_id not in members:
+            members.add(reader_agent_id)
+            while len(members) > MAX_GROUP_MEMBERS:
+                members.pop()
+        key = f"\0group\0{group}\0{len(members)}"
+        if entry.ranked_at != self._holders_changed:
+            entry.ranked.clear()
+            entry.ranked_at = self._holders_changed
+        kept = entry.ranked.get(key + "\0sources")
+        if kept is None:
+            kept = (self.sources(entry, key, k, exclude=frozenset(members), near=reader_agent_id), [])
+            entry.ranked[key + "\0sources"] = kept
+        return kept[0]
+
+    def sources(self, entry: Version, reader_agent_id: str, k: int = 0,
+                exclude: frozenset[str] = frozenset(), near: str = "") -> list[Replica]:
         """The live holders a reader is told of: the ``k`` best for it (0: the
         server's ``max_sources``) plus what it takes to cover the version, best
         first: ``planner.best_holders``, computed here without building a
@@ -542,7 +581,7 @@ class State:
         was 40% of a resolve's Python). ``tests/core/test_bench_server.py``
         holds the two equal."""
         k = min(k or self.config.max_sources, self.config.max_sources)
-        live, fixed = self._ranking(entry, reader_agent_id, k)
+        live, fixed = self._ranking(entry, reader_agent_id, k, exclude, near)
         if fixed is None or len(live) <= k:
             return list(live)
         # The one part of the key that changes between two resolves: the holder's reads in flight.
@@ -557,7 +596,8 @@ class State:
         extra = covering_prefix(grouping, base, [_keys(entry, r) for r in rest])
         return chosen + rest[:len(rest) if extra is None else extra]
 
-    def _ranking(self, entry: Version, reader_agent_id: str, k: int) -> tuple[list[Replica], list[int] | None]:
+    def _ranking(self, entry: Version, reader_agent_id: str, k: int, exclude: frozenset[str] = frozenset(),
+                 near: str = "") -> tuple[list[Replica], list[int] | None]:
         """The version's live holders other than the reader (None for the keys
         when they are ``k`` or fewer: all of them are returned), and the part of
         ``best_holders``' key for each that stays put while nobody publishes,
@@ -575,10 +615,11 @@ class State:
             return cached
         agents = self.agents
         live = [r for r in entry.replicas.values()
-                if not r.withdrawn and r.agent_id in agents and r.agent_id != reader_agent_id]
+                if not r.withdrawn and r.agent_id in agents and r.agent_id != reader_agent_id
+                and r.agent_id not in exclude]
         if len(live) <= k:
             return live, None
-        reader = agents.get(reader_agent_id)
+        reader = agents.get(near or reader_agent_id)  # near: whose labels rank (a group's asking member)
         me = reader.labels if reader else Labels()
         # CRC-32 is affine in its start value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z)
         # for z = len(d) zero bytes, so a holder keeps crc32(d) and a reader costs a CRC per id length.

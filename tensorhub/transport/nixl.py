@@ -11,6 +11,7 @@ NIXL facts this relies on (measured, see the project notes):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ _ENV_DEFAULTS = (("NIXL_LOG_LEVEL", "WARN"), ("UCX_TCP_KEEPIDLE", "1s"), ("UCX_T
 # 0.03 with any delay > 0, where the thread waits for events). On a trainer
 # node that is a core per rank; on a small machine it starves the transfers.
 PROGRESS_DELAY_US = 100
+_KEYS_KEPT = 4096  # replica keys remembered (NixlAgent._remotes): two versions of 2,048 holders
 _agent_lock = threading.Lock()
 
 
@@ -165,7 +167,12 @@ class NixlAgent:
                         "pull gave up on can land bytes after the pull ended, in tensors already handed back. "
                         "Leave them unset (TensorHub then detects a vanished holder in about 5 s)")
         self._lock = threading.Lock()  # guards the remote-agent table and the counts below
-        self._remotes: dict[str, str] = {}  # metadata key -> remote agent name
+        self._remotes: dict[str, str] = {}  # metadata key -> remote agent name (the latest _KEYS_KEPT keys)
+        # Remote agents loaded, by a digest of the metadata they were loaded from:
+        # the next version's replica of a holder that publishes from the same
+        # memory brings the same metadata, and is not loaded again (the steady
+        # state costs no metadata parsing, and nothing here grows with versions).
+        self._loaded: dict[bytes, str] = {}
         # READs posted and not yet released, per remote agent. A remote is removed
         # from NIXL only when none is out: removing it under a READ still in
         # flight, then polling or releasing that READ, crashed a reader (SIGSEGV
@@ -202,6 +209,10 @@ class NixlAgent:
         returns the remote agent's name. TransferFailed if it cannot be reached."""
         with self._lock:
             name = self._remotes.get(key)
+            digest = hashlib.blake2b(metadata, digest_size=16).digest()
+            if name is None and (known := self._loaded.get(digest)) is not None and known not in self._forgotten:
+                name = self._remotes[key] = known
+                self._trim()
             if name is None:
                 # A replica id is "<agent id>.<n>" and the agent id names its NIXL agent.
                 # Loading more metadata of an agent whose removal waits for READs
@@ -231,8 +242,17 @@ class NixlAgent:
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 self._remotes[key] = name
+                self._loaded = {d: n for d, n in self._loaded.items() if n != name}  # its older metadata is stale
+                self._loaded[digest] = name
                 self._forgotten.discard(name)  # in use again: not to be removed
+                self._trim()
             return name
+
+    def _trim(self) -> None:  # under the lock
+        """Forget the oldest keys (replicas of old versions) past _KEYS_KEPT; their
+        agents stay loaded and a key that comes back finds its agent by digest."""
+        while len(self._remotes) > _KEYS_KEPT:
+            del self._remotes[next(iter(self._remotes))]
 
     def forget(self, key: str) -> None:
         """Drop the remote agent behind ``key``, whose replica failed: every key
@@ -241,6 +261,9 @@ class NixlAgent:
         of a READ given up on arrive, once no READ to it is out."""
         with self._lock:
             name = self._remotes.pop(key, None)
+            if name is None:  # a key trimmed since: its agent, if loaded (a replica id is "<agent id>.<n>")
+                agent = key.rpartition(".")[0]
+                name = agent if agent in self._loaded.values() else None
             if name is not None:
                 self._drop_agent(name)
 
@@ -254,6 +277,7 @@ class NixlAgent:
 
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)
+        self._loaded = {d: n for d, n in self._loaded.items() if n != name}
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001  already gone on NIXL's side
@@ -320,6 +344,7 @@ class NixlAgent:
 
     def close(self) -> None:
         with self._lock:
-            for name in set(self._remotes.values()) | self._forgotten:
+            for name in set(self._remotes.values()) | set(self._loaded.values()) | self._forgotten:
                 self._remove(name)
             self._remotes.clear()
+            self._loaded.clear()

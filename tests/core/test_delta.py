@@ -111,6 +111,7 @@ def test_a_reader_that_holds_u_reads_only_the_delta(hubs):
     got = reader.call("pull", model="m", version=2, specs=SPECS, keep="b", have=1, expect_step=STEP)
     assert got["mismatched"] == [] and got["in_place"]
     assert got["delta_from"] == 1 and got["nbytes"] == FULL
+    assert got["path"] == "delta" and "delta pull" in got["not_replayed"]  # PullResult.path
     assert got["read_bytes"] == got["delta_bytes"] <= 0.05 * FULL  # 2% changed: at most 5% of the bytes move
     assert got["verified"] == FULL  # every chunk checked against v's checksums
     # A reader that holds no u, or holds one nobody published a delta from, reads v whole.

@@ -19,9 +19,15 @@ gate/up, columns of down); ``ep``, TP=8 with ``enable_expert_parallel``
 
 The server's work for all readers is, per stage (each reader resolves twice:
 at the start and when relays appear), the stage's first resolve (it also builds
-the coverage keys of every new holder, kept while the grouping stands) plus the
-sample's CPU per later resolve times the other readers, done one after another
-on its one core. Planning is per reader and in parallel: one
+the coverage keys of every new holder, kept while the grouping stands), the
+sample's CPU per engine's first resolve times the other engines (the workers
+of an engine ask as one ``group``: one ranking and coverage search), and a
+second worker's resolve (a lookup) times the other workers, done one after
+another on its one core.
+
+    5. the steady state: version 2 from the same buffers; every message of every
+       holder and reader sent for real (lean: layouts named, holders sent by
+       digest), the server's CPU for all of them -> steady_* figures Planning is per reader and in parallel: one
 reader's. What is not the real code: the holders publish no bytes (their NIXL
 metadata is a placeholder of 2 KB), and planning here intersects boxes per
 group of alike tensors, as the server's coverage does; today's ReadLayout
@@ -189,7 +195,10 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     resolve_cpu = max(first["cpu_per_resolve_s"], late["cpu_per_resolve_s"])
     # A stage's first resolve also builds every new holder's coverage keys (kept per grouping epoch):
     # counted once per stage, the rest once per reader.
-    server_s = publish_cpu + relay_cpu + sum(s["cpu_first_s"] + (readers - 1) * s["cpu_per_resolve_s"]
+    # Per stage: the first group's resolve, every other engine's first worker's (a ranking and a coverage
+    # search per group), and the other 7 workers of every engine (a lookup each).
+    server_s = publish_cpu + relay_cpu + sum(s["cpu_first_s"] + (engines - 1) * s["cpu_per_resolve_s"]
+                                             + engines * (cuts.TP - 1) * s["cpu_per_member_s"]
                                              for s in (first, late))
     control_s = server_s + planning_s
     p = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
@@ -202,6 +211,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         server_cpu_per_resolve_s=resolve_cpu,
         # per stage: an EP layout doubles the server's coverage groups (each expert shape splits by its owner)
         server_cpu_per_resolve_first_s=first["cpu_per_resolve_s"],
+        server_cpu_per_member_first_s=first["cpu_per_member_s"], server_cpu_per_member_late_s=late["cpu_per_member_s"],
         server_cpu_per_resolve_late_s=late["cpu_per_resolve_s"],
         server_cpu_opening_resolve_first_s=first["cpu_first_s"], server_cpu_opening_resolve_late_s=late["cpu_first_s"],
         resolve_request_bytes=max(first["request_bytes"], late["request_bytes"]),
@@ -237,7 +247,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: s
             relay_request) -> dict:
     """Version 2 from the same buffers, as an RL step makes it: the trainer's
     ranks publish naming their version-1 layout, every reader (each engine's 8
-    workers) resolves knowing the holders' layouts from its version-1 answers,
+    workers, one group each engine, as vLLM's workers ask) resolves knowing the
+    holders' layouts from its version-1 answers,
     the workers publish what they pulled as relays (naming their layouts too),
     and every reader resolves again. Every message is sent for real, none
     sampled, and the server's CPU for all of them is measured."""
@@ -255,7 +266,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: s
             # What each reader was told of version 1 once relays held it (not measured: that was version 1's
             # cost): the holders its late answer named, the same agents its version-2 answer names.
             for e, w in workers:
-                v1 = stub.Resolve(pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=1,
+                v1 = stub.Resolve(pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=1, group=f"engine{e}",
                                                     known_fingerprint=fingerprint, known_layouts=knows[(e, w)]),
                                   timeout=120)
                 knows[(e, w)] = sorted(set(knows[(e, w)]) | {info.layout for info in v1.replicas})
@@ -266,7 +277,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: s
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
         for e, w in workers:
-            request = pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=2,
+            request = pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=2, group=f"engine{e}",
                                         known_fingerprint=fingerprint, known_layouts=knows[(e, w)])
             answer = stub.Resolve(request, timeout=120)
             answers.append(answer.ByteSize())
@@ -299,15 +310,26 @@ def _spread(engines: int, sample: int) -> list[tuple[int, int]]:
 
 
 def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes) -> dict:
+    """Each sampled worker asks as the first of its engine (``group``, as vLLM's
+    workers ask: the server ranks and searches coverage once per group), then a
+    second worker of the same engine asks (a lookup): their CPU apart."""
     response, holders, decode = [], [], []
     layouts: set[bytes] = set()
-    marks = [_cpu(pid)]  # the server's CPU before the sample and after each resolve
+    marks = [_cpu(pid)]  # the server's CPU before the sample and after each group's first resolve
+    members = 0.0  # the server's CPU for the second workers' resolves
     request = None
     for agent in agents:
-        stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent, labels=pb.Labels(host=agent)),
-                           timeout=60)
-        request = pb.ResolveRequest(agent_id=agent, model="m", version=1, known_fingerprint=fingerprint)
+        group = f"engine-of-{agent}"
+        for who in (agent, agent + "-peer"):
+            stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=who, name=who, labels=pb.Labels(host=agent)),
+                               timeout=60)
+        marks[-1] = _cpu(pid)  # registering is not resolving
+        request = pb.ResolveRequest(agent_id=agent, model="m", version=1, known_fingerprint=fingerprint, group=group)
         answer = stub.Resolve(request, timeout=120)
+        marks.append(_cpu(pid))
+        stub.Resolve(pb.ResolveRequest(agent_id=agent + "-peer", model="m", version=1, known_fingerprint=fingerprint,
+                                       group=group), timeout=120)
+        members += _cpu(pid) - marks[-1]
         response.append(answer.ByteSize())
         holders.append(len(answer.replicas))
         layouts.update(info.layout for info in answer.replicas)
@@ -317,12 +339,13 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
             wire.memory_regions_from_wire(info.memory, table.nbytes(shapes))
         decode.append(time.perf_counter() - t0)
         marks.append(_cpu(pid))
-    # Both include the sample's RegisterAgent calls: an upper bound. The first resolve is apart:
-    # it builds the coverage keys of every holder new since the grouping last changed.
+    # The first resolve is apart: it builds the coverage keys of every holder new since the grouping last
+    # changed. Clock ticks (10 ms) over the whole sample: a mean, not a per-call figure.
     first_s = marks[1] - marks[0]
-    rest = (marks[-1] - marks[1]) / (len(agents) - 1) if len(agents) > 1 else first_s
+    groups = (sum(marks[k + 1] - marks[k] for k in range(2, len(marks) - 1, 2)) / (len(agents) - 1)
+              if len(agents) > 1 else first_s)
     return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
-            "cpu_first_s": first_s, "cpu_per_resolve_s": rest,
+            "cpu_first_s": first_s, "cpu_per_resolve_s": groups, "cpu_per_member_s": members / len(agents),
             "request_bytes": request.ByteSize() if request else 0, "layouts": layouts}
 
 
