@@ -23,9 +23,9 @@ def bitmap_empty(num_chunks: int) -> bytearray:
 
 
 def bitmap_full(num_chunks: int) -> bytearray:
-    bits = bitmap_empty(num_chunks)
-    for i in range(num_chunks):
-        bits[i >> 3] |= 1 << (i & 7)
+    bits = bytearray(b"\xff" * (num_chunks >> 3))
+    if num_chunks & 7:
+        bits.append((1 << (num_chunks & 7)) - 1)
     return bits
 
 

@@ -91,7 +91,11 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
                     latencies.append(time.perf_counter() - t0)
                     sizes.append(resp.ByteSize())
                     leases[i] = resp.lease_id
-                    known[i] = [r.layout for r in resp.replicas]
+                    # As client/rpc.py: every layout seen, the latest 1,024 (equal holders rank by their
+                    # reads in flight, so the k best move among the holders from one version to the next).
+                    seen = dict.fromkeys(known.get(i, []))
+                    seen.update(dict.fromkeys(r.layout for r in resp.replicas))
+                    known[i] = list(seen)[-1024:]
 
             started = time.perf_counter()
             await asyncio.gather(*(ask(i) for i in range(cfg.readers)))

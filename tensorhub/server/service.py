@@ -75,6 +75,8 @@ def _require_version(version: int) -> int:
 
 _MANIFESTS_KEPT = 8
 _RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP worker's, per manifest)
+_MANIFESTS_KEPT = 16  # encoded manifests kept by fingerprint
+_GROUP_ANSWERS_KEPT = 1024  # encoded holder lists of groups (_group_holders): an engine's, per what it knows
 _LAYOUTS_KEPT = 8192  # publish layouts (``_known_layout``): two per agent of a 4,096-agent job
 
 
@@ -221,6 +223,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self.metrics = metrics or NoMetrics()
         self._manifests: dict[bytes, Manifest] = {}  # checked manifests by wire digest (_manifest)
         self._rule_tables: dict[bytes, tuple[RegionTable, np.ndarray, bytes]] = {}  # _held_of
+        self._wire_manifests: dict[str, pb.Manifest] = {}  # by fingerprint: a version's manifest, encoded once
+        self._group_answers: dict[tuple, tuple] = {}  # _group_holders
         # Checked layouts of earlier publishes, by (agent, wire.publish_layout): _known_layout
         self._layouts: OrderedDict[tuple[str, bytes], tuple[str, int, RegionTable, bytes, int, Any]] = OrderedDict()
         self.changes = VersionChanges()  # what long-poll Resolves wait on
@@ -386,8 +390,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
             replica.deltas = deltas
             entry = self.state.models[model][version]
-            if entry.wire_manifest is None:
-                entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
+            if entry.wire_manifest is None:  # encoded once per manifest, not per version
+                entry.wire_manifest = self._wire_manifests.get(entry.fingerprint)
+                if entry.wire_manifest is None:
+                    entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
+                    if len(self._wire_manifests) >= _MANIFESTS_KEPT:
+                        self._wire_manifests.pop(next(iter(self._wire_manifests)))
+                    self._wire_manifests[entry.fingerprint] = entry.wire_manifest
             self.changes.bump(model, version)
             return pb.PublishResponse(replica_id=replica_id)
 
@@ -494,8 +503,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             except StateError as e:
                 outcome = "not_found" if e.code == "NOT_FOUND" else outcome
                 raise
+            shared_list: list = []
             if request.group and not request.max_sources:  # one list per engine (State.group_sources)
-                sources = self.state.group_sources(model, entry, agent_id, request.group)
+                sources = shared_list = self.state.group_sources(model, entry, agent_id, request.group)
             else:
                 sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
@@ -509,8 +519,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 if len(lease.replica_ids) < len(sources):  # the reader takes the answer as all leased
                     granted = set(lease.replica_ids)
                     sources = [r for r in sources if r.replica_id in granted]
-            answer = response.SerializeToString() + wire.embedded_fields(
-                RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts) for r in sources])
+            shared = request.group and not request.max_sources and len(sources) == len(shared_list)
+            answer = response.SerializeToString() + (
+                self._group_holders(model, resolved, sources, known, layouts) if shared else
+                wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts) for r in sources]))
             control = self.state.control
             control.resolves += 1
             control.answer_bytes += len(answer)
@@ -521,6 +533,30 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             return await self._run(context, go)
         finally:
             self.metrics.resolved(time.perf_counter() - started, outcome, pull_started)
+
+    def _group_holders(self, model: str, version: int, sources: list[Replica], known_memory: frozenset[bytes],
+                       known: frozenset[bytes]) -> bytes:
+        """The holders part of an answer to a member of a group, encoded once for
+        the members that ask the same (the same list, what they know alike) while
+        the version's holders and their chunks stand (its change counter): the
+        other members' asks cost a lookup and a send. Their read counts are the
+        first member's (a hint for ranking, not a promise)."""
+        key = (id(sources), self.changes.seen(model, version), hash(known), hash(known_memory))
+        kept = self._group_answers.get(key)
+        control = self.state.control
+        if kept is not None and kept[0] is sources and kept[2] == known and kept[3] == known_memory:
+            control.holders_full += kept[4]
+            control.holders_lean += kept[5]
+            return kept[1]
+        full, lean = control.holders_full, control.holders_lean
+        encoded = wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known_memory, known)
+                                                                for r in sources])
+        if len(self._group_answers) >= _GROUP_ANSWERS_KEPT:
+            self._group_answers.pop(next(iter(self._group_answers)))
+        # The list kept alive with it: its id stays its own while the key names it.
+        self._group_answers[key] = (sources, encoded, known, known_memory, control.holders_full - full,
+                                    control.holders_lean - lean)
+        return encoded
 
     def _release_own(self, agent_id: str, lease_ids: Any) -> None:
         """Release read leases of ``agent_id``; another agent's lease is PERMISSION_DENIED

@@ -220,6 +220,7 @@ class State:
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
         self.control = ControlView()  # what the control plane sent (the service counts it)
+        self._whole_tables: dict[int, tuple[RegionTable, bool]] = {}  # _every_tensor_whole
         self.leases_of: dict[str, int] = {}  # agent id -> read leases it holds (a pull in flight when > 0)
         self.groups: dict[str, dict[int, int]] = {}
         self.group_members: dict[str, set[str]] = {}  # "model\0group" -> member agents (group_sources)
@@ -331,9 +332,7 @@ class State:
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
         shapes = shapes_of(entry.manifest)
-        # Every tensor whole, in manifest order: what an empty held list means on the wire.
-        whole = (len(held) == len(shapes.ndim) and bool((held.tensor == np.arange(len(held))).all())
-                 and bool(held.whole(shapes).all()))
+        whole = self._every_tensor_whole(held, shapes)
         replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin,
                           None if whole else held, shapes, chunk_size, num_chunks, retained)
         replica.confirmed_at = time.monotonic()
@@ -348,6 +347,20 @@ class State:
         if complete or existing is not None:  # a replaced replica may have held more
             self._refresh(entry, added=replica if existing is None else None)
         return replica
+
+    def _every_tensor_whole(self, held: RegionTable, shapes: Shapes) -> bool:
+        """Every tensor whole, in manifest order: what an empty held list means on
+        the wire. Kept per table: a trainer rank publishes the same table every
+        version, and the check walks every tensor (a millisecond at 10^5)."""
+        kept = self._whole_tables.get(id(held))
+        if kept is not None and kept[0] is held:
+            return kept[1]
+        whole = (len(held) == len(shapes.ndim) and bool((held.tensor == np.arange(len(held))).all())
+                 and bool(held.whole(shapes).all()))
+        if len(self._whole_tables) >= 4096:
+            self._whole_tables.clear()
+        self._whole_tables[id(held)] = (held, whole)  # the table kept alive: its id stays its own
+        return whole
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
                       chunk_crc32: list[int] | None = None) -> None:
@@ -567,12 +580,13 @@ class State:
             entry.ranked_at = self._holders_changed
         kept = entry.ranked.get(key + "\0sources")
         if kept is None:
-            kept = (self.sources(entry, key, k, exclude=frozenset(members), near=reader_agent_id), [])
+            kept = (self.sources(entry, key, k, exclude=frozenset(members), near=reader_agent_id,
+                                 salt=f"group:{group}"), [])
             entry.ranked[key + "\0sources"] = kept
         return kept[0]
 
-    def sources(self, entry: Version, reader_agent_id: str, k: int = 0,
-                exclude: frozenset[str] = frozenset(), near: str = "") -> list[Replica]:
+    def sources(self, entry: Version, reader_agent_id: str, k: int = 0, exclude: frozenset[str] = frozenset(),
+                near: str = "", salt: str = "") -> list[Replica]:
         """The live holders a reader is told of: the ``k`` best for it (0: the
         server's ``max_sources``) plus what it takes to cover the version, best
         first: ``planner.best_holders``, computed here without building a
@@ -581,7 +595,7 @@ class State:
         was 40% of a resolve's Python). ``tests/core/test_bench_server.py``
         holds the two equal."""
         k = min(k or self.config.max_sources, self.config.max_sources)
-        live, fixed = self._ranking(entry, reader_agent_id, k, exclude, near)
+        live, fixed = self._ranking(entry, reader_agent_id, k, exclude, near, salt)
         if fixed is None or len(live) <= k:
             return list(live)
         # The one part of the key that changes between two resolves: the holder's reads in flight.
@@ -597,7 +611,7 @@ class State:
         return chosen + rest[:len(rest) if extra is None else extra]
 
     def _ranking(self, entry: Version, reader_agent_id: str, k: int, exclude: frozenset[str] = frozenset(),
-                 near: str = "") -> tuple[list[Replica], list[int] | None]:
+                 near: str = "", salt: str = "") -> tuple[list[Replica], list[int] | None]:
         """The version's live holders other than the reader (None for the keys
         when they are ``k`` or fewer: all of them are returned), and the part of
         ``best_holders``' key for each that stays put while nobody publishes,
@@ -623,7 +637,8 @@ class State:
         me = reader.labels if reader else Labels()
         # CRC-32 is affine in its start value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z)
         # for z = len(d) zero bytes, so a holder keeps crc32(d) and a reader costs a CRC per id length.
-        seed = zlib.crc32(f"{reader_agent_id}/".encode())
+        # salt: whose spread of equal holders (a group's stays the same as members join)
+        seed = zlib.crc32(f"{salt or reader_agent_id}/".encode())
         salts: dict[int, int] = {}
         fixed = []
         for r in live:

@@ -181,7 +181,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
 
         # 5. the steady state: version 2 from the same buffers, every reader's messages for real
-        steady = _steady(stub, pid, ranks, engines, fingerprint, first["layouts"] | late["layouts"],
+        steady = _steady(stub, pid, ranks, engines, fingerprint,
                          lambda r: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40, True,
                                                    False, version=2),
                          lambda e, w: publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner),
@@ -243,8 +243,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     return out
 
 
-def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: set[bytes], trainer_request,
-            relay_request) -> dict:
+def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, trainer_request, relay_request) -> dict:
     """Version 2 from the same buffers, as an RL step makes it: the trainer's
     ranks publish naming their version-1 layout, every reader (each engine's 8
     workers, one group each engine, as vLLM's workers ask) resolves knowing the
@@ -254,22 +253,24 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: s
     sampled, and the server's CPU for all of them is measured."""
     workers = [(e, w) for e in range(engines) for w in range(cuts.TP)]
     full = lean = 0
+    answers, requests, resolve_cpu = [], [], 0.0
+    parse_s = 0.0
+    # What each reader was told of version 1 (not measured: that was version 1's cost): the trainer's
+    # holders and the relays its engine's answer named, the same agents its version-2 answers name. Twice:
+    # the first round is where the server learns each engine's members, as it does in a run's first version.
+    knows: dict[tuple[int, int], set[bytes]] = {worker: set() for worker in workers}
+    for _ in range(2):
+        for e, w in workers:
+            v1 = stub.Resolve(pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=1, group=f"engine{e}",
+                                                known_fingerprint=fingerprint, known_layouts=sorted(knows[(e, w)])),
+                              timeout=120)
+            knows[(e, w)] |= {info.layout for info in v1.replicas}
     cpu0 = _cpu(pid)
     for r in range(ranks):
         _publish_lean(stub, trainer_request(r))
     publish_cpu = _cpu(pid) - cpu0
-    answers, requests, resolve_cpu = [], [], 0.0
-    parse_s = 0.0
-    knows = {worker: sorted(known) for worker in workers}  # the trainer's holders: every answer names them all
     for stage in range(2):
         if stage == 1:
-            # What each reader was told of version 1 once relays held it (not measured: that was version 1's
-            # cost): the holders its late answer named, the same agents its version-2 answer names.
-            for e, w in workers:
-                v1 = stub.Resolve(pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=1, group=f"engine{e}",
-                                                    known_fingerprint=fingerprint, known_layouts=knows[(e, w)]),
-                                  timeout=120)
-                knows[(e, w)] = sorted(set(knows[(e, w)]) | {info.layout for info in v1.replicas})
             cpu = _cpu(pid)
             for e, w in workers:
                 _publish_lean(stub, relay_request(e, w))
@@ -278,7 +279,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, known: s
         cpu = _cpu(pid)
         for e, w in workers:
             request = pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=2, group=f"engine{e}",
-                                        known_fingerprint=fingerprint, known_layouts=knows[(e, w)])
+                                        known_fingerprint=fingerprint, known_layouts=sorted(knows[(e, w)]))
             answer = stub.Resolve(request, timeout=120)
             answers.append(answer.ByteSize())
             requests.append(request.ByteSize())
