@@ -399,14 +399,19 @@ def _plot(rows: list[dict], path: Path) -> None:
             if mine:
                 ax.plot([r["gpus"] for r in mine], [r["predicted_s"] for r in mine], ls=ls, marker=marker,
                         color=color, label=f"{name} {layout.upper()}")
+                if all("steady_predicted_s" in r for r in mine):  # the next version from the same buffers
+                    ax.plot([r["gpus"] for r in mine], [r["steady_predicted_s"] for r in mine], ls=ls, marker=marker,
+                            color=color, alpha=0.45, lw=0.9, markerfacecolor="none",
+                            label=f"{name} {layout.upper()}, steady")
         # the link limit is the same for both layouts: each worker holds 1/8 of every expert's bytes either way
         mine = [r for r in rows if r["model"] == name and r["layout"] == rows[0]["layout"]]
         ax.plot([r["gpus"] for r in mine], [r["link_limit_s"] for r in mine], ls=":", color=color, alpha=0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("rollout GPUs (TP=8 engines x 8)")
-    ax.set_ylabel("update time, s (solid TP, dashed EP, dotted link limit)")
-    ax.set_title("Predicted update time at paper scale (link model, real server)")
+    ax.set_ylabel("update time, s")
+    ax.set_title("Predicted update time at paper scale (link model, real server)\n"
+                 "solid TP, dashed EP; pale: the next version (steady state); dotted: link limit", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
