@@ -39,6 +39,7 @@ from tensorhub.topology import Labels, Reliability
 
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
 MAX_GROUP_MEMBERS = 1024  # members of one group remembered (a group is an engine: 8 or 16 workers)
+MAX_GROUPS_KEPT = 65536  # groups whose members are remembered (group_sources)
 MISSING_SHOWN = 8  # missing regions named in a "not complete" message
 
 Held = tuple[int, Region]  # (index of the tensor in the manifest, region)
@@ -569,7 +570,11 @@ class State:
         publishes, withdraws, registers or expires, so the other members' asks
         cost a lookup: one ranking and one coverage search per engine, not per
         worker. Members are learnt from their asks; a new member makes it anew."""
-        members = self.group_members.setdefault(f"{model}\0{group}", set())
+        members = self.group_members.get(f"{model}\0{group}")
+        if members is None:
+            if len(self.group_members) >= MAX_GROUPS_KEPT:  # the oldest group first (engines come and go)
+                del self.group_members[next(iter(self.group_members))]
+            members = self.group_members[f"{model}\0{group}"] = set()
         if reader_agent_id not in members:
             members.add(reader_agent_id)
             while len(members) > MAX_GROUP_MEMBERS:

@@ -10,11 +10,21 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+import grpc
 import pytest
 
 from tensorhub.client.replay import PLANNED, REPLAYED, path_of
 from tensorhub.client.rpc import ReferenceClient
+from tensorhub.manifest import Manifest, TensorSpec
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.proto import wire
+from tensorhub.regions import Region
+from tensorhub.server import EmbeddedServer
+from tensorhub.server.config import ServerConfig
+from tensorhub.server.state import State
 from tensorhub.testing import HubProcess, ServerProcess
+from tensorhub.topology import Labels, Reliability
 
 SPECS = [("a", "bfloat16", (1024, 256)), ("b", "bfloat16", (1024, 256))]
 CHUNK = 128 << 10
@@ -170,3 +180,68 @@ def test_path_of_names_the_first_reason(earlier, read, lost, made, want):
     got = path_of(earlier_pulls=earlier, holders_read=read, lost=lost, plans_made=made)
     assert got.replayed == (want == "")
     assert want in got.why
+
+
+# ---------------------------------------------------------------- the server alone
+
+
+def _publish_request(agent: str, version: int, addr: int = 1 << 32) -> pb.PublishRequest:
+    return pb.PublishRequest(
+        agent_id=agent, replica_id=f"{agent}.{version}", model="m", version=version, chunk_size=1 << 20,
+        state=pb.REPLICA_STATE_COMPLETE, origin=True,
+        manifest=pb.Manifest(tensors=[pb.TensorSpec(name="w", dtype="float32", shape=[256, 256], nbytes=1 << 18)]),
+        memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_DRAM, nixl_metadata=b"meta",
+                                regions=[pb.MemoryRegion(addr=addr, size=1 << 18)]))
+
+
+def test_a_publish_by_layout_is_taken_only_from_the_agent_that_sent_it_whole():
+    with EmbeddedServer(retain=0) as srv, grpc.insecure_channel(srv.address) as channel:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        for agent in ("a", "b"):
+            stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent))
+        first = _publish_request("a", 1)
+        stub.Publish(first)
+        layout = wire.publish_layout(first)
+
+        def lean(agent: str, version: int) -> pb.PublishRequest:
+            req = _publish_request(agent, version)
+            for name in ("held", "held_table", "memory"):
+                req.ClearField(name)
+            req.layout = layout
+            return req
+
+        stub.Publish(lean("a", 2))  # the same buffers, by digest
+        with pytest.raises(grpc.RpcError) as other:  # another agent cannot claim a's memory
+            stub.Publish(lean("b", 2))
+        assert other.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "layout unknown" in other.value.details()
+        both = lean("a", 3)
+        both.memory.CopyFrom(first.memory)
+        with pytest.raises(grpc.RpcError) as mixed:
+            stub.Publish(both)
+        assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        control = stub.Describe(pb.DescribeRequest()).control
+        assert (control.publishes_full, control.publishes_lean) == (1, 1)
+        # Version 2, by layout, is read from a's memory as version 1 was: the reader's holder comes lean.
+        v1 = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=1))
+        v2 = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, known_layouts=[v1.replicas[0].layout]))
+        assert v2.replicas[0].layout == v1.replicas[0].layout and not v2.replicas[0].agent_id
+        assert v2.replicas[0].replica_id == "a.2" and not v2.replicas[0].HasField("memory")
+        with pytest.raises(grpc.RpcError) as many:
+            stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, known_layouts=[b"x" * 16] * 4097))
+        assert many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_groups_members_share_one_list_that_leaves_them_out():
+    manifest = Manifest((TensorSpec("w", "float32", (8, 4), 128),))
+    state = State(ServerConfig(max_sources=3))
+    for i in range(12):
+        state.register_agent(f"h{i}", f"h{i}", Labels(host=f"h{i}"), Reliability.RELIABLE)
+        state.publish(agent_id=f"h{i}", replica_id=f"h{i}.1", model="m", version=1, manifest=manifest,
+                      held=[(0, Region())], chunk_size=4096, memory=None, complete=True, bitmap=b"", origin=False)
+    entry = state.models["m"][1]
+    first = state.group_sources("m", entry, "h0", "engine")  # h0 and h1 are members: never each other's sources
+    second = state.group_sources("m", entry, "h1", "engine")
+    assert {r.agent_id for r in second}.isdisjoint({"h0", "h1"})
+    again = state.group_sources("m", entry, "h0", "engine")
+    assert again is second  # one list for the group while nothing changes
+    assert [r.agent_id for r in first if r.agent_id != "h1"][:2] == [r.agent_id for r in second][:2]  # ranked alike
