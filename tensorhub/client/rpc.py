@@ -390,6 +390,7 @@ class ReferenceClient:
                     raise TensorHubError(f"the server sent replica {msg.replica_id!r} lean, by a layout this client "
                                          "never listed as known; the server is broken")
                 replicas.append(_rebound(template, msg))
+                seen[msg.layout] = seen.pop(msg.layout)  # in use: the last to be forgotten
                 continue
             if msg.HasField("memory"):
                 memory = _memory(msg.memory)
