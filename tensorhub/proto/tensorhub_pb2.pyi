@@ -230,7 +230,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout", "trainer_cut")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class PublishRequest(_message.Message):
     MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CUT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -265,7 +266,8 @@ class PublishRequest(_message.Message):
     manifest_fingerprint: str
     deltas: _containers.RepeatedScalarFieldContainer[str]
     layout: bytes
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ...) -> None: ...
+    trainer_cut: bool
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ..., trainer_cut: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
@@ -474,6 +476,38 @@ class ListVersionsResponse(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionSummary]
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ...) -> None: ...
+
+class ReaderCutsRequest(_message.Message):
+    __slots__ = ("model", "fingerprint", "max_cuts")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fingerprint: str
+    max_cuts: int
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_cuts: _Optional[int] = ...) -> None: ...
+
+class ReaderCut(_message.Message):
+    __slots__ = ("held", "whole", "readers")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    held: HeldRegions
+    whole: bool
+    readers: int
+    def __init__(self, held: _Optional[_Union[HeldRegions, _Mapping]] = ..., whole: _Optional[bool] = ..., readers: _Optional[int] = ...) -> None: ...
+
+class ReaderCutsResponse(_message.Message):
+    __slots__ = ("found", "version", "cuts", "more")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUTS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    version: int
+    cuts: _containers.RepeatedCompositeFieldContainer[ReaderCut]
+    more: bool
+    def __init__(self, found: _Optional[bool] = ..., version: _Optional[int] = ..., cuts: _Optional[_Iterable[_Union[ReaderCut, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("model",)
