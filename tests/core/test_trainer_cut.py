@@ -40,10 +40,10 @@ def _trainer(hubs, world: int = 2) -> list[HubProcess]:
     return ranks
 
 
-def _publish(ranks: list[HubProcess], version: int, **kw) -> list[dict]:
+def _publish(ranks: list[HubProcess], version: int, how: str = "rows", **kw) -> list[dict]:
     """Every rank at once: the cut's gather is collective."""
     for r, hub in enumerate(ranks):
-        hub.send("publish_shard", model="m", version=version, specs=SPECS, seed=version, how="rows", rank=r,
+        hub.send("publish_shard", model="m", version=version, specs=SPECS, seed=version, how=how, rank=r,
                  world=len(ranks), chunk_size=CHUNK, cut="readers", **kw)
     return [hub.result() for hub in ranks]
 
@@ -138,6 +138,25 @@ def test_shards_and_cut_go_together_and_a_bound_below_a_tensor_is_refused(server
     assert sum(s["cut_report"]["nbytes"] for s in second) == sum(
         w0[name].numel(shape) * ITEM[dtype] for name, dtype, shape in SPECS)
     _pull(hubs("w1"), 2, ("tp", 1, 2))
+
+
+@pytest.mark.parametrize("how", ["cols", "flat"])
+def test_column_and_flat_trainer_shards_gather_exact(server, hubs, how):
+    """Column shards arrive through staging (not contiguous in the full
+    tensor), counted in the bound; flat ranges (ZeRO-3) land in place."""
+    ranks = _trainer(hubs)
+    _publish(ranks, 1, how)
+    for w in range(2):
+        _pull(hubs(f"w{w}"), 1, ("tp", w, 2), serve=True)
+    second = _publish(ranks, 2, how, cut_gather_bytes=2 * LARGEST)
+    for s in second:
+        assert s["cut_mismatched"] == [] and s["cut_report"]["read_sets"] == 2
+        assert 0 < s["cut_report"]["peak_gather_bytes"] <= 2 * LARGEST
+    assert sum(s["cut_report"]["nbytes"] for s in second) == TOTAL
+    for hub in ranks:
+        hub.call("withdraw_shards", model="m", version=2)
+    for w in range(2):
+        _pull(hubs(f"e1w{w}"), 2, ("tp", w, 2))
 
 
 def test_reader_cuts_are_the_distinct_read_sets_of_the_newest_version_with_relays(server, hubs):
