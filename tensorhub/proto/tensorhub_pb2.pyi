@@ -530,7 +530,7 @@ class AgentStatus(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "state", "chunks_present", "num_chunks", "origin", "retained", "withdrawn", "held_regions", "held_bytes", "active_reads")
+    __slots__ = ("replica_id", "agent_id", "state", "chunks_present", "num_chunks", "origin", "retained", "withdrawn", "held_regions", "held_bytes", "active_reads", "trainer_cut")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -542,6 +542,7 @@ class ReplicaStatus(_message.Message):
     HELD_REGIONS_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_READS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CUT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     state: ReplicaState
@@ -553,7 +554,8 @@ class ReplicaStatus(_message.Message):
     held_regions: int
     held_bytes: int
     active_reads: int
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunks_present: _Optional[int] = ..., num_chunks: _Optional[int] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., withdrawn: _Optional[bool] = ..., held_regions: _Optional[int] = ..., held_bytes: _Optional[int] = ..., active_reads: _Optional[int] = ...) -> None: ...
+    trainer_cut: bool
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunks_present: _Optional[int] = ..., num_chunks: _Optional[int] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., withdrawn: _Optional[bool] = ..., held_regions: _Optional[int] = ..., held_bytes: _Optional[int] = ..., active_reads: _Optional[int] = ..., trainer_cut: _Optional[bool] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
     __slots__ = ("version", "visible", "fingerprint", "tensors", "total_bytes", "missing", "replicas")

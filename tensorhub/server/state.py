@@ -786,7 +786,7 @@ class State:
                     origin=r.origin, retained=r.retained, withdrawn=r.withdrawn, held_regions=r.held_count(),
                     held_bytes=int(held_bytes(entry.manifest, r.held).sum()) if r.held is not None
                     else entry.manifest.total_bytes,
-                    active_reads=len(r.leases)) for r in entry.replicas.values())
+                    active_reads=len(r.leases), trainer_cut=r.trainer_cut) for r in entry.replicas.values())
                 versions.append(VersionView(
                     version=version, visible=entry.visible, fingerprint=entry.fingerprint,
                     tensors=len(entry.manifest.tensors), total_bytes=entry.manifest.total_bytes,

@@ -92,7 +92,9 @@ def test_the_cut_holds_each_readers_regions_and_serves_them_byte_exact(server, h
         expected = list(dict.fromkeys((name, read_region(shape, i, "tp", w, 2).describe())
                                       for w in range(2) for i, (name, _, shape) in enumerate(SPECS)))
         assert held == [e for e in expected if e in held]
-    assert sum(r.origin for r in _replicas(server.address, 2)) == 4  # two shards, two cuts
+    origins = [r for r in _replicas(server.address, 2) if r.origin]  # two shards, two cuts (tensorhub status)
+    assert sorted(r.trainer_cut for r in origins) == [False, False, True, True]
+    assert sum(r.held_bytes for r in origins if r.trainer_cut) == TOTAL
 
     # Readers of the same cut (a second engine) read exactly their bytes, and
     # a reader of another (TP=4, a joiner whose cut nobody holds: the shards
@@ -106,7 +108,7 @@ def test_the_cut_holds_each_readers_regions_and_serves_them_byte_exact(server, h
     # bytes can come from nowhere else, and are exact.
     for hub in ranks:
         hub.call("withdraw_shards", model="m", version=2)
-    assert [r.origin for r in _replicas(server.address, 2)].count(True) == 2
+    assert [r.trainer_cut for r in _replicas(server.address, 2) if r.origin] == [True, True]
     for w in range(2):
         got = _pull(hubs(f"e2w{w}"), 2, ("tp", w, 2))
         assert set(got["sources"]) <= {"rank0", "rank1"} and sum(got["sources"].values()) == got["nbytes"]
