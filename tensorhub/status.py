@@ -38,6 +38,7 @@ class ReplicaView:
     held_regions: int  # 0: every tensor whole
     held_bytes: int
     active_reads: int  # read leases on it
+    trainer_cut: bool = False  # a trainer rank's copy of its readers' cut, beside its shards
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +158,8 @@ def render(status: HubStatus, console: Any | None = None) -> None:
                 agent = agents.get(r.agent_id)
                 spot = agent is not None and agent.reliability is Reliability.SPOT
                 role = ", ".join(x for x, on in (("origin", r.origin), ("reader", not r.origin),
-                                                 ("retained", r.retained), ("unpublishing", r.withdrawn),
+                                                 ("retained", r.retained), ("trainer cut", r.trainer_cut),
+                                                 ("unpublishing", r.withdrawn),
                                                  ("spot", spot)) if on)
                 holders.add_row(f"{model.model} v{v.version}", name(r.agent_id),
                                 _where(agent.labels) if agent else "?",

@@ -8,6 +8,7 @@ Everything here runs real processes, real NIXL and a real gRPC server.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -233,18 +234,50 @@ def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, see
 
 
 def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, how: str,
-                   rank: int, world: int, replicated: tuple[str, ...] = (), chunk_size: int | None = None) -> dict:
-    """Publish rank ``rank``'s regions of the seeded tensors, as one trainer rank would."""
+                   rank: int, world: int, replicated: tuple[str, ...] = (), chunk_size: int | None = None,
+                   cut: str | None = None, cut_gather_bytes: int | None = None) -> dict:
+    """Publish rank ``rank``'s regions of the seeded tensors, as one trainer rank
+    would. ``cut``: with its share of the readers' cut too (every rank at once,
+    over the group ``init_group`` made); ``cut_mismatched`` then names the
+    regions of it whose bytes differ from the full tensors'."""
     full = make_tensors(specs, seed)
     shards: dict[str, Shard] = {}
     for name, tensor in full.items():
         region = shard_region(tuple(tensor.shape), "whole" if name in replicated else how, rank, world)
         if region is not None:
             shards[name] = Shard.of(tensor, box=region.box, flat=region.flat)
-    pub = hub.publish(model, version, shards, manifest=Manifest.of(full), chunk_size=chunk_size)
+    extra = {} if cut is None else {"cut": cut, "cut_gather_bytes": cut_gather_bytes}
+    pub = hub.publish(model, version, shards, manifest=Manifest.of(full), chunk_size=chunk_size, **extra)
     held[(model, version)] = pub
     held[("tensors", model, version)] = (specs, full)  # row shards are views of these: see _overwrite
-    return {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
+    out = {"fingerprint": pub.manifest.fingerprint, "nbytes": pub.nbytes, "regions": len(pub.parts)}
+    if cut is not None:
+        out["cut_report"] = dataclasses.asdict(pub.cut_report)
+        out["cut_regions"] = [] if pub.cut is None else [(p.name, p.region.describe()) for p in pub.cut.parts]
+        out["cut_mismatched"] = [] if pub.cut is None else [
+            f"{p.name} {p.region.describe()}" for p in pub.cut.parts
+            if not torch.equal(p.tensor.reshape(-1), take(full[p.name], p.region).reshape(-1))]
+    return out
+
+
+def _init_group(hub: Any, held: dict, *, rank: int, world: int, env: dict[str, str]) -> None:
+    """Join a gloo process group (``rendezvous``'s variables in ``env``): a trainer rank's, for ``cut=``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+
+
+def _withdraw_shards(hub: Any, held: dict, *, model: str, version: int) -> None:
+    """Unpublish this rank's shards of a version published with ``cut=`` and
+    keep its cut published (which ``unpublish`` would withdraw first): readers
+    can then read the version only from the cut holders."""
+    pub = held.pop((model, version))
+    cut, pub.cut = pub.cut, None
+    pub.unpublish(60.0)
+    held[(model, version)] = cut
 
 
 def _shards(tensors: dict[str, torch.Tensor], how: str | None, rank: int, world: int) -> dict[str, Any]:
@@ -451,7 +484,8 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
     return hub.wait_for_version(model, at_least, timeout)
 
 
-_HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "publish_step": _publish_step,
+_HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "init_group": _init_group,
+             "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,
              "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,
              "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,
              "overwrite": _overwrite, "corrupt": _corrupt, "wait_for_version": _wait_for_version}

@@ -36,6 +36,11 @@ class HubConfig:
     # patches it from the version's deltas where its holders published them
     # (tensorhub.client.delta), "off" always reads the version whole.
     delta: str = "auto"
+    # Hub.publish(cut="readers"): the most bytes of full tensors (and staging)
+    # a trainer rank holds at once while gathering its share of the readers'
+    # cut (tensorhub.client.trainercut); a tensor bigger than this alone is an
+    # error. Its share of the cut itself comes on top, for as long as it publishes.
+    cut_gather_bytes: int = 1 << 30
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

@@ -192,14 +192,16 @@ class Holdings:
     def publish(self, model: str, version: int, manifest: Manifest, parts: list[Part], chunk_size: int, *,
                 origin: bool = True, complete: bool = True, retained: bool = False,
                 chunk_crc32: np.ndarray | None = None, announce: bool = True, deltas: tuple[str, ...] = (),
-                companions: tuple[Publication, ...] = ()) -> Publication:
+                companions: tuple[Publication, ...] = (), trainer_cut: bool = False) -> Publication:
         """Register ``parts`` in place and announce them as a replica. A complete
         replica's chunk checksums are computed here, once, from its memory
         (unless given: a copy of a replica has its checksums). ``announce=False``:
         the caller announces it (``announce``), e.g. off a pull's critical path;
         unpublishing it before then is fine (the server counts it as drained).
         ``deltas``/``companions``: the delta models announced with it and their
-        publications, unpublished with it (``tensorhub.client.delta``)."""
+        publications, unpublished with it (``tensorhub.client.delta``).
+        ``trainer_cut``: the replica is this trainer rank's copy of its readers'
+        cut, beside its shards (``tensorhub.client.trainercut``)."""
         if not retained:
             self._send_withdraw_notices()
             self._finish_withdrawals(model, version)
@@ -209,7 +211,7 @@ class Holdings:
         pub = Publication(self, model=model, version=version, replica_id=f"{self.agent_id}.{next(self._replica_seq)}",
                           manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
                           origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32,
-                          deltas=deltas, companions=companions)
+                          deltas=deltas, companions=companions, trainer_cut=trainer_cut)
         try:
             if announce:
                 self.announce(pub)
@@ -348,7 +350,7 @@ class Holdings:
             manifest=pub.manifest, held=[] if pub.whole_model else pub.held, chunk_size=pub.chunk_size,
             kind=pub.registration.kind, regions=pub.registration.regions, metadata=pub.registration.metadata,
             complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained, chunk_crc32=pub.chunk_crc32,
-            deltas=pub.deltas,
+            deltas=pub.deltas, trainer_cut=pub.trainer_cut,
         )
 
     def find(self, model: str, version: int) -> list[Publication]:
@@ -363,6 +365,12 @@ class Holdings:
     # ---------------------------------------------------------------- unpublish
 
     def unpublish(self, pub: Publication, timeout: float, *, force: bool = False) -> None:
+        if pub.cut is not None:
+            # Its cut first: a copy of bytes the shards hold, so nothing of it is
+            # retained (and the shards' retention check then does not count it).
+            start = time.monotonic()
+            self.unpublish(pub.cut, timeout, force=True)
+            timeout = max(0.0, timeout - (time.monotonic() - start))
         with self._lock, pub.lock:
             if pub.state is PubState.CLOSED:
                 return

@@ -39,8 +39,9 @@ from tensorhub.client.publication import Publication
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.replay import DELTA, PLANNED, path_of
-from tensorhub.client.rpc import ReferenceClient, RemoteReplica, Resolved
+from tensorhub.client.rpc import ReaderCuts, ReferenceClient, RemoteReplica, Resolved
 from tensorhub.client.scratch import ScratchPool
+from tensorhub.client.trainercut import publish_cut
 from tensorhub.client.wideread import WideReads
 from tensorhub.delta.codec import Delta
 from tensorhub.errors import AlreadyPublished, InvalidRequest, ServerUnavailable, TensorHubError, VersionNotFound
@@ -219,7 +220,8 @@ class Hub:
     def publish(self, model: str, version: int, tensors: Mapping[str, Entry], *,
                 manifest: Manifest | Mapping[str, Entry] | None = None, chunk_size: int | None = None,
                 delta_from: int | None = None, previous: Mapping[str, Entry] | None = None,
-                delta: Delta | None = None) -> Publication:
+                delta: Delta | None = None, cut: Literal["readers"] | None = None, cut_group: Any = None,
+                cut_gather_bytes: int | None = None) -> Publication:
         """Make ``tensors`` pullable as ``version`` of ``model``, in place (their
         memory is registered with NIXL, not copied). Do not modify them until
         the returned publication is unpublished.
@@ -240,6 +242,19 @@ class Hub:
         (``tensorhub.delta.codec.DeltaEncoder``, e.g. while a trainer copied
         each tensor over u's bytes). The version itself stays whole: readers
         without u pull it as always.
+
+        ``cut="readers"``: every rank of the trainer group ``cut_group`` (a
+        torch.distributed process group; default the whole world) calls this
+        together, and besides its shards publishes one more replica: its share
+        of the regions the model's readers hold (the distinct read sets of the
+        relays of its last version, asked of the server), each read set back
+        to back, so a TP worker reads contiguous bytes instead of a run per
+        row of a column (``tensorhub.client.trainercut``). Each rank gathers
+        the full tensors of its share from the others' shards, at most
+        ``cut_gather_bytes`` (default ``HubConfig.cut_gather_bytes``) at a time.
+        No readers yet (the first version): the shards only. The cost is in
+        ``publication.cut_report``; the cut is ``publication.cut``, withdrawn
+        with the publication.
         """
         model, version = _check_model(model), _check_version(version)
         if manifest is None:
@@ -255,6 +270,12 @@ class Hub:
         if not parts:
             raise InvalidRequest(f"publish {model!r} version {version}: no tensor or region to publish")
         chunk_size = chunk_size or self.config.chunk_size
+        if cut is not None:
+            return self._publish_with_cut(model, version, manifest, parts, chunk_size, cut=cut, group=cut_group,
+                                          gather_bytes=cut_gather_bytes,
+                                          shards=lambda: self.publish(model, version, tensors, manifest=manifest,
+                                                                      chunk_size=chunk_size, delta_from=delta_from,
+                                                                      previous=previous, delta=delta))
         if delta_from is None:
             return self._holdings.publish(model, version, manifest, parts, chunk_size)
         delta_from = _check_version(delta_from)
@@ -267,6 +288,54 @@ class Hub:
                                    from_version=delta_from, to_version=version)
         return publish_with_delta(self._holdings, model=model, version=version, manifest=manifest, parts=parts,
                                   chunk_size=chunk_size, from_version=delta_from, delta=delta)
+
+    def _publish_with_cut(self, model: str, version: int, manifest: Manifest, parts: list, chunk_size: int, *,
+                          cut: str, group: Any, gather_bytes: int | None,
+                          shards: Callable[[], Publication]) -> Publication:
+        """``publish(cut=...)``: this rank's share of the readers' cut, then its shards."""
+        if cut != "readers":
+            raise InvalidRequest(f"publish {model!r} version {version}: cut must be 'readers' or None, not {cut!r}")
+        gather_bytes = self.config.cut_gather_bytes if gather_bytes is None else gather_bytes
+        if isinstance(gather_bytes, bool) or not isinstance(gather_bytes, int) or gather_bytes <= 0:
+            raise InvalidRequest(f"publish {model!r} version {version}: cut_gather_bytes must be a positive "
+                                 f"number of bytes, not {gather_bytes!r}")
+        import torch.distributed as dist
+
+        if group is None:
+            if not dist.is_initialized():
+                raise InvalidRequest(f"publish {model!r} version {version}: cut='readers' gathers over a "
+                                     "torch.distributed group: initialize one, or pass cut_group=")
+            group = dist.group.WORLD
+
+        def ask() -> ReaderCuts | None:
+            return self._holdings.with_agent(lambda: self._rpc.reader_cuts(model, manifest))
+
+        def publish(held: list) -> Publication:
+            return self._holdings.publish(model, version, manifest, held, chunk_size, trainer_cut=True)
+
+        cut_pub, report = publish_cut(ask=ask, manifest=manifest, parts=parts, group=group,
+                                      gather_bytes=gather_bytes, publish=publish)
+        try:
+            pub = shards()
+        except BaseException:
+            if cut_pub is not None:
+                cut_pub.unpublish(timeout=self._holdings.lease_ttl_s + 1)
+            raise
+        pub.cut, pub.cut_report = cut_pub, report
+        if cut_pub is not None:
+            log.info("%r v%d: trainer cut of %d read set(s) of v%d: %d regions, %d bytes; gathered %d tensors, "
+                     "at most %d bytes at once (bound %d), in %.3fs", model, version, report.read_sets,
+                     report.from_version, report.regions, report.nbytes, report.tensors, report.peak_gather_bytes,
+                     gather_bytes, report.seconds)
+        return pub
+
+    def reader_cuts(self, model: str, manifest: Manifest | Mapping[str, Entry]) -> ReaderCuts | None:
+        """The regions the readers of ``model`` hold: the distinct read sets of
+        the relays of its newest version with ``manifest`` that has relays,
+        most readers first; None when none has any yet."""
+        model = _check_model(model)
+        manifest = manifest if isinstance(manifest, Manifest) else Manifest.of(manifest)
+        return self._holdings.with_agent(lambda: self._rpc.reader_cuts(model, manifest))
 
     def unpublish(self, model: str, version: int, timeout: float = 60.0) -> None:
         """Unpublish this process's replica of (model, version); see Publication.unpublish."""

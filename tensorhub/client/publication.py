@@ -50,7 +50,8 @@ class Publication:
     def __init__(self, owner: Withdrawer, *, model: str, version: int, replica_id: str, manifest: Manifest,
                  parts: list[Part], chunk_size: int, registration: Registration, origin: bool, complete: bool,
                  retained: bool = False, chunk_crc32: np.ndarray | None = None,
-                 deltas: tuple[str, ...] = (), companions: tuple[Publication, ...] = ()) -> None:
+                 deltas: tuple[str, ...] = (), companions: tuple[Publication, ...] = (),
+                 trainer_cut: bool = False) -> None:
         self._owner = owner
         self.model = model
         self.version = version
@@ -73,6 +74,12 @@ class Publication:
         # publications here, unpublished after this one (its readers find them by it).
         self.deltas = deltas
         self.companions = companions
+        # A trainer rank's copy of its readers' cut (tensorhub.client.trainercut),
+        # and on the shards' publication: that copy, withdrawn before them (its
+        # bytes are theirs: nothing of it needs retaining), and what it cost.
+        self.trainer_cut = trainer_cut
+        self.cut: Publication | None = None
+        self.cut_report = None
         index = manifest.index()
         self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
         num_chunks = -(-self.nbytes // chunk_size)

@@ -108,6 +108,25 @@ class Resolved:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadSet:
+    """The regions some readers hold, (manifest tensor index, region) in their
+    memory order, and how many relays hold exactly these."""
+
+    held: tuple[tuple[int, Region], ...]
+    readers: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderCuts:
+    """The distinct read sets of the relays of ``version`` (ReaderCuts RPC),
+    most readers first; ``more``: the server had more than it sent."""
+
+    version: int
+    read_sets: tuple[ReadSet, ...]
+    more: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class VersionInfo:
     version: int
     complete_replicas: int
@@ -245,8 +264,9 @@ class ReferenceClient:
     def publish(self, *, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
                 held: list[tuple[int, Region]], chunk_size: int, kind: MemoryKind, regions: list[MemoryRegion],
                 metadata: bytes, complete: bool, bitmap: bytes, origin: bool, retained: bool = False,
-                chunk_crc32: np.ndarray | None = None, deltas: Sequence[str] = ()) -> None:
+                chunk_crc32: np.ndarray | None = None, deltas: Sequence[str] = (), trainer_cut: bool = False) -> None:
         """``held``: (tensor index, region) per memory region; empty: every tensor whole.
+        ``trainer_cut``: a trainer rank's copy of its readers' cut, beside its shards.
         ``deltas``: delta models of this version that hold its changes (tensorhub.delta).
         ``chunk_crc32``: CRC-32 of each of the replica's chunks, for its readers to check.
         Both go packed (``HeldRegions``, memory as address gaps) where the
@@ -272,6 +292,7 @@ class ReferenceClient:
             retained=retained,
             chunk_crc32=[] if chunk_crc32 is None else chunk_crc32.tolist(),
             deltas=list(deltas),
+            trainer_cut=trainer_cut,
         )
         # A manifest this server acknowledged goes by its fingerprint (megabytes
         # of names for 10^5 tensors); the server says when it does not have it.
@@ -480,6 +501,32 @@ class ReferenceClient:
         except ValueError as e:
             raise TensorHubError(f"reference server at {self.address} sent a status this client cannot read: {e}") \
                 from None
+
+    def reader_cuts(self, model: str, manifest: Manifest, max_cuts: int = 0) -> ReaderCuts | None:
+        """Which regions the readers of ``model`` hold (the distinct read sets of
+        the relays of its newest version with ``manifest`` that has relays), in
+        terms of ``manifest``; None when no such version has a relay yet."""
+        resp = self._call(self._stub.ReaderCuts, pb.ReaderCutsRequest(model=model, fingerprint=manifest.fingerprint,
+                                                                       max_cuts=max_cuts))
+        if not resp.found:
+            return None
+        shapes = shapes_of(manifest)
+        read_sets = []
+        for cut in resp.cuts:
+            try:
+                if cut.whole:
+                    held = wire.whole_model(manifest)
+                else:
+                    table = wire.held_from_wire(cut.held, shapes)
+                    bad = table.problem(shapes)
+                    if bad is not None:
+                        raise ValueError(bad[1])
+                    held = table.held(shapes)
+            except ValueError as e:
+                raise TensorHubError(f"reference server at {self.address} sent a read set this client cannot "
+                                     f"read: {e}") from None
+            read_sets.append(ReadSet(tuple(held), cut.readers))
+        return ReaderCuts(resp.version, tuple(read_sets), resp.more)
 
     def list_versions(self, model: str) -> list[VersionInfo]:
         resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))

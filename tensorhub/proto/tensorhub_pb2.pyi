@@ -230,7 +230,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout", "trainer_cut")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class PublishRequest(_message.Message):
     MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CUT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -265,7 +266,8 @@ class PublishRequest(_message.Message):
     manifest_fingerprint: str
     deltas: _containers.RepeatedScalarFieldContainer[str]
     layout: bytes
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ...) -> None: ...
+    trainer_cut: bool
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ..., trainer_cut: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
@@ -475,6 +477,38 @@ class ListVersionsResponse(_message.Message):
     versions: _containers.RepeatedCompositeFieldContainer[VersionSummary]
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ...) -> None: ...
 
+class ReaderCutsRequest(_message.Message):
+    __slots__ = ("model", "fingerprint", "max_cuts")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fingerprint: str
+    max_cuts: int
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_cuts: _Optional[int] = ...) -> None: ...
+
+class ReaderCut(_message.Message):
+    __slots__ = ("held", "whole", "readers")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    held: HeldRegions
+    whole: bool
+    readers: int
+    def __init__(self, held: _Optional[_Union[HeldRegions, _Mapping]] = ..., whole: _Optional[bool] = ..., readers: _Optional[int] = ...) -> None: ...
+
+class ReaderCutsResponse(_message.Message):
+    __slots__ = ("found", "version", "cuts", "more")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUTS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    version: int
+    cuts: _containers.RepeatedCompositeFieldContainer[ReaderCut]
+    more: bool
+    def __init__(self, found: _Optional[bool] = ..., version: _Optional[int] = ..., cuts: _Optional[_Iterable[_Union[ReaderCut, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -496,7 +530,7 @@ class AgentStatus(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., labels: _Optional[_Union[Labels, _Mapping]] = ..., reliability: _Optional[_Union[Reliability, str]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "agent_id", "state", "chunks_present", "num_chunks", "origin", "retained", "withdrawn", "held_regions", "held_bytes", "active_reads")
+    __slots__ = ("replica_id", "agent_id", "state", "chunks_present", "num_chunks", "origin", "retained", "withdrawn", "held_regions", "held_bytes", "active_reads", "trainer_cut")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +542,7 @@ class ReplicaStatus(_message.Message):
     HELD_REGIONS_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_READS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CUT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     agent_id: str
     state: ReplicaState
@@ -519,7 +554,8 @@ class ReplicaStatus(_message.Message):
     held_regions: int
     held_bytes: int
     active_reads: int
-    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunks_present: _Optional[int] = ..., num_chunks: _Optional[int] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., withdrawn: _Optional[bool] = ..., held_regions: _Optional[int] = ..., held_bytes: _Optional[int] = ..., active_reads: _Optional[int] = ...) -> None: ...
+    trainer_cut: bool
+    def __init__(self, replica_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunks_present: _Optional[int] = ..., num_chunks: _Optional[int] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., withdrawn: _Optional[bool] = ..., held_regions: _Optional[int] = ..., held_bytes: _Optional[int] = ..., active_reads: _Optional[int] = ..., trainer_cut: _Optional[bool] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
     __slots__ = ("version", "visible", "fingerprint", "tensors", "total_bytes", "missing", "replicas")

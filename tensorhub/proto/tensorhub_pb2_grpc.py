@@ -94,6 +94,11 @@ class ReferenceServiceStub:
                 request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.SerializeToString,
                 response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.FromString,
                 _registered_method=True)
+        self.ReaderCuts = channel.unary_unary(
+                '/tensorhub.v1.ReferenceService/ReaderCuts',
+                request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReaderCutsRequest.SerializeToString,
+                response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReaderCutsResponse.FromString,
+                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/tensorhub.v1.ReferenceService/Describe',
                 request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.DescribeRequest.SerializeToString,
@@ -176,6 +181,12 @@ class ReferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReaderCuts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Describe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -244,6 +255,11 @@ def add_ReferenceServiceServicer_to_server(servicer, server):
                     servicer.WaitForVersion,
                     request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.FromString,
                     response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.SerializeToString,
+            ),
+            'ReaderCuts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReaderCuts,
+                    request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReaderCutsRequest.FromString,
+                    response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReaderCutsResponse.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -575,6 +591,33 @@ class ReferenceService:
             '/tensorhub.v1.ReferenceService/WaitForVersion',
             tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionRequest.SerializeToString,
             tensorhub_dot_proto_dot_tensorhub__pb2.WaitForVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReaderCuts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.ReferenceService/ReaderCuts',
+            tensorhub_dot_proto_dot_tensorhub__pb2.ReaderCutsRequest.SerializeToString,
+            tensorhub_dot_proto_dot_tensorhub__pb2.ReaderCutsResponse.FromString,
             options,
             channel_credentials,
             insecure,

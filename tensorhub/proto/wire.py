@@ -225,7 +225,8 @@ def status_to_wire(status: HubStatus) -> pb.DescribeResponse:
             replica_id=r.replica_id, agent_id=r.agent_id,
             state=pb.REPLICA_STATE_COMPLETE if r.complete else pb.REPLICA_STATE_FILLING,
             chunks_present=r.chunks_present, num_chunks=r.num_chunks, origin=r.origin, retained=r.retained,
-            withdrawn=r.withdrawn, held_regions=r.held_regions, held_bytes=r.held_bytes, active_reads=r.active_reads)
+            withdrawn=r.withdrawn, held_regions=r.held_regions, held_bytes=r.held_bytes, active_reads=r.active_reads,
+            trainer_cut=r.trainer_cut)
 
     return pb.DescribeResponse(
         instance_id=status.instance_id,
@@ -249,7 +250,8 @@ def status_from_wire(msg: pb.DescribeResponse) -> HubStatus:
         return ReplicaView(
             replica_id=r.replica_id, agent_id=r.agent_id, complete=r.state == pb.REPLICA_STATE_COMPLETE,
             chunks_present=r.chunks_present, num_chunks=r.num_chunks, origin=r.origin, retained=r.retained,
-            withdrawn=r.withdrawn, held_regions=r.held_regions, held_bytes=r.held_bytes, active_reads=r.active_reads)
+            withdrawn=r.withdrawn, held_regions=r.held_regions, held_bytes=r.held_bytes, active_reads=r.active_reads,
+            trainer_cut=r.trainer_cut)
 
     return HubStatus(
         instance_id=msg.instance_id,

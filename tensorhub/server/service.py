@@ -39,6 +39,9 @@ MAX_DRAIN_S = 3600.0
 MAX_KNOWN_MEMORY = 4096  # memory digests a reader may list in one Resolve
 MAX_DELTAS = 4096  # delta models one replica names (a relay names one per publisher of the version)
 MAX_WAIT_CHANGE_S = 5.0  # a long-poll Resolve waits at most this long (``changes``)
+MAX_READER_CUTS = 256  # read sets in one ReaderCuts answer (an engine's TP or EP workers: 8 to 64)
+MAX_READER_CUTS_BYTES = 8 << 20  # and at most about this many bytes of them (the client takes 16 MiB)
+_FINGERPRINT = re.compile(r"^[0-9a-f]{16,128}$")
 RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
@@ -360,6 +363,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.deltas) > MAX_DELTAS:
                 raise Invalid(f"{len(request.deltas)} delta models, more than {MAX_DELTAS}")
             deltas = [_require_model(name) for name in request.deltas]
+            if request.trainer_cut and (not request.origin or request.retained):
+                raise Invalid("a trainer cut is published by its producer (origin), and is not a retained copy")
             replica = self.state.publish(
                 agent_id=agent_id,
                 replica_id=replica_id,
@@ -374,6 +379,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 origin=request.origin,
                 retained=request.retained,
                 total_bytes=total,
+                trainer_cut=request.trainer_cut,
             )
             # A whole-model replica goes out with an empty held list, to keep Resolve small.
             if replica.held is None:
@@ -692,6 +698,34 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
         return await self._run(context, go)
 
+
+    async def ReaderCuts(self, request: pb.ReaderCutsRequest, context: Any) -> pb.ReaderCutsResponse:
+        """The read sets of the model's readers (``State.reader_cuts``), each once."""
+
+        async def go() -> pb.ReaderCutsResponse:
+            model = _require_model(request.model)
+            if not _FINGERPRINT.match(request.fingerprint):
+                raise Invalid(f"fingerprint {request.fingerprint[:80]!r} is missing or malformed (a manifest's "
+                              "fingerprint: 16-128 lower-case hex digits)")
+            limit = min(request.max_cuts or MAX_READER_CUTS, MAX_READER_CUTS)
+            found = self.state.reader_cuts(model, request.fingerprint)
+            if found is None:
+                return pb.ReaderCutsResponse(found=False)
+            version, cuts = found
+            shapes = shapes_of(self.state.models[model][version].manifest)
+            answer = pb.ReaderCutsResponse(found=True, version=version, more=len(cuts) > limit)
+            size = 0
+            for held, readers in cuts[:limit]:
+                cut = pb.ReaderCut(whole=True, readers=readers) if held is None else pb.ReaderCut(
+                    held=wire.held_to_wire(held, shapes), readers=readers)
+                size += cut.ByteSize()
+                if size > MAX_READER_CUTS_BYTES and answer.cuts:  # the first always goes
+                    answer.more = True
+                    break
+                answer.cuts.append(cut)
+            return answer
+
+        return await self._run(context, go)
 
     # ------------------------------------------------------------ operators
 

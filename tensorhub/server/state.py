@@ -143,6 +143,7 @@ class Replica:
     chunk_size: int  # chunks cover the held regions' bytes back to back
     num_chunks: int
     retained: bool = False  # a copy kept only to keep a retained version pullable
+    trainer_cut: bool = False  # a trainer rank's copy of its readers' cut, beside its shards
     withdrawn: bool = False
     # A reader reported it failed while its holder is alive and others lease it:
     # hidden like a withdrawn replica, its leases kept until they end (see report_lost).
@@ -284,6 +285,7 @@ class State:
         origin: bool,
         retained: bool = False,
         total_bytes: int | None = None,
+        trainer_cut: bool = False,
     ) -> Replica:
         """Record a replica holding ``held`` (as returned by ``check_held``; a
         list of (tensor, region) is checked here); ``total_bytes``: its bytes,
@@ -308,9 +310,10 @@ class State:
         if entry is not None:
             for other in entry.replicas.values():
                 # One live replica per agent and version; a retained copy may sit
-                # beside the replica it replaces while that one drains.
+                # beside the replica it replaces while that one drains, and a
+                # trainer rank's cut beside its shards (Hub.publish(cut=...)).
                 if (other.agent_id == agent_id and other.replica_id != replica_id and not other.withdrawn
-                        and not (retained or other.retained)):
+                        and not (retained or other.retained) and other.trainer_cut == trainer_cut):
                     raise StateError(
                         "ALREADY_EXISTS",
                         f"agent {self.agents[agent_id].name!r} already publishes {model!r} version {version} "
@@ -335,7 +338,7 @@ class State:
         shapes = shapes_of(entry.manifest)
         whole = self._every_tensor_whole(held, shapes)
         replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin,
-                          None if whole else held, shapes, chunk_size, num_chunks, retained)
+                          None if whole else held, shapes, chunk_size, num_chunks, retained, trainer_cut)
         replica.confirmed_at = time.monotonic()
         if existing is not None:  # idempotent re-publish keeps the reads in flight
             replica.leases = existing.leases
@@ -744,6 +747,28 @@ class State:
         replica.drained.set()
         self.remove_replica(replica_id)
 
+    def reader_cuts(self, model: str, fingerprint: str) -> tuple[int, list[tuple[RegionTable | None, int]]] | None:
+        """The read sets of the readers of ``model``: the distinct held regions
+        of the live relays (not published by their producer, not retained
+        copies) of the newest version with manifest ``fingerprint`` that has
+        any, each once with the number of relays that hold it, most readers
+        first (None: every tensor whole). None when no such version has a
+        relay. Many relays share one read set (worker w of every engine)."""
+        for version, entry in sorted(self.models.get(model, {}).items(), reverse=True):
+            if entry.fingerprint != fingerprint:
+                continue
+            counts: dict[bytes, list] = {}
+            for r in entry.replicas.values():
+                if r.origin or r.retained or not self._live(r):
+                    continue
+                key = b"whole" if r.held is None else b"/".join(
+                    np.ascontiguousarray(a).tobytes() for a in (r.held.tensor, r.held.flat, r.held.lo, r.held.hi))
+                found = counts.setdefault(key, [r.held, 0])
+                found[1] += 1
+            if counts:  # dicts keep the order first seen; sorted() keeps it among equals
+                return version, sorted(((held, n) for held, n in counts.values()), key=lambda c: -c[1])
+        return None
+
     # ------------------------------------------------------------ expiry
 
     def expire(self, now: float | None = None) -> None:
@@ -781,7 +806,7 @@ class State:
                     origin=r.origin, retained=r.retained, withdrawn=r.withdrawn, held_regions=r.held_count(),
                     held_bytes=int(held_bytes(entry.manifest, r.held).sum()) if r.held is not None
                     else entry.manifest.total_bytes,
-                    active_reads=len(r.leases)) for r in entry.replicas.values())
+                    active_reads=len(r.leases), trainer_cut=r.trainer_cut) for r in entry.replicas.values())
                 versions.append(VersionView(
                     version=version, visible=entry.visible, fingerprint=entry.fingerprint,
                     tensors=len(entry.manifest.tensors), total_bytes=entry.manifest.total_bytes,
