@@ -293,16 +293,21 @@ def _shards(tensors: dict[str, torch.Tensor], how: str | None, rank: int, world:
 
 
 def _republish(hub: Any, held: dict, *, model: str, version: int, of: int, how: str | None = None, rank: int = 0,
-               world: int = 1, chunk_size: int | None = None) -> dict:
+               world: int = 1, chunk_size: int | None = None, cut: str | None = None) -> dict:
     """Publish the buffers of this process's (unpublished) version ``of`` again
     as ``version`` (rank ``rank``'s regions with ``how``): what a trainer does
     every step, after ``overwrite`` put the step's bytes in place."""
     specs, full = held[("tensors", model, of)]
     pub = hub.publish(model, version, _shards(full, how, rank, world), manifest=Manifest.of(full),
-                      chunk_size=chunk_size)
+                      chunk_size=chunk_size, **({} if cut is None else {"cut": cut}))
     held[(model, version)] = pub
     held[("tensors", model, version)] = (specs, full)
-    return {"nbytes": pub.nbytes}
+    out = {"nbytes": pub.nbytes}
+    if cut is not None and pub.cut is not None:  # where this rank's cut lies: the same buffer each step?
+        out["cut_addr"] = pub.cut.parts[0].tensor.data_ptr()
+        out["cut_mismatched"] = [f"{p.name} {p.region.describe()}" for p in pub.cut.parts
+                                 if not torch.equal(p.tensor.reshape(-1), take(full[p.name], p.region).reshape(-1))]
+    return out
 
 
 def _publish_step(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, changed: float,

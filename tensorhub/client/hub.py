@@ -35,7 +35,7 @@ from tensorhub.client.delta import (
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.plancache import PlanCache
-from tensorhub.client.publication import Publication
+from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.replay import DELTA, PLANNED, path_of
@@ -189,6 +189,8 @@ class Hub:
                                   config=config)
         self._destinations = Destinations(self._nixl)
         self._plans = PlanCache()  # holder tables and chunk READs, kept while the layouts stay the same
+        # Per model, this rank's last trainer-cut buffer and its publication: reused once that is closed
+        self._cut_buffers: dict[str, tuple[Any, Publication]] = {}
         self._deltas = DeltaPulls(self._holdings, self.pull)
         # A slot per READ in flight (HubConfig.read_workers): wide READs land there, then are cut into place.
         self._scratch = ScratchPool(2 * max(1, config.read_workers), register=self._nixl.register,
@@ -313,8 +315,26 @@ class Hub:
         def publish(held: list) -> Publication:
             return self._holdings.publish(model, version, manifest, held, chunk_size, trainer_cut=True)
 
+        import torch
+
+        kept = self._cut_buffers.get(model)
+        chosen: list[torch.Tensor] = []
+
+        def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+            """The last version's cut buffer once its publication is closed (never
+            while a reader may still read it); else a new one."""
+            buffer = None
+            if kept is not None and kept[1].state is PubState.CLOSED:
+                old = kept[0]
+                if old.numel() == nbytes and old.device == device:
+                    buffer = old
+            chosen.append(torch.empty(nbytes, dtype=torch.uint8, device=device) if buffer is None else buffer)
+            return chosen[-1]
+
         cut_pub, report = publish_cut(ask=ask, manifest=manifest, parts=parts, group=group,
-                                      gather_bytes=gather_bytes, publish=publish)
+                                      gather_bytes=gather_bytes, publish=publish, allocate=allocate)
+        if cut_pub is not None and chosen:
+            self._cut_buffers[model] = (chosen[-1], cut_pub)
         try:
             pub = shards()
         except BaseException:

@@ -176,7 +176,8 @@ class _Gathering:
 
 
 def gather_cut(manifest: Manifest, parts: list[Part], plan: CutPlan, layouts: list[Layout], *, rank: int,
-               group: Any, gather_bytes: int, report: CutReport) -> list[Part]:
+               group: Any, gather_bytes: int, report: CutReport,
+               allocate: Callable[[int, torch.device], torch.Tensor] | None = None) -> list[Part]:
     """This rank's share of the cut, in one contiguous buffer (each region
     aligned to ``_ALIGN`` bytes), gathered over ``group`` as the module says.
     Every rank of ``group`` calls it with the same plan."""
@@ -189,7 +190,10 @@ def gather_cut(manifest: Manifest, parts: list[Part], plan: CutPlan, layouts: li
         offsets.append(end)
         end += -(-region.numel(tensors[index].shape) * _itemsize(manifest, index) // _ALIGN) * _ALIGN
     device = parts[0].tensor.device if parts else torch.device("cpu")
-    buffer = torch.empty(end, dtype=torch.uint8, device=device)
+    # ``allocate``: the caller's buffer of the last version's cut when it is free
+    # again (the same plan then lays the cut out at the same addresses, and
+    # its readers replay their plans: ``client/replay.py``).
+    buffer = (allocate or _new_buffer)(end, device)
     slots: dict[int, list[tuple[Region, torch.Tensor]]] = {}
     out: list[Part] = []
     for (index, region), offset in zip(mine, offsets):
@@ -281,8 +285,13 @@ def check_gather_bounds(manifest: Manifest, plan: CutPlan, layouts: list[Layout]
                              f"{gather_bytes}; raise it (HubConfig.cut_gather_bytes) or publish without cut=")
 
 
+def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def publish_cut(*, ask: Callable[[], ReaderCuts | None], manifest: Manifest, parts: list[Part], group: Any,
-                gather_bytes: int, publish: Callable[[list[Part]], Any]) -> tuple[Any, CutReport]:
+                gather_bytes: int, publish: Callable[[list[Part]], Any],
+                allocate: Callable[[int, torch.device], torch.Tensor] | None = None) -> tuple[Any, CutReport]:
     """Every rank of ``group``: agree on the readers' cuts, gather this rank's
     share and publish it (``publish(parts)``). Returns (the publication or
     None when there is nothing to cut, the report)."""
@@ -302,7 +311,7 @@ def publish_cut(*, ask: Callable[[], ReaderCuts | None], manifest: Manifest, par
     report.from_version, report.read_sets, report.skipped_regions = cuts.version, plan.read_sets, plan.skipped
     check_gather_bounds(manifest, plan, layouts, gather_bytes)
     held = gather_cut(manifest, parts, plan, layouts, rank=rank, group=group, gather_bytes=gather_bytes,
-                      report=report)
+                      report=report, allocate=allocate)
     publication = publish(held) if held else None
     report.seconds = time.perf_counter() - start
     return publication, report

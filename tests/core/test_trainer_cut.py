@@ -213,3 +213,34 @@ def test_the_plan_cuts_overlapping_read_sets_once_and_balances_the_ranks():
     partial = [[x for x in layout if x[0] != 0] + ([(0, Region.of(shapes[0], rows=(0, 10)), 10 * 256)]
                                                    if k == 0 else []) for k, layout in enumerate(rows)]
     assert 0 not in plan_cut(manifest, cuts, partial).owner
+
+
+def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hubs):
+    """A trainer's step: withdraw version v (shards and cut), write the new
+    bytes in place, publish v+1 from the same buffers with its cut. The cut
+    lands in the buffer of v's cut (closed by then), so its readers, like the
+    shards' readers, replay their plans."""
+    ranks = _trainer(hubs)
+    _publish(ranks, 1)
+    for w, hub in enumerate([hubs("w0"), hubs("w1")]):
+        _pull(hub, 1, ("tp", w, 2), serve=True)  # relays: the read sets the trainer learns
+    _publish(ranks, 2)
+    readers = [hubs("e1w0"), hubs("e1w1")]
+    for w, reader in enumerate(readers):
+        _pull(reader, 2, ("tp", w, 2), keep="dest")
+    addrs = {}
+    for version in (3, 4):
+        for hub in ranks:
+            hub.call("unpublish", model="m", version=version - 1)
+            hub.call("overwrite", model="m", version=version - 1, seed=version)
+        for r, hub in enumerate(ranks):
+            hub.send("republish", model="m", version=version, of=version - 1, how="rows", rank=r, world=2,
+                     chunk_size=CHUNK, cut="readers")
+        outs = [hub.result() for hub in ranks]
+        assert all(o["cut_mismatched"] == [] for o in outs)
+        addrs[version] = [o["cut_addr"] for o in outs]
+        for w, reader in enumerate(readers):
+            got = _pull(reader, version, ("tp", w, 2), keep="dest")
+            assert got["path"] == "replayed", got["not_replayed"]
+            assert got["read_bytes"] == got["nbytes"]  # from the cut: exactly the read set
+    assert addrs[3] == addrs[4]  # one buffer per rank, step after step
