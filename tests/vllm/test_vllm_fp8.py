@@ -3,8 +3,8 @@ quantization (``quantization="fp8_per_channel"``) pulls bf16 versions through
 the tensorhub backend, and vLLM's layer-wise reload, which our apply runs,
 re-quantizes them.
 
-Engine A starts on the original weights, engine B (fresh) on the perturbed
-ones; what each generates and holds at start is the reference. A updated to
+Engine B starts (fresh) on the perturbed weights, then engine A on the
+original ones; what each generates and holds at start is the reference. A updated to
 the perturbed version must then generate what B generates and hold B's
 quantized weights and scales bit for bit; A updated back to the original must
 return exactly to what it was at start (no stale scale survives a reload).
@@ -95,14 +95,17 @@ def test_bf16_versions_requantize_as_a_fresh_engine(method, tp_env, functions_to
     reason = unsupported(method)
     if reason:
         pytest.skip(reason)
+    # One engine at a time: a second engine's workers spinning beside the first's
+    # starved the reference server on two cores (a worker's registration missed
+    # its deadline). B's part is its fresh state, taken before A starts.
+    b = tp_engine(perturbed_model, hub_server.address, quantization=method)
+    try:
+        fresh_perturbed = snapshot(b)
+    finally:
+        stop(b)
     a = tp_engine(tiny_model, hub_server.address, quantization=method)
     try:
         fresh_original = snapshot(a)
-        b = tp_engine(perturbed_model, hub_server.address, quantization=method)
-        try:
-            fresh_perturbed = snapshot(b)
-        finally:  # B's part is done: its processes would only compete for the two cores with A's updates
-            stop(b)
         tokens, states = fresh_original
         assert len(states) == 2
         for state, other in zip(states, fresh_perturbed[1]):  # A's and B's worker k
