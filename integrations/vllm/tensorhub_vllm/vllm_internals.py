@@ -22,6 +22,12 @@
   ``WeightSource``), whose DTensor parameters the trainer side publishes shard
   by shard instead of iterating the source (which gathers each of them).
 
+* ``per_block_cast_to_fp8``: vLLM's own 128x128 block-FP8 quantization
+  (``vllm.utils.deep_gemm``), the one its ``fp8_per_block`` method runs on
+  every layer it rebuilds. A receiver that quantizes bf16 versions for a
+  block-FP8 engine must round exactly as it does to match a fresh engine bit
+  for bit; verl's and NeMo-RL's kernels compute the scale another way.
+
 When vLLM changes these internals, this module is what to update.
 """
 
@@ -46,8 +52,10 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+from vllm.utils.deep_gemm import per_block_cast_to_fp8 as _vllm_per_block_cast_to_fp8
 
 VIEW_OPS = SUPPORTED_OPS  # {torch.Tensor.narrow: "narrow", ...}
+per_block_cast_to_fp8 = _vllm_per_block_cast_to_fp8  # (x [N, K], [128, 128]) -> (e4m3 [N, K], fp32 scale_inv)
 
 _MISSING = object()
 
