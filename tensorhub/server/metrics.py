@@ -115,6 +115,17 @@ class PrometheusMetrics(NoMetrics):
         self._thread.join(timeout=5)
 
 
+# The control plane's counters (``State.control``) by label: (metric, help, label, ((value, field), ...)).
+_CONTROL_COUNTERS = (
+    ("tensorhub_resolve_holders", ("Holders sent in Resolve answers: full (with their regions and memory) or lean "
+     "(the reader knew their layout)"), "form", (("full", "holders_full"), ("lean", "holders_lean"))),
+    ("tensorhub_pull_paths", ("Finished pulls by path, as readers report them: replayed (an earlier pull's plans, "
+     "every holder's layout known) or planned"), "path", (("replayed", "pulls_replayed"), ("planned", "pulls_planned"))),
+    ("tensorhub_publishes", ("Publish requests: full (regions and memory sent) or lean (naming a layout published "
+     "before)"), "form", (("full", "publishes_full"), ("lean", "publishes_lean"))),
+)
+
+
 class _StateCollector:
     """Gauges read from the state at scrape time."""
 
@@ -142,22 +153,10 @@ class _StateCollector:
         versions.add_metric(["false"], sum(not e.visible for e in entries))
         yield versions
         control = state.control
-        holders = CounterMetricFamily("tensorhub_resolve_holders", "Holders sent in Resolve answers: full (with "
-                                      "their regions and memory) or lean (the reader knew their layout)",
-                                      labels=["form"])
-        holders.add_metric(["full"], control.holders_full)
-        holders.add_metric(["lean"], control.holders_lean)
-        yield holders
         yield CounterMetricFamily("tensorhub_resolve_answer_bytes", "Bytes of Resolve answers sent",
                                   value=control.answer_bytes)
-        paths = CounterMetricFamily("tensorhub_pull_paths", "Finished pulls by path, as readers report them: "
-                                    "replayed (an earlier pull's plans, every holder's layout known) or planned",
-                                    labels=["path"])
-        paths.add_metric(["replayed"], control.pulls_replayed)
-        paths.add_metric(["planned"], control.pulls_planned)
-        yield paths
-        publishes = CounterMetricFamily("tensorhub_publishes", "Publish requests: full (regions and memory sent) or "
-                                        "lean (naming a layout published before)", labels=["form"])
-        publishes.add_metric(["full"], control.publishes_full)
-        publishes.add_metric(["lean"], control.publishes_lean)
-        yield publishes
+        for name, doc, label, counts in _CONTROL_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value, field in counts:
+                family.add_metric([value], getattr(control, field))
+            yield family

@@ -121,6 +121,11 @@ def test_status_shows_versions_holders_and_a_reader_in_flight(server, tmp_path, 
     assert after["tensorhub_resolve_seconds_count"] > before["tensorhub_resolve_seconds_count"]
     assert after['tensorhub_resolves_total{outcome="ok"}'] >= 1
     assert after["tensorhub_unpublish_wait_seconds_count"] >= 1
+    # The control plane's counters: the reader's first answer sent the trainer whole; one publish, in full.
+    assert after['tensorhub_resolve_holders_total{form="full"}'] > before['tensorhub_resolve_holders_total{form="full"}']
+    assert after['tensorhub_publishes_total{form="full"}'] >= before['tensorhub_publishes_total{form="full"}'] + 1
+    assert after["tensorhub_resolve_answer_bytes_total"] > before["tensorhub_resolve_answer_bytes_total"]
+    assert 'tensorhub_pull_paths_total{path="replayed"}' in after
 
 
 def test_status_needs_the_token_and_checks_its_input(server, capsys, monkeypatch):
