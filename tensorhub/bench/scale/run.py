@@ -315,7 +315,6 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
     workers ask: the server ranks and searches coverage once per group), then a
     second worker of the same engine asks (a lookup): their CPU apart."""
     response, holders, decode = [], [], []
-    layouts: set[bytes] = set()
     marks = [_cpu(pid)]  # the server's CPU before the sample and after each group's first resolve
     members = 0.0  # the server's CPU for the second workers' resolves
     request = None
@@ -333,7 +332,6 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
         members += _cpu(pid) - marks[-1]
         response.append(answer.ByteSize())
         holders.append(len(answer.replicas))
-        layouts.update(info.layout for info in answer.replicas)
         t0 = time.perf_counter()  # the client's decode: every holder's regions and memory
         for info in answer.replicas:
             table = wire.held_from_wire(info.held_table, shapes)
@@ -347,7 +345,7 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
               if len(agents) > 1 else first_s)
     return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
             "cpu_first_s": first_s, "cpu_per_resolve_s": groups, "cpu_per_member_s": members / len(agents),
-            "request_bytes": request.ByteSize() if request else 0, "layouts": layouts}
+            "request_bytes": request.ByteSize() if request else 0}
 
 
 def _cpu(pid: int) -> float:
