@@ -149,15 +149,15 @@ def test_a_server_restart_between_versions_keeps_the_replay_exact():
             server.kill()
             server.start()
             deadline = time.monotonic() + 30
-            while True:  # the holders re-register with the new instance (heartbeats)
-                try:
-                    for rank, hub in enumerate(ranks):
+            for rank, hub in enumerate(ranks):  # each holder re-registers with the new instance (heartbeats)
+                while True:  # retry this rank alone: one that got through must not publish twice
+                    try:
                         hub.call("republish", model="m", version=2, of=1, how="rows", rank=rank, world=2,
                                  chunk_size=CHUNK)
-                    break
-                except Exception:  # noqa: BLE001  refused until the agent is known again
-                    assert time.monotonic() < deadline, "the holders never got back to the restarted server"
-                    time.sleep(0.5)
+                        break
+                    except Exception:  # noqa: BLE001  refused until the agent is known again
+                        assert time.monotonic() < deadline, f"rank{rank} never got back to the restarted server"
+                        time.sleep(0.5)
             got = _pull(reader, 2, 2, timeout=60)
             # Same holders, same memory: the layouts are the same on the new instance (digests of contents),
             # so the reader's holders come lean and the replay is exact.
