@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "GroupAnswer": "tensorhub.client.groupanswer",
     "Hub": "tensorhub.client.hub",
     "HubConfig": "tensorhub.client.config",
     "Publication": "tensorhub.client.publication",
@@ -29,13 +30,14 @@ _EXPORTS = {
     "Reliability": "tensorhub.topology",
     **{name: "tensorhub.errors" for name in (
         "AlreadyPublished", "IntegrityError", "InvalidRequest", "ManifestMismatch", "PermissionDenied", "ServerUnavailable",
-        "SourceLost", "TensorHubError", "TransferStalled", "TransportUnavailable", "UnpublishTimeout", "VersionNotFound",
+        "ShareUnusable", "SourceLost", "TensorHubError", "TransferStalled", "TransportUnavailable", "UnpublishTimeout",
+        "VersionNotFound",
     )},
 }
 
 __all__ = [
-    "AlreadyPublished", "Hub", "HubConfig", "IntegrityError", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
-    "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "SourceLost",
+    "AlreadyPublished", "GroupAnswer", "Hub", "HubConfig", "IntegrityError", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
+    "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "ShareUnusable", "SourceLost",
     "TensorHubError", "TensorSpec", "TransferStalled", "TransportUnavailable", "UnpublishTimeout", "VersionNotFound", "__version__",
 ]
 
@@ -55,6 +57,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from tensorhub.client.config import HubConfig
+    from tensorhub.client.groupanswer import GroupAnswer
     from tensorhub.client.hub import Hub, PullResult
     from tensorhub.client.publication import Publication
     from tensorhub.errors import (
@@ -64,6 +67,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         ManifestMismatch,
         PermissionDenied,
         ServerUnavailable,
+        ShareUnusable,
         SourceLost,
         TensorHubError,
         TransferStalled,

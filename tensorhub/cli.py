@@ -160,22 +160,31 @@ def _bench_server_steady(args: argparse.Namespace) -> int:
 
     from tensorhub.bench import server_steady
 
-    cfg = server_steady.SteadyConfig(readers=args.agents, holders=args.holders, tensors=args.tensors,
-                                     versions=args.versions, pin=not args.no_pin)
     console = Console()
-    with console.status(f"{cfg.readers} readers in groups of {cfg.group}, {cfg.holders} holders, "
-                        f"{cfg.versions} versions..."):
-        out = server_steady.run(cfg)
-    for k, v in enumerate(out["versions"], 1):
-        console.print(f"version {k:3}: server CPU {v['server_cpu_s']:.3f} s, Resolve p99 {v['resolve_ms']['p99']:.1f} ms, "
-                      f"all {cfg.readers} answered in {v['all_answered_s']:.3f} s, answer <= {v['answer_bytes_max']:,} B, "
-                      f"holders sent whole {v['holders_full']:,}, lean {v['holders_lean']:,}")
-    console.print(f"steady state (versions 2-{cfg.versions}, median): server CPU {out['steady_server_cpu_s_per_version']:.3f} s "
-                  f"per version (goal <= 0.25), Resolve p99 {out['steady_resolve_p99_ms']:.1f} ms (goal <= 20), "
-                  f"answers <= {out['steady_answer_bytes_max']:,} B")
+    results = {}
+    # One Resolve per engine (the members get its answer over the engine's channel), and,
+    # in the same run for the ratio, one per worker as before.
+    for mode in ("shared", "per-worker") if args.steady_mode == "both" else (args.steady_mode,):
+        cfg = server_steady.SteadyConfig(readers=args.agents, holders=args.holders, tensors=args.tensors,
+                                         versions=args.versions, pin=not args.no_pin, shared=mode == "shared")
+        with console.status(f"{mode}: {cfg.readers} readers in groups of {cfg.group}, {cfg.holders} holders, "
+                            f"{cfg.versions} versions..."):
+            out = results[mode] = server_steady.run(cfg)
+        console.print(f"[bold]{mode}[/]: {out['resolves_per_version']:,} Resolves per version")
+        for k, v in enumerate(out["versions"], 1):
+            console.print(f"version {k:3}: server CPU {v['server_cpu_s']:.3f} s, Resolve p99 "
+                          f"{v['resolve_ms']['p99']:.1f} ms, all {cfg.readers} answered in {v['all_answered_s']:.3f} s, "
+                          f"answer <= {v['answer_bytes_max']:,} B, holders sent whole {v['holders_full']:,}, "
+                          f"lean {v['holders_lean']:,}")
+        console.print(f"{mode}, steady state (versions 2-{cfg.versions}, median): server CPU "
+                      f"{out['steady_server_cpu_s_per_version']:.3f} s per version (goal <= 0.25), Resolve p99 "
+                      f"{out['steady_resolve_p99_ms']:.1f} ms (goal <= 20), answers <= {out['steady_answer_bytes_max']:,} B")
+    if len(results) == 2:
+        ratio = results["shared"]["steady_server_cpu_s_per_version"] / results["per-worker"]["steady_server_cpu_s_per_version"]
+        console.print(f"server CPU per version, one Resolve per engine against one per worker: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(results, f, indent=1)
     return 0
 
 
@@ -379,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead: --agents readers in groups of 8 pull --versions versions from --holders "
                           "holders publishing from the same buffers (tensorhub.bench.server_steady)")
     srv.add_argument("--versions", type=int, default=10, help="with --steady: versions (default 10)")
+    srv.add_argument("--steady-mode", choices=("both", "shared", "per-worker"), default="both",
+                     help="with --steady: one Resolve per engine for its members (shared), one per worker, or both "
+                          "in one run (default)")
     srv.add_argument("--json", help="write the results here as JSON")
     srv.set_defaults(func=_bench_server)
 

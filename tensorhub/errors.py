@@ -90,6 +90,13 @@ class PermissionDenied(TensorHubError, PermissionError):
     (PERMISSION_DENIED). Nothing was changed."""
 
 
+class ShareUnusable(TensorHubError):
+    """A group answer another member resolved (``Hub.resolve_for_group``) names
+    what this process never saw (a holder's layout or memory, the manifest):
+    its history differs from the resolving member's. Nothing was read; it
+    resolves on its own instead."""
+
+
 class IntegrityError(SourceLost):
     """Bytes read from a source did not match the checksums its publisher
     computed (memory corrupted, or stale bytes after reuse), and no other holder

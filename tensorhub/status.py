@@ -82,6 +82,7 @@ class ControlView:
     pulls_planned: int = 0
     publishes_full: int = 0
     publishes_lean: int = 0
+    answers_shared: int = 0  # members answered by another member's Resolve (one per engine: ``members``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,5 +188,7 @@ def render(status: HubStatus, console: Any | None = None) -> None:
     if c.resolves or c.publishes_full or c.publishes_lean:
         console.print(f"control plane: {c.resolves:,} resolves ({_bytes(c.answer_bytes)} answered), holders sent "
                       f"whole {c.holders_full:,} / lean {c.holders_lean:,}; publishes whole {c.publishes_full:,} / by "
-                      f"layout {c.publishes_lean:,}; pulls replayed {c.pulls_replayed:,} / planned {c.pulls_planned:,}")
+                      f"layout {c.publishes_lean:,}; pulls replayed {c.pulls_replayed:,} / planned {c.pulls_planned:,}"
+                      + (f"; {c.answers_shared:,} members answered by their engine's resolve" if c.answers_shared
+                         else ""))
 

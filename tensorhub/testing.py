@@ -371,8 +371,10 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
           group_round: int = 0, timeout: float | None = None, progress_file: str | None = None,
           read: tuple[str, int, int] | None = None, keep: str | None = None, have: int | None = None,
           unpublish_first: int | None = None, expect_step: tuple[int, float] | None = None,
-          expect_saved: tuple[str, int] | None = None, start_at: float | None = None) -> dict:
+          expect_saved: tuple[str, int] | None = None, start_at: float | None = None,
+          answer: Any = None) -> dict:
     """``read``: ("tp" | "flat" | "whole", rank, world) pulls that slice (see read_region).
+    ``answer``: a ``GroupAnswer`` another member resolved (``resolve_for_group``).
     ``expect_seed="version"``: the publisher seeded each version with its number.
     ``keep``: the destination is kept under that key and pulled into again by
     the next pull with the same key (``have``: the version it holds then).
@@ -408,7 +410,8 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
             held.pop((model, unpublish_first)).unpublish(60.0)
 
     result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s or progress_file else None,
-                      group=group, group_round=group_round, timeout=timeout, have=have, before_write=before_write)
+                      group=group, group_round=group_round, timeout=timeout, have=have, before_write=before_write,
+                      answer=answer)
     end = time.monotonic()
     if serve:
         held[(model, result.version)] = result.publication
@@ -429,6 +432,15 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
             expected = {k: take(v, regions[k]) for k, v in expected.items()}
         out["mismatched"] = [k for k in expected if not torch.equal(result.tensors[k].flatten(), expected[k].flatten())]
     return out
+
+
+def _resolve_for_group(hub: Any, held: dict, *, model: str, version: Any = "latest", group: str,
+                       members: list[str]) -> Any:
+    return hub.resolve_for_group(model, version, group=group, members=members)
+
+
+def _release_group_answer(hub: Any, held: dict, *, answer: Any) -> None:
+    hub.release_group_answer(answer)
 
 
 def _pull_latest_loop(hub: Any, held: dict, *, model: str, specs: list, times: int,
@@ -489,7 +501,8 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
     return hub.wait_for_version(model, at_least, timeout)
 
 
-_HANDLERS = {"publish": _publish, "publish_shard": _publish_shard, "init_group": _init_group,
+_HANDLERS = {"resolve_for_group": _resolve_for_group, "release_group_answer": _release_group_answer,
+             "publish": _publish, "publish_shard": _publish_shard, "init_group": _init_group,
              "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,
              "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,
              "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,

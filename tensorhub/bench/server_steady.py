@@ -5,7 +5,9 @@ steady state, version after version, against one ``tensorhub server`` process.
                                 └─ Unpublish v-1
     readers (engines of 8 workers, one group each) ── Resolve v, as a pull does: a read
         lease (the last one released on the call), the manifest and the holders'
-        layouts it has from version v-1 left out (``known_layouts``: holders come lean)
+        layouts it has from version v-1 left out (``known_layouts``: holders come lean);
+        shared (the default): one member per engine asks for all (``members``,
+        ``Hub.resolve_for_group``), the others send nothing; per worker: every member asks
 
 Per version: the server's CPU for all of it (publishes, unpublishes, every
 reader's Resolve), the answers' bytes, and each Resolve's latency from the
@@ -37,6 +39,7 @@ class SteadyConfig:
     versions: int = 10
     in_flight: int = 64  # Resolves out at once from the readers' process
     pin: bool = True
+    shared: bool = True  # one Resolve per engine (ResolveRequest.members); False: one per worker
 
 
 def _holder(i: int) -> str:
@@ -82,12 +85,15 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
             latencies, sizes = [], []
 
             async def ask(i: int, version: int = version, latencies: list = latencies, sizes: list = sizes) -> None:
+                first = i - i % cfg.group
+                members = [_reader(j) for j in range(first, min(first + cfg.group, cfg.readers)) if j != i]
                 async with gate:
                     t0 = time.perf_counter()
                     resp = await stub.Resolve(pb.ResolveRequest(
                         agent_id=_reader(i), model=MODEL, version=version, lease=True, group=f"engine-{i // cfg.group}",
                         group_round=version, known_fingerprint=fingerprint, known_layouts=known.get(i, []),
-                        release_leases=[leases[i]] if i in leases else []), timeout=30)
+                        release_leases=[leases[i]] if i in leases else [],
+                        members=members if cfg.shared else []), timeout=30)
                     latencies.append(time.perf_counter() - t0)
                     sizes.append(resp.ByteSize())
                     leases[i] = resp.lease_id
@@ -98,7 +104,7 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
                     known[i] = list(seen)[-1024:]
 
             started = time.perf_counter()
-            await asyncio.gather(*(ask(i) for i in range(cfg.readers)))
+            await asyncio.gather(*(ask(i) for i in range(0, cfg.readers, cfg.group if cfg.shared else 1)))
             per_version.append({"latencies": latencies, "answer_bytes_max": max(sizes),
                                 "all_answered_s": time.perf_counter() - started})
             conn.send("done")
@@ -164,6 +170,7 @@ def run(cfg: SteadyConfig) -> dict:
     steady = versions[1:] or versions
     return {
         "readers": cfg.readers, "groups": -(-cfg.readers // cfg.group), "holders": cfg.holders, "tensors": cfg.tensors,
+        "shared": cfg.shared, "resolves_per_version": -(-cfg.readers // cfg.group) if cfg.shared else cfg.readers,
         "versions": versions,
         "first": versions[0],
         "steady_server_cpu_s_per_version": float(np.median([x["server_cpu_s"] for x in steady])),

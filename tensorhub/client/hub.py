@@ -33,6 +33,7 @@ from tensorhub.client.delta import (
     publish_with_delta,
 )
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
+from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication, PubState
@@ -44,7 +45,14 @@ from tensorhub.client.scratch import ScratchPool
 from tensorhub.client.trainercut import publish_cut
 from tensorhub.client.wideread import WideReads
 from tensorhub.delta.codec import Delta
-from tensorhub.errors import AlreadyPublished, InvalidRequest, ServerUnavailable, TensorHubError, VersionNotFound
+from tensorhub.errors import (
+    AlreadyPublished,
+    InvalidRequest,
+    ServerUnavailable,
+    ShareUnusable,
+    TensorHubError,
+    VersionNotFound,
+)
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
@@ -367,11 +375,47 @@ class Hub:
 
     # ---------------------------------------------------------------- pull
 
+    def resolve_for_group(self, model: str, version: int | Literal["latest"] = "latest", *, group: str,
+                          members: list[str]) -> GroupAnswer:
+        """Resolve ``model`` once for this process and the other ``members`` (their
+        ``agent_id``s) of ``group``: hand the answer to them over the group's own
+        channel, each passes it to ``pull(answer=)``, and once every member's pull
+        is done this process calls ``release_group_answer``. One Resolve per
+        engine and version reaches the server instead of one per worker
+        (``groupanswer``). Its lease covers every member's reads."""
+        model = _check_model(model)
+        wanted = None if version == "latest" else _check_version(version)
+        if not group:
+            raise InvalidRequest("resolve_for_group needs the group's name (group=)")
+        others = sorted(set(members) - {self.agent_id})
+        resolved = self._holdings.with_agent(lambda: self._rpc.resolve(
+            self.agent_id, model, wanted, group=group, lease=True, members=others))
+        return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared)
+
+    def release_group_answer(self, answer: GroupAnswer) -> None:
+        """Every member's pull with ``answer`` is done: its lease goes (without
+        waiting; it rides on this process's next resolve when one comes soon)."""
+        self._rpc.release_shared(self.agent_id, answer.lease_id)
+
+    def _first_resolve(self, model: str, wanted: int | None, group: str, group_round: int,
+                       answer: GroupAnswer | None) -> Resolved:
+        if answer is not None:
+            if answer.model != model or (wanted is not None and wanted != answer.version):
+                raise InvalidRequest(f"the group answer is for {answer.model!r} version {answer.version}, not "
+                                     f"{model!r} version {'latest' if wanted is None else wanted}")
+            try:
+                return self._rpc.adopt(model, answer.data)
+            except ShareUnusable as e:  # this member's history differs: it asks on its own
+                log.info("%r v%d: the group answer is not usable here (%s); resolving", model, answer.version, e)
+                wanted, group = answer.version, ""  # that version exactly: no round of the group pins another
+        return self._holdings.with_agent(
+            lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True))
+
     def pull(self, model: str, version: int | Literal["latest"] = "latest",
              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
              serve: bool = False, group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
              timeout: float | None = None, before_write: Callable[[], None] | None = None,
-             have: int | None = None) -> PullResult:
+             have: int | None = None, answer: GroupAnswer | None = None) -> PullResult:
         """Pull a visible version of ``model`` from whoever holds it.
 
         ``into``: destination per tensor name: a tensor (the whole tensor) or
@@ -398,12 +442,13 @@ class Hub:
         against the version's chunk checksums; a mismatch, or no such deltas,
         reads the version whole (``HubConfig.delta="off"``: always). Serving,
         the reader serves the deltas it read too.
+        ``answer``: what another member of this process's group resolved for it
+        (``resolve_for_group``): no Resolve is sent unless it is unusable here.
         """
         model = _check_model(model)
         wanted = None if version == "latest" else _check_version(version)
         start = time.perf_counter()
-        resolved = self._holdings.with_agent(
-            lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True))
+        resolved = self._first_resolve(model, wanted, group, group_round, answer)
         if serve:
             self._refuse_second_replica(model, resolved)
         manifest = resolved.manifest

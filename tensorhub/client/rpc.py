@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from tensorhub.errors import (
     InvalidRequest,
     PermissionDenied,
     ServerUnavailable,
+    ShareUnusable,
     TensorHubError,
     VersionNotFound,
 )
@@ -42,6 +43,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _MANIFESTS_CACHED = 16
 _LAYOUTS_SENT = 64  # publish layouts remembered: a few models' and versions' buffers
+_SHARED_KEPT = 64  # leases of shared group answers remembered (``_shared_leases``)
 _LAYOUTS_KNOWN = 1024  # holder layouts listed per model in a Resolve (the server takes 4096)
 _HELD_CACHED = 64  # holders' held tables (a 16-rank trainer, relays, two versions)
 _RELEASE_DELAY_S = 0.005
@@ -105,6 +107,9 @@ class Resolved:
     lease_sent_at: float = 0.0  # time.monotonic() before the request left
     instance_id: str = ""  # the server's instance that answered (empty: a server older than this client)
     change: int = 0  # the version's change counter this answer reflects (a long-poll's ``seen_change``)
+    # The answer as sent, for the other members of the group it was resolved
+    # for (``ReferenceClient.resolve(members=)``; ``adopt`` on their side).
+    shared: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +198,10 @@ class ReferenceClient:
         # again and again (every refresh of every pull), are parsed once.
         self._held: Lru[tuple[RegionTable, tuple[tuple[int, Region], ...]]] = Lru(_HELD_CACHED)
         self._releases: list[str] = []  # leases to release, not yet sent
+        # Leases of answers shared in a group (``resolve(members=)``, ``adopt``):
+        # the member that resolved releases them once every member is done, so a
+        # pull's own release of them is dropped (the newest _SHARED_KEPT).
+        self._shared_leases: dict[str, None] = {}
         # Bytes of finished pulls by (Labels.tier, from an origin), not yet sent:
         # they ride on the next lease release or resolve (the server's metrics).
         self._pulled: dict[tuple[int, bool], int] = {}
@@ -369,19 +378,20 @@ class ReferenceClient:
 
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
                 group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
-                seen_change: int = 0) -> Resolved:
+                seen_change: int = 0, members: Sequence[str] = ()) -> Resolved:
         """Which version to read and who holds it. ``lease=True`` also leases every
         replica returned, saving a round trip on small pulls. ``wait_change_s``: a
         long poll; the server answers once the version's holders changed since the
-        answer whose ``change`` was ``seen_change``, or after that long."""
+        answer whose ``change`` was ``seen_change``, or after that long.
+        ``members``: the other members of ``group`` this answer is for; the
+        answer's ``shared`` bytes go to them (``adopt``), and its lease is
+        theirs too, released by ``release_shared`` once all are done."""
         request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     wait_change_s=wait_change_s, seen_change=seen_change,
-                                    known_fingerprint=self._last_fingerprint.get(model, ""),
-                                    release_leases=self._take_releases(), pulled=self._take_pulled())
-        known = self._memories.get(model, {})
-        request.known_memory.extend(known)
-        templates = self._layouts.get(model, {})
-        request.known_layouts.extend(templates)
+                                    known_fingerprint=self._known_fingerprint(model),
+                                    release_leases=self._take_releases(), pulled=self._take_pulled(), members=members)
+        request.known_memory.extend(self._memories.get(model, {}))
+        request.known_layouts.extend(self._layouts.get(model, {}))
         with self._cache_lock:
             (request.pulls_replayed, request.pulls_planned), self._pull_paths = self._pull_paths, [0, 0]
         if version is None:
@@ -391,16 +401,58 @@ class ReferenceClient:
         sent = time.monotonic()
         resp = self._call(self._stub.Resolve, request, timeout=self.timeout_s + wait_change_s,
                           not_found=lambda d: VersionNotFound(model, "latest" if version is None else version, d))
+        if resp.instance_id:
+            self.last_resolve = (resp.instance_id, sent)
+        resolved = self._decode(model, resp, sent, broken="the server is broken")
+        if not members:
+            return resolved
+        self._share(resp.lease_id)
+        return replace(resolved, shared=resp.SerializeToString())
+
+    def _known_fingerprint(self, model: str) -> str:
+        """The manifest the server may leave out: the model's last one, if still cached."""
+        fingerprint = self._last_fingerprint.get(model, "")
+        return fingerprint if fingerprint in self._manifests else ""
+
+    def adopt(self, model: str, shared: bytes) -> Resolved:
+        """The answer another member of this client's group resolved for it
+        (``Resolved.shared``), decoded as if this client had asked: its lease
+        is the group's (renewed by whoever reads, released by the member that
+        resolved). ``ShareUnusable`` when it names what this client does not
+        have (a holder layout, a memory or a manifest it never saw: its
+        history differs from the resolving member's): resolve instead."""
+        resp = pb.ResolveResponse.FromString(shared)
+        self._share(resp.lease_id)
+        return self._decode(model, resp, time.monotonic(), broken="resolve instead", error=ShareUnusable)
+
+    def release_shared(self, agent_id: str, lease_id: str) -> None:
+        """The resolving member releases a shared answer's lease: every member is done."""
+        with self._cache_lock:
+            self._shared_leases.pop(lease_id, None)
+        self.release_lease_async(agent_id, lease_id)
+
+    def _share(self, lease_id: str) -> None:
+        if lease_id:
+            with self._cache_lock:
+                self._shared_leases[lease_id] = None
+                while len(self._shared_leases) > _SHARED_KEPT:
+                    self._shared_leases.pop(next(iter(self._shared_leases)))
+
+    def _decode(self, model: str, resp: pb.ResolveResponse, sent: float, *, broken: str,
+                error: type[TensorHubError] = TensorHubError) -> Resolved:
+        """A Resolve answer as this client's holder tables: lean holders rebound to
+        the templates it has, memories it listed reused, the manifest cached."""
+        known = self._memories.get(model, {})
+        templates = self._layouts.get(model, {})
         manifest = self._manifests.get(resp.fingerprint)
         if manifest is None or resp.HasField("manifest"):
+            if not resp.HasField("manifest"):
+                raise error(f"the answer left out manifest {resp.fingerprint[:12]} this client never had; {broken}")
             manifest = wire.manifest_from_wire(resp.manifest)
             with self._cache_lock:
                 self._manifests[resp.fingerprint] = manifest
                 while len(self._manifests) > _MANIFESTS_CACHED:
                     self._manifests.pop(next(iter(self._manifests)))
-        self._last_fingerprint[model] = resp.fingerprint
-        if resp.instance_id:
-            self.last_resolve = (resp.instance_id, sent)
         memories: dict[bytes, _Memory] = {}
         replicas = []
         seen = dict(templates)
@@ -408,16 +460,16 @@ class ReferenceClient:
             if not msg.agent_id and msg.layout:  # lean: a holder laid out as one this client has
                 template = templates.get(msg.layout)
                 if template is None:
-                    raise TensorHubError(f"the server sent replica {msg.replica_id!r} lean, by a layout this client "
-                                         "never listed as known; the server is broken")
+                    raise error(f"the answer sent replica {msg.replica_id!r} lean, by a layout this client never "
+                                f"listed as known; {broken}")
                 replicas.append(_rebound(template, msg))
                 seen[msg.layout] = seen.pop(msg.layout)  # in use: the last to be forgotten
                 continue
             if msg.HasField("memory"):
                 memory = _memory(msg.memory)
             elif (memory := known.get(msg.memory_digest)) is None:
-                raise TensorHubError(f"the server left out the memory of replica {msg.replica_id!r} but this client "
-                                     "never listed its digest as known; the server is broken")
+                raise error(f"the answer left out the memory of replica {msg.replica_id!r} but this client never "
+                            f"listed its digest as known; {broken}")
             if msg.memory_digest:
                 memories[msg.memory_digest] = memory
             replicas.append(_replica(msg, manifest, memory, self._held))
@@ -428,6 +480,7 @@ class ReferenceClient:
         while len(seen) > _LAYOUTS_KNOWN:  # the oldest go first
             seen.pop(next(iter(seen)))
         self._layouts[model] = seen
+        self._last_fingerprint[model] = resp.fingerprint
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
                         resp.instance_id, resp.change)
 
@@ -446,6 +499,8 @@ class ReferenceClient:
         comes within a few milliseconds (a pull loop costs no extra round trip),
         else a background thread sends it. The lease also expires by itself."""
         with self._cache_lock:
+            if lease_id in self._shared_leases:  # a group's: the member that resolved releases it
+                return
             self._releases.append(lease_id)
         self._background.submit(self._flush_releases, agent_id)
 

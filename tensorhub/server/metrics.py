@@ -123,6 +123,8 @@ _CONTROL_COUNTERS = (
      "every holder's layout known) or planned"), "path", (("replayed", "pulls_replayed"), ("planned", "pulls_planned"))),
     ("tensorhub_publishes", ("Publish requests: full (regions and memory sent) or lean (naming a layout published "
      "before)"), "form", (("full", "publishes_full"), ("lean", "publishes_lean"))),
+    ("tensorhub_resolve_answers", ("Readers answered: by a Resolve of their own, or shared (another member of their "
+     "engine resolved for the group)"), "how", (("own", "resolves"), ("shared", "answers_shared"))),
 )
 
 

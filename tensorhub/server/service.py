@@ -79,6 +79,7 @@ def _require_version(version: int) -> int:
 _MANIFESTS_KEPT = 8
 _RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP worker's, per manifest)
 _MANIFESTS_KEPT = 16  # encoded manifests kept by fingerprint
+MAX_SHARED_MEMBERS = 64  # ResolveRequest.members: an engine's workers (TP x PP), a few dozen at most
 _GROUP_ANSWERS_KEPT = 1024  # encoded holder lists of groups (_group_holders): an engine's, per what it knows
 _LAYOUTS_KEPT = 8192  # publish layouts (``_known_layout``): two per agent of a 4,096-agent job
 
@@ -493,6 +494,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.known_layouts) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_layouts)} known_layouts, more than {MAX_KNOWN_MEMORY}")
             layouts = frozenset(request.known_layouts)
+            others = self._members(agent_id, request)
             self.state.control.pulls_replayed += request.pulls_replayed
             self.state.control.pulls_planned += request.pulls_planned
             if request.wait_change_s:
@@ -504,14 +506,16 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 started = time.perf_counter()  # the resolve's own time, not the wait, goes to its metric
             change = self.changes.seen(model, version) if version is not None else 0
             try:
-                resolved, entry = self.state.resolve(model, version, request.group, request.group_round,
-                                                     reader=agent_id)
+                # A group's members asking one by one agree through rounds; one asking for all needs none.
+                resolved, entry = self.state.resolve(model, version, "" if others else request.group,
+                                                     request.group_round, reader=agent_id)
             except StateError as e:
                 outcome = "not_found" if e.code == "NOT_FOUND" else outcome
                 raise
             shared_list: list = []
             if request.group and not request.max_sources:  # one list per engine (State.group_sources)
-                sources = shared_list = self.state.group_sources(model, entry, agent_id, request.group)
+                sources = shared_list = self.state.group_sources(model, entry, agent_id, request.group,
+                                                                 others=others)
             else:
                 sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
@@ -520,7 +524,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 response.manifest.CopyFrom(entry.wire_manifest)
             if request.lease:
                 pull_started = not self.state.leases_of.get(agent_id)  # not a pull's refresh
-                lease = self.state.acquire_lease(agent_id, [r.replica_id for r in sources])
+                lease = self.state.acquire_lease(agent_id, [r.replica_id for r in sources], others)
                 response.lease_id, response.lease_ttl_s = lease.lease_id, _left(lease)
                 if len(lease.replica_ids) < len(sources):  # the reader takes the answer as all leased
                     granted = set(lease.replica_ids)
@@ -531,6 +535,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts) for r in sources]))
             control = self.state.control
             control.resolves += 1
+            control.answers_shared += len(others)
             control.answer_bytes += len(answer)
             outcome = "ok"
             return answer
@@ -539,6 +544,20 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             return await self._run(context, go)
         finally:
             self.metrics.resolved(time.perf_counter() - started, outcome, pull_started)
+
+    def _members(self, agent_id: str, request: pb.ResolveRequest) -> frozenset[str]:
+        """The other members of the caller's group it resolves for: known agents,
+        for a group pull that takes a lease (the lease covers their reads)."""
+        if not request.members:
+            return frozenset()
+        if not request.group or not request.lease:
+            raise Invalid("members need a group and a lease: the answer is the group's, and so is its lease")
+        if len(request.members) > MAX_SHARED_MEMBERS:
+            raise Invalid(f"{len(request.members)} members, more than {MAX_SHARED_MEMBERS}")
+        members = frozenset(_require_id(m, "members") for m in request.members) - {agent_id}
+        for member in sorted(members):
+            self.state._agent(member)  # FAILED_PRECONDITION for an agent not registered (or expired)
+        return members
 
     def _group_holders(self, model: str, version: int, sources: list[Replica], known_memory: frozenset[bytes],
                        known: frozenset[bytes]) -> bytes:
@@ -566,13 +585,16 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
     def _release_own(self, agent_id: str, lease_ids: Any) -> None:
         """Release read leases of ``agent_id``; another agent's lease is PERMISSION_DENIED
-        (checked for all of them before any is released). Unknown ones are already gone."""
+        (checked for all of them before any is released). Unknown ones are already gone;
+        a lease the agent shares (``Lease.sharers``) is its owner's to release: kept."""
         for lease_id in lease_ids:
             lease = self.state.leases.get(_require_id(lease_id, "lease_id"))
-            if lease is not None and lease.agent_id != agent_id:
+            if lease is not None and lease.agent_id != agent_id and agent_id not in lease.sharers:
                 raise StateError("PERMISSION_DENIED", f"read lease {lease_id!r} belongs to another agent")
         for lease_id in lease_ids:
-            self.state.release_lease(lease_id)
+            lease = self.state.leases.get(lease_id)
+            if lease is not None and lease.agent_id == agent_id:
+                self.state.release_lease(lease_id)
 
     def _replica_info(self, replica: Replica, known_memory: frozenset[bytes], known: frozenset[bytes]) -> bytes:
         """The replica's serialized ReplicaInfo. The fields that do not change
@@ -652,8 +674,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 return pb.ReportLostResponse()  # already gone: nothing to do
             # Only a reader of the replica (a read lease on it) may report it lost:
             # no agent can drop what others hold by naming it.
-            if not any((lease := self.state.leases.get(lid)) is not None and lease.agent_id == agent_id
-                       for lid in replica.leases):
+            if not any((lease := self.state.leases.get(lid)) is not None
+                       and (lease.agent_id == agent_id or agent_id in lease.sharers) for lid in replica.leases):
                 raise StateError("PERMISSION_DENIED", f"agent {agent_id!r} holds no read lease on replica "
                                                       f"{replica_id!r}; only its readers may report it lost")
             log.warning("replica %s reported lost by %s: %s", replica_id, agent_id, request.reason[:200])

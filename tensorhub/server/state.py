@@ -207,6 +207,9 @@ class Lease:
     agent_id: str
     replica_ids: list[str]
     expires_at: float
+    # Other members of the owner's group reading under it (``ResolveRequest.members``):
+    # they may renew it and report its holders lost; only the owner releases it.
+    sharers: frozenset[str] = frozenset()
 
 
 class State:
@@ -564,7 +567,7 @@ class State:
                    for lease in self.leases.values())
 
     def group_sources(self, model: str, entry: Version, reader_agent_id: str, group: str,
-                      k: int = 0) -> list[Replica]:
+                      k: int = 0, others: Iterable[str] = ()) -> list[Replica]:
         """``sources`` for a member of ``group`` (the workers of one engine): one
         list for the whole group, ranked for the group (as a reader whose id is
         the group's) and without the replicas of any of its members (they load
@@ -572,14 +575,16 @@ class State:
         sources). Made when the first member asks and kept while nobody
         publishes, withdraws, registers or expires, so the other members' asks
         cost a lookup: one ranking and one coverage search per engine, not per
-        worker. Members are learnt from their asks; a new member makes it anew."""
+        worker. Members are learnt from their asks and from ``others`` (those a
+        member asks for: ``ResolveRequest.members``); a new member makes it anew."""
         members = self.group_members.get(f"{model}\0{group}")
         if members is None:
             if len(self.group_members) >= MAX_GROUPS_KEPT:  # the oldest group first (engines come and go)
                 del self.group_members[next(iter(self.group_members))]
             members = self.group_members[f"{model}\0{group}"] = set()
-        if reader_agent_id not in members:
+        if reader_agent_id not in members or not members.issuperset(others):
             members.add(reader_agent_id)
+            members.update(others)
             while len(members) > MAX_GROUP_MEMBERS:
                 members.pop()
         key = f"\0group\0{group}\0{len(members)}"
@@ -666,13 +671,13 @@ class State:
     def _covers(entry: Version, holders: list[Replica]) -> bool:
         return bool(holders) and covers(_grouping(entry), [_keys(entry, r) for r in holders])
 
-    def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> Lease:
+    def acquire_lease(self, agent_id: str, replica_ids: list[str], sharers: frozenset[str] = frozenset()) -> Lease:
         self._agent(agent_id)
         now = time.monotonic()
         # A holder silent about the replica for a whole TTL is not leased: its readers must have stopped.
         granted = [rid for rid in replica_ids if (r := self.replicas.get(rid)) is not None and self._live(r)
                    and r.confirmed_at + self.lease_ttl_s > now]
-        lease = Lease(uuid.uuid4().hex, agent_id, granted, self._lease_expiry(granted, now))
+        lease = Lease(uuid.uuid4().hex, agent_id, granted, self._lease_expiry(granted, now), sharers)
         self.leases[lease.lease_id] = lease
         self.leases_of[agent_id] = self.leases_of.get(agent_id, 0) + 1
         self._next_expiry = min(self._next_expiry, lease.expires_at)
@@ -684,7 +689,7 @@ class State:
 
     def renew_lease(self, agent_id: str, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
-        if lease is None or lease.agent_id != agent_id:
+        if lease is None or (lease.agent_id != agent_id and agent_id not in lease.sharers):
             raise StateError("NOT_FOUND", f"read lease {lease_id!r} is unknown or expired")
         now = time.monotonic()
         lease.expires_at = self._lease_expiry(lease.replica_ids, now)

@@ -128,3 +128,13 @@ def test_the_servers_holder_ranking_is_the_planners():
     check()
     state.expire(now=time.monotonic() + 1e6)  # everybody gone: nothing left to rank
     assert state.sources(entry, "agent-50") == []
+
+
+def test_the_steady_bench_sends_one_resolve_per_engine_and_no_holder_twice():
+    from tensorhub.bench import server_steady
+
+    out = server_steady.run(server_steady.SteadyConfig(readers=16, group=8, holders=4, tensors=8, versions=3,
+                                                       pin=False))
+    assert out["shared"] and out["resolves_per_version"] == 2
+    assert [v["holders_full"] for v in out["versions"]] == [4 * 2, 0, 0]  # every holder whole once per engine
+    assert out["steady_answer_bytes_max"] < 4096

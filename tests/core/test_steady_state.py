@@ -87,6 +87,65 @@ def test_a_groups_next_version_is_replayed_with_lean_answers_one_ranking_per_gro
     assert _control(server.address)["pulls_replayed"] >= 2
 
 
+def _group_step(leader: HubProcess, workers: list[HubProcess], version: int, seed: int) -> list[dict]:
+    """One engine's update: the leader resolves for the group, every worker
+    pulls its slice with that answer, then the leader lets the lease go."""
+    answer = leader.call("resolve_for_group", model="m", version=version, group="engine0",
+                         members=[w.agent_id for w in workers])
+    got = [w.call("pull", model="m", version=version, specs=SPECS, expect_seed=seed, read=("tp", rank, 2),
+                  keep="dest", answer=answer) for rank, w in enumerate(workers)]
+    leader.call("release_group_answer", answer=answer)
+    for g in got:
+        assert g["mismatched"] == [], g["mismatched"]
+    return got
+
+
+def test_one_resolve_per_engine_serves_every_worker_and_its_lease_goes_with_the_leader(server, hubs):
+    ranks = [hubs("rank0"), hubs("rank1")]
+    workers = [hubs("w0"), hubs("w1")]
+    _publish(ranks, 1, seed=1)
+    before = _control(server.address)
+    for got in _group_step(workers[0], workers, 1, 1):
+        assert got["path"] == PLANNED and set(got["sources"]) == {"rank0", "rank1"}
+    after = _control(server.address)
+    assert after["resolves"] - before["resolves"] == 1  # one message for the engine, not one per worker
+    assert after["answers_shared"] - before["answers_shared"] == 1
+    for v in (2, 3):
+        _step(ranks, v - 1, v, seed=v)  # the step's unpublish returns: the group's lease on v-1 was released
+        before = _control(server.address)
+        for got in _group_step(workers[0], workers, v, v):
+            assert got["path"] == REPLAYED, got["not_replayed"]  # the answer decoded as the member's own: lean
+        after = _control(server.address)
+        assert after["resolves"] - before["resolves"] == 1
+        assert after["holders_full"] == before["holders_full"]
+    # A worker whose history differs (it never saw the holders' layouts the
+    # answer names) cannot use it: it resolves on its own, and is exact.
+    late = hubs("w2")
+    _step(ranks, 3, 4, seed=4)
+    before = _control(server.address)
+    got = _group_step(workers[0], [*workers, late][1:], 4, 4)  # w1 (knows them) and w2 (never pulled)
+    assert got[0]["path"] == REPLAYED and got[1]["path"] == PLANNED
+    assert _control(server.address)["resolves"] - before["resolves"] == 2  # the leader's and w2's own
+
+
+def test_a_group_answer_is_refused_for_strangers_and_without_a_lease(server, hubs):
+    ranks = [hubs("rank0")]
+    _publish(ranks, 1, seed=1)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        agent = ranks[0].agent_id
+        for kw, code, says in (
+                ({"group": "g", "lease": True, "members": ["nobody"]}, grpc.StatusCode.FAILED_PRECONDITION,
+                 "not registered"),
+                ({"group": "g", "members": [agent]}, grpc.StatusCode.INVALID_ARGUMENT, "need a group and a lease"),
+                ({"lease": True, "members": [agent]}, grpc.StatusCode.INVALID_ARGUMENT, "need a group and a lease"),
+                ({"group": "g", "lease": True, "members": [f"a{i}" for i in range(65)]},
+                 grpc.StatusCode.INVALID_ARGUMENT, "more than 64")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Resolve(pb.ResolveRequest(agent_id=agent, model="m", version=1, **kw), timeout=10)
+            assert err.value.code() == code and says in err.value.details(), err.value.details()
+
+
 def test_a_new_trainer_world_size_is_planned_and_exact(hubs):
     ranks = [hubs("rank0"), hubs("rank1")]
     reader = hubs("reader")
