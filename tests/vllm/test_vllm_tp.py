@@ -53,6 +53,21 @@ def test_each_worker_reads_its_slices_only(engines):
         assert not set(s["widened"]) & set(s["boxes"])  # whole tensors now
 
 
-def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, trainer):
+def _control(address: str):
+    from tensorhub.client.rpc import ReferenceClient
+
+    client = ReferenceClient(address)
+    try:
+        return client.describe().control
+    finally:
+        client.close()
+
+
+def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, trainer, hub_server):
     a, b = engines
+    before = _control(hub_server.address)
     update_and_relay(a, b, trainer, (31, 32), PROMPTS, share=0.6)
+    # Three updates of TP=2 engines, one Resolve each: the first worker resolves
+    # for both (groupshare), the second adopts its answer.
+    after = _control(hub_server.address)
+    assert (after.resolves - before.resolves, after.answers_shared - before.answers_shared) == (3, 3)

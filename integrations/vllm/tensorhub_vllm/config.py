@@ -107,12 +107,16 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     # only the next version's deltas from it where the trainer published them
     # (publish(delta_from=...)); "off": every version whole.
     delta: Literal["auto", "off"] = "auto"
+    # One Resolve per engine and version: the first worker resolves for all and
+    # hands the answer over the engine's CPU group (groupshare); off: each worker asks.
+    share_resolve: bool = True
 
     @classmethod
     def from_dict(cls, values: Any) -> TensorHubInitInfo:
         return cls(**_parse(cls, values, {
             "hub": _text, "model": _text, "serve": _flag, "engine_id": _optional_text,
             "unpublish_timeout_s": _seconds, "hub_config": _hub_config, "overread": _fraction, "delta": _delta,
+            "share_resolve": _flag,
         }))
 
 

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tensorhub import Hub, HubConfig, ManifestMismatch, Publication, PullResult, experts
+from tensorhub import GroupAnswer, Hub, HubConfig, ManifestMismatch, Publication, PullResult, experts
 from tensorhub.manifest import Manifest
 from tensorhub_vllm.config import TensorHubInitInfo
+from tensorhub_vllm.groupshare import EngineShare
 from tensorhub_vllm.readset import ReadSet
 
 # safetensors header dtype names -> torch
@@ -75,11 +76,13 @@ class VersionReceiver:
 
     All workers of an engine share ``group`` and call ``receive`` once per
     update, in the same order, so the counter they pass as ``group_round``
-    agrees and the hub hands each of them the same version.
+    agrees and the hub hands each of them the same version; with
+    ``share_resolve`` (and ``world_size`` > 1) the first resolves for all
+    (``groupshare``).
     """
 
     def __init__(self, info: TensorHubInitInfo, layout: dict[str, torch.Tensor], *, group: str, name: str,
-                 read_set: ReadSet | None = None, device: torch.device | str = "cpu") -> None:
+                 read_set: ReadSet | None = None, device: torch.device | str = "cpu", world_size: int = 1) -> None:
         self.info = info
         self.group = group
         self.read_set = read_set or ReadSet(layout=layout, boxes={}, fallbacks={})
@@ -92,6 +95,10 @@ class VersionReceiver:
         self.version: int | None = None  # the version applied last
         self._withdrawals = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-withdraw")
         self.hub = Hub.connect(info.hub, config=HubConfig.from_dict({"name": name, **info.hub_config}))
+        # One Resolve for the engine's ``world_size`` workers (None: each asks on its own).
+        self._share = EngineShare.of_engine(world_size, model=info.model, engine=group,
+                                            pull_timeout_s=self.hub.config.pull_timeout_s) \
+            if info.share_resolve else None
 
     def receive(self, version: int | str) -> PullResult:
         """Pull the read set of ``version`` (or ``"latest"``) completely; the
@@ -103,11 +110,22 @@ class VersionReceiver:
         ``into`` mapping it was pulled into."""
         self._round += 1
         withdrawn = self._withdraw()
+        if self._share is None:
+            return self._receive(version, withdrawn, None)
+        answer, failure = self._share.exchange(self.hub, version)
+        try:
+            if failure is not None:
+                raise failure
+            return self._receive(version, withdrawn, answer)
+        finally:
+            self._share.finish(self.hub, answer)
+
+    def _receive(self, version: int | str, withdrawn: Callable[[], None], answer: GroupAnswer | None) -> PullResult:
         if not self.info.serve:
             # Fresh memory each time, dropped by the caller after the apply.
             self.staged = self.read_set.allocate(self.device)
             try:
-                return self._pull(version, self.staged)
+                return self._pull(version, self.staged, answer=answer)
             except BaseException:
                 self.staged = None  # nothing to apply: free it now, not at the next update
                 raise
@@ -116,7 +134,7 @@ class VersionReceiver:
         self.staged = self._staging
         have = self._staging_holds if self.info.delta == "auto" else None
         self._staging_holds = None  # until this pull ends: it writes into the staging
-        result = self._pull(version, self._staging, serve=True, before_write=withdrawn, have=have)
+        result = self._pull(version, self._staging, serve=True, before_write=withdrawn, have=have, answer=answer)
         self._publication = result.publication
         self._staging_holds = result.version
         return result

@@ -28,6 +28,10 @@
   block-FP8 engine must round exactly as it does to match a fresh engine bit
   for bit; verl's and NeMo-RL's kernels compute the scale another way.
 
+* ``engine_cpu_group``: the gloo group of the engine's workers (vLLM's world
+  group), over which the first worker hands its Resolve answer to the others
+  (``groupshare``).
+
 When vLLM changes these internals, this module is what to update.
 """
 
@@ -39,6 +43,7 @@ from contextlib import contextmanager
 import torch
 import vllm
 from vllm.config import ParallelConfig
+from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
@@ -161,3 +166,15 @@ def moe_finalize_on_update(model: torch.nn.Module) -> Iterator[None]:
 def module_of(source: WeightSource) -> torch.nn.Module | None:
     """The module a ``ModuleSource`` iterates, or None for any other source."""
     return source._module if isinstance(source, ModuleSource) else None
+
+
+def engine_cpu_group(world_size: int) -> tuple[object, int, int] | None:
+    """(gloo group, this worker's rank in it, its size) of the engine's workers,
+    or None when they are one, or vLLM's world group is not exactly them (a
+    data-parallel world spanning engines)."""
+    if world_size <= 1:
+        return None
+    world = get_world_group()
+    if world.world_size != world_size:
+        return None
+    return world.cpu_group, world.rank_in_group, world.world_size

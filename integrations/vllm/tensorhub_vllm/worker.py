@@ -52,7 +52,8 @@ class WorkerUpdater:
                  sum(self.read_set.widened.values()), len(self.read_set.widened), time.perf_counter() - start)
         group = engine_group(vllm_config, info, role)
         self.receiver = VersionReceiver(info, layout, group=group, name=f"vllm:{group}:{os.getpid()}",
-                                        read_set=self.read_set, device=self.device)
+                                        read_set=self.read_set, device=self.device,
+                                        world_size=vllm_config.parallel_config.world_size)
         self.pull_s = self.apply_s = 0.0  # of the last update
         self.nbytes = 0
         self.bytes_by_source: dict[str, int] = {}

@@ -166,13 +166,20 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         first = _resolve_sample(stub, pid, [f"w{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
 
         # 3. every engine's workers publish as relays; late workers resolve
-        rss0, cpu0 = _rss(pid), _cpu(pid)
         for e in range(engines):
             for w in range(cuts.TP):
                 agent = f"engine{e}.{w}"
                 stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent,
                                                            labels=pb.Labels(host=f"e{e}", rack=f"r{e // 16}")),
                                    timeout=60)
+        # What each engine is told of version 1 as it starts, the trainer's ranks alone holding it (not
+        # measured: the sample above is version 1's cost); it knows their layouts from then on.
+        knows = {e: {info.layout for info in _engine_resolve(stub, e, 1, fingerprint, set()).replicas}
+                 for e in range(engines)}
+        rss0, cpu0 = _rss(pid), _cpu(pid)
+        for e in range(engines):
+            for w in range(cuts.TP):
+                agent = f"engine{e}.{w}"
                 stub.Publish(publish_request(agent, *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41, False,
                                              False), timeout=120)
         relay_cpu = _cpu(pid) - cpu0
@@ -181,7 +188,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
 
         # 5. the steady state: version 2 from the same buffers, every reader's messages for real
-        steady = _steady(stub, pid, ranks, engines, fingerprint,
+        steady = _steady(stub, pid, ranks, engines, fingerprint, knows,
                          lambda r: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40, True,
                                                    False, version=2),
                          lambda e, w: publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner),
@@ -243,28 +250,25 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     return out
 
 
-def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, trainer_request, relay_request) -> dict:
+def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
+            trainer_request, relay_request) -> dict:
     """Version 2 from the same buffers, as an RL step makes it: the trainer's
-    ranks publish naming their version-1 layout, every reader (each engine's 8
-    workers, one group each engine, as vLLM's workers ask) resolves knowing the
-    holders' layouts from its version-1 answers,
-    the workers publish what they pulled as relays (naming their layouts too),
-    and every reader resolves again. Every message is sent for real, none
-    sampled, and the server's CPU for all of them is measured."""
+    ranks publish naming their version-1 layout, every engine resolves once
+    for its 8 workers (the first asks for all, ``members``, with a read lease,
+    as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
+    version-1 answers, the workers publish what they pulled as relays (naming
+    their layouts too), and every engine resolves again. Every message is sent
+    for real, none sampled, and the server's CPU for all of them is measured."""
     workers = [(e, w) for e in range(engines) for w in range(cuts.TP)]
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
     parse_s = 0.0
-    # What each reader was told of version 1 (not measured: that was version 1's cost): the trainer's
-    # holders and the relays its engine's answer named, the same agents its version-2 answers name. Twice:
-    # the first round is where the server learns each engine's members, as it does in a run's first version.
-    knows: dict[tuple[int, int], set[bytes]] = {worker: set() for worker in workers}
-    for _ in range(2):
-        for e, w in workers:
-            v1 = stub.Resolve(pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=1, group=f"engine{e}",
-                                                known_fingerprint=fingerprint, known_layouts=sorted(knows[(e, w)])),
-                              timeout=120)
-            knows[(e, w)] |= {info.layout for info in v1.replicas}
+    # What each engine was told of version 1 (``knows``: as it started; not measured, that was version
+    # 1's cost), then once relays held it: the trainer's holders and the relays its answer named, the
+    # agents its version-2 answers name. Its workers know the same: they all took its answers (``groupshare``).
+    for e in range(engines):
+        v1 = _engine_resolve(stub, e, 1, fingerprint, knows[e])
+        knows[e] |= {info.layout for info in v1.replicas}
     cpu0 = _cpu(pid)
     for r in range(ranks):
         _publish_lean(stub, trainer_request(r))
@@ -277,12 +281,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, trainer_
             publish_cpu += _cpu(pid) - cpu
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
-        for e, w in workers:
-            request = pb.ResolveRequest(agent_id=f"engine{e}.{w}", model="m", version=2, group=f"engine{e}",
-                                        known_fingerprint=fingerprint, known_layouts=sorted(knows[(e, w)]))
-            answer = stub.Resolve(request, timeout=120)
+        for e in range(engines):
+            answer = _engine_resolve(stub, e, 2, fingerprint, knows[e], sizes=requests)
             answers.append(answer.ByteSize())
-            requests.append(request.ByteSize())
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         full += counters.holders_full - counters0.holders_full
@@ -293,6 +294,22 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, trainer_
     return {"server_cpu_s": publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu, "resolve_cpu_s": resolve_cpu,
             "answer_bytes_max": max(answers), "request_bytes_max": max(requests), "resolves": len(answers),
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
+
+
+def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes],
+                    sizes: list[int] | None = None) -> pb.ResolveResponse:
+    """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
+    of them with a read lease (``Hub.resolve_for_group``), released as the
+    pulls end (in a run it rides on the next Resolve)."""
+    request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
+                                known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
+                                members=[f"engine{e}.{m}" for m in range(1, cuts.TP)])
+    answer = stub.Resolve(request, timeout=120)
+    stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
+                          timeout=120)
+    if sizes is not None:
+        sizes.append(request.ByteSize())
+    return answer
 
 
 def _publish_lean(stub, request: pb.PublishRequest) -> None:
