@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import random
 import signal
@@ -478,6 +479,13 @@ def _overwrite(hub: Any, held: dict, *, model: str, version: int, seed: int) -> 
         tensors[name].copy_(new)
 
 
+def _free(hub: Any, held: dict, *, model: str, version: int) -> None:
+    """Drop this process's tensors of an unpublished version (a trainer freeing
+    a step's buffers): the allocator may hand their addresses to the next."""
+    held.pop(("tensors", model, version), None)
+    gc.collect()
+
+
 def _corrupt(hub: Any, held: dict, *, model: str, version: int, tensor: str, byte: int = 0) -> None:
     """Flip the bits of one byte of a published tensor in place, behind the hub's back
     (what a memory fault or a stray write does): its chunk checksum no longer matches."""
@@ -506,7 +514,7 @@ _HANDLERS = {"resolve_for_group": _resolve_for_group, "release_group_answer": _r
              "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,
              "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,
              "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,
-             "overwrite": _overwrite, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
+             "overwrite": _overwrite, "free": _free, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
 
 
 class HubProcess:

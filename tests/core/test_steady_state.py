@@ -304,3 +304,17 @@ def test_a_groups_members_share_one_list_that_leaves_them_out():
     again = state.group_sources("m", entry, "h0", "engine")
     assert again is second  # one list for the group while nothing changes
     assert [r.agent_id for r in first if r.agent_id != "h1"][:2] == [r.agent_id for r in second][:2]  # ranked alike
+
+
+def test_fresh_buffers_at_freed_addresses_replay_exactly(hubs):
+    """A trainer that frees each step's buffers and allocates the next: the
+    allocator hands back the same addresses, NIXL registers them anew, and the
+    holder's layout may repeat an earlier one. The replay must read the new
+    registration's bytes, exactly."""
+    holder, reader = hubs("holder"), hubs("reader")
+    for v in range(1, 9):
+        holder.call("publish", model="m", version=v, specs=SPECS, seed=v, chunk_size=CHUNK)
+        got = reader.call("pull", model="m", version=v, specs=SPECS, expect_seed=v, keep="dest")
+        assert got["mismatched"] == [] and not got["lost"], (v, got)
+        holder.call("unpublish", model="m", version=v)
+        holder.call("free", model="m", version=v)
