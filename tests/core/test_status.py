@@ -126,6 +126,8 @@ def test_status_shows_versions_holders_and_a_reader_in_flight(server, tmp_path, 
     assert after['tensorhub_publishes_total{form="full"}'] >= before['tensorhub_publishes_total{form="full"}'] + 1
     assert after["tensorhub_resolve_answer_bytes_total"] > before["tensorhub_resolve_answer_bytes_total"]
     assert 'tensorhub_pull_paths_total{path="replayed"}' in after
+    assert after['tensorhub_resolve_answers_total{how="own"}'] >= 1  # the reader's own Resolve
+    assert 'tensorhub_resolve_answers_total{how="shared"}' in after
 
 
 def test_status_needs_the_token_and_checks_its_input(server, capsys, monkeypatch):
