@@ -72,6 +72,7 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
     from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 
     known: dict[int, list[bytes]] = {}
+    numbering: dict[int, str] = {}  # the server's layout numbering each reader has numbers of
     leases: dict[int, str] = {}
     per_version = []
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
@@ -92,8 +93,9 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
                     resp = await stub.Resolve(pb.ResolveRequest(
                         agent_id=_reader(i), model=MODEL, version=version, lease=True, group=f"engine-{i // cfg.group}",
                         group_round=version, known_fingerprint=fingerprint, known_layouts=known.get(i, []),
-                        release_leases=[leases[i]] if i in leases else [],
+                        release_leases=[leases[i]] if i in leases else [], layout_ids=numbering.get(i, ""),
                         members=members if cfg.shared else []), timeout=30)
+                    numbering[i] = resp.layout_ids  # as client/rpc.py: holders by number from then on
                     latencies.append(time.perf_counter() - t0)
                     sizes.append(resp.ByteSize())
                     leases[i] = resp.lease_id

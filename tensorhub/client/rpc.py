@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _MANIFESTS_CACHED = 16
 _LAYOUTS_SENT = 64  # publish layouts remembered: a few models' and versions' buffers
 _SHARED_KEPT = 64  # leases of shared group answers remembered (``_shared_leases``)
+_LAYOUT_NUMBERS_KEPT = 16384  # layout numbers remembered (every model's holders' layouts, and some)
 _LAYOUTS_KNOWN = 1024  # holder layouts listed per model in a Resolve (the server takes 4096)
 _HELD_CACHED = 64  # holders' held tables (a 16-rank trainer, relays, two versions)
 _RELEASE_DELAY_S = 0.005
@@ -187,6 +188,10 @@ class ReferenceClient:
         # the server sends a holder whose layout the client lists lean (its id,
         # checksums, state), rebound here to that holder (the steady state).
         self._layouts: dict[str, dict[bytes, RemoteReplica]] = {}
+        # The server's numbers of holder layouts (ReplicaInfo.layout_id) under its numbering
+        # ``_numbering``: lean holders come by number once this client has the numbers.
+        self._numbering = ""
+        self._layout_numbers: dict[int, bytes] = {}
         self._pull_paths = [0, 0]  # finished pulls (replayed, planned) not reported yet
         self._last_fingerprint: dict[str, str] = {}
         # Per model, the memory of the last answer's holders by digest: the server
@@ -392,6 +397,8 @@ class ReferenceClient:
                                     release_leases=self._take_releases(), pulled=self._take_pulled(), members=members)
         request.known_memory.extend(self._memories.get(model, {}))
         request.known_layouts.extend(self._layouts.get(model, {}))
+        if self._layout_numbers:
+            request.layout_ids = self._numbering
         with self._cache_lock:
             (request.pulls_replayed, request.pulls_planned), self._pull_paths = self._pull_paths, [0, 0]
         if version is None:
@@ -408,6 +415,15 @@ class ReferenceClient:
             return resolved
         self._share(resp.lease_id)
         return replace(resolved, shared=resp.SerializeToString())
+
+    def _numbers(self, numbering: str) -> dict[int, bytes]:
+        """The layout numbers of ``numbering`` this client has (a new numbering: none yet)."""
+        with self._cache_lock:
+            if numbering != self._numbering:
+                self._numbering, self._layout_numbers = numbering, {}
+            while len(self._layout_numbers) > _LAYOUT_NUMBERS_KEPT:  # the oldest first
+                self._layout_numbers.pop(next(iter(self._layout_numbers)))
+            return self._layout_numbers
 
     def _known_fingerprint(self, model: str) -> str:
         """The manifest the server may leave out: the model's last one, if still cached."""
@@ -456,14 +472,18 @@ class ReferenceClient:
         memories: dict[bytes, _Memory] = {}
         replicas = []
         seen = dict(templates)
+        numbers = self._numbers(resp.layout_ids)
         for msg in resp.replicas:
-            if not msg.agent_id and msg.layout:  # lean: a holder laid out as one this client has
-                template = templates.get(msg.layout)
+            if msg.layout and msg.layout_id:
+                numbers[msg.layout_id] = msg.layout
+            if not msg.agent_id and (msg.layout or msg.layout_id):  # lean: laid out as a holder this client has
+                layout = msg.layout or numbers.get(msg.layout_id, b"")
+                template = templates.get(layout)
                 if template is None:
-                    raise error(f"the answer sent replica {msg.replica_id!r} lean, by a layout this client never "
-                                f"listed as known; {broken}")
+                    raise error(f"the answer sent replica {msg.replica_id or msg.replica_suffix!r} lean, by a layout "
+                                f"this client never listed as known; {broken}")
                 replicas.append(_rebound(template, msg))
-                seen[msg.layout] = seen.pop(msg.layout)  # in use: the last to be forgotten
+                seen[layout] = seen.pop(layout)  # in use: the last to be forgotten
                 continue
             if msg.HasField("memory"):
                 memory = _memory(msg.memory)
@@ -601,7 +621,8 @@ def _rebound(template: RemoteReplica, msg: pb.ReplicaInfo) -> RemoteReplica:
     """The holder ``msg`` names lean, from ``template``, one laid out the same
     (same agent, regions, memory, manifest): only what belongs to this replica
     of this version is new (its id, state, load, checksums, deltas)."""
-    source = replace(template.source, replica_id=msg.replica_id, complete=msg.state == pb.REPLICA_STATE_COMPLETE,
+    replica_id = msg.replica_id or f"{template.source.agent_id}.{msg.replica_suffix}"  # by number: the suffix
+    source = replace(template.source, replica_id=replica_id, complete=msg.state == pb.REPLICA_STATE_COMPLETE,
                      active_reads=msg.active_reads)
     crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
     return replace(template, source=source, bitmap=bytes(msg.chunk_bitmap), chunk_crc32=crcs,

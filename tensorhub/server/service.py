@@ -81,6 +81,7 @@ _RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP work
 _MANIFESTS_KEPT = 16  # encoded manifests kept by fingerprint
 MAX_SHARED_MEMBERS = 64  # ResolveRequest.members: an engine's workers (TP x PP), a few dozen at most
 _GROUP_ANSWERS_KEPT = 1024  # encoded holder lists of groups (_group_holders): an engine's, per what it knows
+_LAYOUT_NUMBERS_KEPT = 1 << 20  # ReplicaInfo.layout_id: past this many layouts the numbering starts anew
 _LAYOUTS_KEPT = 8192  # publish layouts (``_known_layout``): two per agent of a 4,096-agent job
 
 
@@ -231,6 +232,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self._group_answers: dict[tuple, tuple] = {}  # _group_holders
         # Checked layouts of earlier publishes, by (agent, wire.publish_layout): _known_layout
         self._layouts: OrderedDict[tuple[str, bytes], tuple[str, int, RegionTable, bytes, int, Any]] = OrderedDict()
+        # ReplicaInfo.layout_id: a number per holder layout, named by _numbering (this instance's; it
+        # starts anew past _LAYOUT_NUMBERS_KEPT, and readers then learn the new numbers).
+        self._layout_numbers: dict[bytes, int] = {}
+        self._numbering_generation = 0
+        self._numbering = f"{state.instance_id}/0"
         self.changes = VersionChanges()  # what long-poll Resolves wait on
 
     def _held_of(self, manifest: Manifest, request: pb.PublishRequest) -> tuple[RegionTable, np.ndarray | None, bytes]:
@@ -519,7 +525,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             else:
                 sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
-                                          instance_id=self.state.instance_id, change=change)
+                                          instance_id=self.state.instance_id, change=change,
+                                          layout_ids=self._numbering)
+            by_number = request.layout_ids == self._numbering
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)
             if request.lease:
@@ -531,8 +539,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                     sources = [r for r in sources if r.replica_id in granted]
             shared = request.group and not request.max_sources and len(sources) == len(shared_list)
             answer = response.SerializeToString() + (
-                self._group_holders(model, resolved, sources, known, layouts) if shared else
-                wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts) for r in sources]))
+                self._group_holders(model, resolved, sources, known, layouts, by_number) if shared else
+                wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts, by_number)
+                                                              for r in sources]))
             control = self.state.control
             control.resolves += 1
             control.answers_shared += len(others)
@@ -560,13 +569,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         return members
 
     def _group_holders(self, model: str, version: int, sources: list[Replica], known_memory: frozenset[bytes],
-                       known: frozenset[bytes]) -> bytes:
+                       known: frozenset[bytes], by_number: bool) -> bytes:
         """The holders part of an answer to a member of a group, encoded once for
         the members that ask the same (the same list, what they know alike) while
         the version's holders and their chunks stand (its change counter): the
         other members' asks cost a lookup and a send. Their read counts are the
         first member's (a hint for ranking, not a promise)."""
-        key = (id(sources), self.changes.seen(model, version), hash(known), hash(known_memory))
+        key = (id(sources), self.changes.seen(model, version), hash(known), hash(known_memory), by_number)
         kept = self._group_answers.get(key)
         control = self.state.control
         if kept is not None and kept[0] is sources and kept[2] == known and kept[3] == known_memory:
@@ -574,7 +583,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             control.holders_lean += kept[5]
             return kept[1]
         full, lean = control.holders_full, control.holders_lean
-        encoded = wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known_memory, known)
+        encoded = wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known_memory, known, by_number)
                                                                 for r in sources])
         if len(self._group_answers) >= _GROUP_ANSWERS_KEPT:
             self._group_answers.pop(next(iter(self._group_answers)))
@@ -596,7 +605,18 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if lease is not None and lease.agent_id == agent_id:
                 self.state.release_lease(lease_id)
 
-    def _replica_info(self, replica: Replica, known_memory: frozenset[bytes], known: frozenset[bytes]) -> bytes:
+    def _layout_number(self, layout: bytes) -> int:
+        number = self._layout_numbers.get(layout)
+        if number is None:
+            if len(self._layout_numbers) >= _LAYOUT_NUMBERS_KEPT:  # start anew: readers learn the new numbers
+                self._layout_numbers.clear()
+                self._numbering_generation += 1
+                self._numbering = f"{self.state.instance_id}/{self._numbering_generation}"
+            number = self._layout_numbers[layout] = len(self._layout_numbers) + 1
+        return number
+
+    def _replica_info(self, replica: Replica, known_memory: frozenset[bytes], known: frozenset[bytes],
+                      by_number: bool = False) -> bytes:
         """The replica's serialized ReplicaInfo. The fields that do not change
         while it is published (its memory, NIXL metadata and held regions: most
         of the bytes) are serialized once per agent record; the ones that do
@@ -606,7 +626,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         says it has the holder's layout (``known``: the steady state)."""
         agent = self.state.agents[replica.agent_id]
         cached = replica.wire_info
-        if cached is None or cached[0] is not agent:  # a re-registered agent may have new labels
+        # A re-registered agent may have new labels; a new numbering, new layout numbers.
+        if cached is None or cached[0] is not agent or cached[6] != self._numbering_generation:
             memory = replica.memory.SerializeToString()
             digest = hashlib.blake2b(memory, digest_size=16).digest()
             static = pb.ReplicaInfo(
@@ -623,16 +644,23 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             layout = hashlib.blake2b(static, digest_size=16, key=b"tensorhub layout")
             layout.update(memory)
             layout.update(self.state.models[replica.model][replica.version].fingerprint.encode())
+            number = self._layout_number(layout.digest())
+            own = pb.ReplicaInfo(chunk_crc32=replica.chunk_crc32 or [], deltas=replica.deltas).SerializeToString()
             per_version = pb.ReplicaInfo(replica_id=replica.replica_id, layout=layout.digest(),
-                                         chunk_crc32=replica.chunk_crc32 or [], deltas=replica.deltas,
-                                         ).SerializeToString()
+                                         layout_id=number).SerializeToString() + own
+            # By number: "<agent id>.<suffix>" ids (every Hub's) as the suffix alone.
+            agent_part, dot, suffix = replica.replica_id.rpartition(".")
+            named = {"replica_suffix": suffix} if dot and agent_part == agent.agent_id else \
+                {"replica_id": replica.replica_id}
+            by_number_bytes = pb.ReplicaInfo(layout_id=number, **named).SerializeToString() + own
             without_memory = per_version + static
             full = without_memory + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
-            cached = replica.wire_info = (agent, digest, layout.digest(), per_version, without_memory, full)
-        _, digest, layout_key, per_version, without_memory, full_bytes = cached
+            cached = replica.wire_info = (agent, digest, layout.digest(), per_version, without_memory, full,
+                                          self._numbering_generation, by_number_bytes)
+        _, digest, layout_key, per_version, without_memory, full_bytes, _, by_number_bytes = cached
         if layout_key in known:
             self.state.control.holders_lean += 1
-            fixed = per_version
+            fixed = by_number_bytes if by_number else per_version
         else:
             self.state.control.holders_full += 1
             fixed = without_memory if digest in known_memory else full_bytes

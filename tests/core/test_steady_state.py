@@ -285,6 +285,16 @@ def test_a_publish_by_layout_is_taken_only_from_the_agent_that_sent_it_whole():
         v2 = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, known_layouts=[v1.replicas[0].layout]))
         assert v2.replicas[0].layout == v1.replicas[0].layout and not v2.replicas[0].agent_id
         assert v2.replicas[0].replica_id == "a.2" and not v2.replicas[0].HasField("memory")
+        # With the server's numbering, by number: no digest, the replica id as its suffix (13 bytes a holder).
+        assert v1.replicas[0].layout_id and v2.layout_ids == v1.layout_ids
+        by_number = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, layout_ids=v1.layout_ids,
+                                                   known_layouts=[v1.replicas[0].layout])).replicas[0]
+        assert (by_number.layout, by_number.layout_id, by_number.replica_id, by_number.replica_suffix) == (
+            b"", v1.replicas[0].layout_id, "", "2")
+        assert by_number.ByteSize() <= 13
+        stale = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, layout_ids="another/0",
+                                               known_layouts=[v1.replicas[0].layout])).replicas[0]
+        assert stale.layout == v1.replicas[0].layout  # another numbering (a restart): by digest
         with pytest.raises(grpc.RpcError) as many:
             stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, known_layouts=[b"x" * 16] * 4097))
         assert many.value.code() == grpc.StatusCode.INVALID_ARGUMENT

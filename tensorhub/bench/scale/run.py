@@ -174,6 +174,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                    timeout=60)
         # What each engine is told of version 1 as it starts, the trainer's ranks alone holding it (not
         # measured: the sample above is version 1's cost); it knows their layouts from then on.
+        _NUMBERING.clear()  # this server's numbering is new to every engine
         knows = {e: {info.layout for info in _engine_resolve(stub, e, 1, fingerprint, set()).replicas}
                  for e in range(engines)}
         rss0, cpu0 = _rss(pid), _cpu(pid)
@@ -296,6 +297,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
 
 
+_NUMBERING: dict[int, str] = {}  # per engine, the server's layout numbering it has numbers of (ResolveResponse.layout_ids)
+
+
 def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes],
                     sizes: list[int] | None = None) -> pb.ResolveResponse:
     """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
@@ -303,8 +307,10 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
     pulls end (in a run it rides on the next Resolve)."""
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
-                                members=[f"engine{e}.{m}" for m in range(1, cuts.TP)])
+                                members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
+                                layout_ids=_NUMBERING.get(e, ""))
     answer = stub.Resolve(request, timeout=120)
+    _NUMBERING[e] = answer.layout_ids  # as client/rpc.py: lean holders by number from the next answer on
     stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
                           timeout=120)
     if sizes is not None:
