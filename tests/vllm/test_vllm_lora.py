@@ -97,3 +97,99 @@ def test_adapter_update_generates_what_a_disk_loaded_engine_generates(lora_engin
     assert generate(llm) == fresh["base"]  # requests without an adapter: the base
     for s in adapters.stats():
         assert s["last"]["version"] == 2 and 0 < s["last"]["nbytes"] == s["last"]["bytes_by_source"]["lora-trainer"]
+
+
+
+def _params():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=8)
+
+
+def add(engine, tag: str, lora) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"{tag}/{i}", prompt, _params(), lora_request=lora)
+
+
+def run_to_end(engine, after_first_step) -> dict[str, list[list[int]]]:
+    """Step ``engine`` until its requests finish, calling ``after_first_step()``
+    once while they are in flight; the tokens per tag, in prompt order."""
+    done: dict[str, list[int]] = {}
+    first = True
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if first:
+            assert engine.has_unfinished_requests()  # in flight
+            after_first_step()
+            first = False
+    tags = sorted({rid.split("/")[0] for rid in done})
+    return {tag: [done[f"{tag}/{i}"] for i in range(len(PROMPTS))] for tag in tags}
+
+
+def test_requests_in_flight_finish_on_their_version_and_the_old_one_drains(lora_engine, published, fresh):
+    from tensorhub_vllm.adapters import adapter_id
+
+    llm, adapters = lora_engine
+    adapters.load(1)
+    with adapters.use() as v1:
+        add(llm.llm_engine, "v1", v1)
+
+        def load_v2_and_use_it():
+            v2 = adapters.load(2)
+            assert adapters.resident() == [1, 2]  # v1 is retired, but in use
+            add(llm.llm_engine, "v2", v2)
+
+        got = run_to_end(llm.llm_engine, load_v2_and_use_it)
+        assert got["v1"] == fresh[1]  # v2 arrived mid-flight: v1's requests still finished on v1
+        assert got["v2"] == fresh[2]  # both versions served in the same batches
+        assert adapters.resident() == [1, 2]
+        for s in adapters.stats():
+            assert s["held"] == sorted([adapter_id(MODEL, 1), adapter_id(MODEL, 2)])
+    assert adapters.resident() == [2]  # its last use ended: dropped from every worker
+    for s in adapters.stats():
+        assert s["held"] == [adapter_id(MODEL, 2)] and adapter_id(MODEL, 1) not in s["cached"], s
+    assert generate(llm, adapters.request()) == fresh[2]
+
+
+def test_a_new_version_never_reuses_prefix_blocks_of_another(lora_engine, published, fresh):
+    from tensorhub_vllm.adapters import adapter_id
+    from vllm.lora.request import LoRARequest
+
+    llm, adapters = lora_engine
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    llm.reset_prefix_cache()
+    v1 = adapters.load(1)
+    with adapters.use(1):  # kept resident for the control below
+        assert generate(llm, v1, [LONG]) == [fresh[1][2]]  # its blocks are cached now
+        v2 = adapters.load(2)
+        assert generate(llm, v2, [LONG]) == [fresh[2][2]]  # the same prompt, the new version: not v1's blocks
+        # Control: v2's weights under v1's name and path (what reusing one name
+        # across versions would do) hit v1's cached blocks and give other tokens,
+        # so the check above can fail.
+        stale = LoRARequest(v1.lora_name, adapter_id(MODEL, 2), v1.lora_path)
+        assert generate(llm, stale, [LONG]) != [fresh[2][2]]
+    assert adapters.resident() == [2]
+
+def test_a_failed_adapter_pull_keeps_the_previous_version_serving(lora_engine, published, fresh, trainer_hub):
+    from tensorhub_vllm.adapters import adapter_id
+
+    from tensorhub import IntegrityError
+    from tensorhub.lora import publish_adapter
+
+    llm, adapters = lora_engine
+    adapters.load(2)
+    corrupt = adapter(3)
+    publish_adapter(trainer_hub, MODEL, 3, corrupt, config())
+    next(iter(corrupt.values())).add_(1)  # the trainer's memory changes under the published version: checksums differ
+    with pytest.raises(IntegrityError):
+        adapters.load(3)
+    too_wide = publish_adapter(trainer_hub, MODEL, 4, adapter(4, r=32), config(32))  # the engine serves rank <= 16
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        adapters.load(4)
+    assert adapters.current == 2 and adapters.resident() == [2]
+    for s in adapters.stats():
+        assert s["held"] == [adapter_id(MODEL, 2)], s
+    assert generate(llm, adapters.request()) == fresh[2]
+    too_wide.unpublish()
