@@ -8,12 +8,13 @@ suite's time); the fresh disk engine runs once, first, for all references."""
 
 from __future__ import annotations
 
-import gc
+import json
 import os
+import subprocess
 import sys
 
 import pytest
-from conftest import HERE, HUB_CONFIG
+from conftest import HERE, HUB_CONFIG, perturbed_copy
 
 sys.path.insert(0, str(HERE))
 from vllm_tiny_adapter import adapter, config, save_peft
@@ -24,33 +25,36 @@ MODEL = "tiny-qwen2/lora/math"
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)
 PROMPTS = ["the quick brown", "weights move from", LONG]
 ADAPTERS = {1: 1, 2: 2}  # version -> seed
+MAX_TOKENS = 8
 ENGINE_ARGS = {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True, "enable_lora": True,
                "max_loras": 2, "max_lora_rank": 16, "enable_prefix_caching": True}
 
 
 def generate(llm, lora=None, prompts=PROMPTS) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), lora_request=lora, use_tqdm=False)
+    outs = llm.generate(prompts, _params(), lora_request=lora, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def fresh(tiny_model, tmp_path_factory):
-    """What a fresh engine generates for the base and for each adapter loaded
-    from PEFT files (vLLM's own disk path): the references of this module."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-    from vllm.lora.request import LoRARequest
-
-    llm = LLM(model=str(tiny_model), **ENGINE_ARGS)
-    out = {"base": generate(llm)}
-    for version, seed in ADAPTERS.items():
-        path = save_peft(tmp_path_factory.mktemp(f"peft-{version}"), adapter(seed), config())
-        out[version] = generate(llm, LoRARequest(f"disk-{version}", version, str(path)))
-    del llm
-    gc.collect()
-    assert out[1] != out["base"] and out[2] != out[1]  # each adapter changes the tokens: the checks below can fail
+    """What fresh engines generate for the base and for each adapter loaded
+    from PEFT files (vLLM's own disk path), on the original base and on the
+    perturbed one: the references of this module, computed in one other process."""
+    tmp = tmp_path_factory.mktemp("lora-reference")
+    perturbed = perturbed_copy(tiny_model, tmp / "perturbed")
+    pefts = {v: str(save_peft(tmp / f"peft-{v}", adapter(seed), config())) for v, seed in ADAPTERS.items()}
+    spec = {"engine_args": ENGINE_ARGS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": [
+        {"model": str(tiny_model), "runs": {"base": None, **{str(v): p for v, p in pefts.items()}}},
+        {"model": str(perturbed), "runs": {"perturbed": None, "perturbed+2": pefts[2]}}]}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, str(HERE / "vllm_lora_reference.py"), str(tmp / "spec.json")],
+                         check=False, capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("REFERENCE ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    out = json.loads(lines[-1].removeprefix("REFERENCE "))
+    out = {int(k) if k.isdigit() else k: v for k, v in out.items()}
+    # each adapter, and the new base, changes the tokens: the checks below can fail
+    assert out[1] != out["base"] and out[2] != out[1] and out["perturbed+2"] != out[2]
     return out
 
 
@@ -67,13 +71,16 @@ def lora_engine(tiny_model, hub_server, fresh):
     from tensorhub_vllm.adapter_versions import AdapterVersions
     from vllm import LLM
 
-    llm = LLM(model=str(tiny_model), **ENGINE_ARGS,
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here, as the suite's other engines
+    # Its worker in a process of its own ("mp"): shutting it down then leaves
+    # alone the in-process engines of other modules of this session.
+    llm = LLM(model=str(tiny_model), **ENGINE_ARGS, weight_transfer_config={"backend": "tensorhub"},
+              distributed_executor_backend="mp",
               worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
     adapters = AdapterVersions(llm, hub=hub_server.address, model=MODEL, hub_config=HUB_CONFIG)
     yield llm, adapters
     adapters.close()
-    del llm
-    gc.collect()
+    llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,7 @@ def test_adapter_update_generates_what_a_disk_loaded_engine_generates(lora_engin
 def _params():
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=8)
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
 def add(engine, tag: str, lora) -> None:
@@ -175,7 +182,6 @@ def test_a_new_version_never_reuses_prefix_blocks_of_another(lora_engine, publis
 def test_a_failed_adapter_pull_keeps_the_previous_version_serving(lora_engine, published, fresh, trainer_hub):
     from tensorhub_vllm.adapters import adapter_id
 
-    from tensorhub import IntegrityError
     from tensorhub.lora import publish_adapter
 
     llm, adapters = lora_engine
@@ -183,13 +189,15 @@ def test_a_failed_adapter_pull_keeps_the_previous_version_serving(lora_engine, p
     corrupt = adapter(3)
     publish_adapter(trainer_hub, MODEL, 3, corrupt, config())
     next(iter(corrupt.values())).add_(1)  # the trainer's memory changes under the published version: checksums differ
-    with pytest.raises(IntegrityError):
+    # the worker's IntegrityError reaches this process as vLLM's RuntimeError ("Worker failed with error ...")
+    with pytest.raises(RuntimeError, match="did not match their checksums"):
         adapters.load(3)
     too_wide = publish_adapter(trainer_hub, MODEL, 4, adapter(4, r=32), config(32))  # the engine serves rank <= 16
-    with pytest.raises(ValueError, match="max_lora_rank"):
+    with pytest.raises(RuntimeError, match="greater than max_lora_rank"):
         adapters.load(4)
     assert adapters.current == 2 and adapters.resident() == [2]
     for s in adapters.stats():
         assert s["held"] == [adapter_id(MODEL, 2)], s
     assert generate(llm, adapters.request()) == fresh[2]
     too_wide.unpublish()
+

@@ -216,8 +216,12 @@ def lora_model_from_tensors(manager: WorkerLoRAManager, lora_int_id: int, tensor
     if unexpected:
         raise ValueError(f"tensorhub: the adapter targets modules this model cannot serve with LoRA: "
                          f"{unexpected[:4]}; expected module names in {sorted(expected)}")
+    # Copies: vLLM keeps the tensors it is given where dtype and device already
+    # match, then scales lora_B in place (LoRALayerWeights.optimize). Built from
+    # our held tensors themselves, every rebuild (after LRU eviction, after a
+    # base update) would scale them again: wrong tokens, no error.
     lora = manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_int_id, tensors=dict(tensors), peft_helper=peft, device="cpu",
+        lora_model_id=lora_int_id, tensors={n: t.clone() for n, t in tensors.items()}, peft_helper=peft, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
         skip_prefixes=skip)
     manager._adapter_manager._validate_modules_to_save(lora)
