@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HERE, HUB_CONFIG, perturbed_copy
+from conftest import HERE, HUB_CONFIG, Trainer, perturbed_copy, update
 
 sys.path.insert(0, str(HERE))
 from vllm_tiny_adapter import adapter, config, save_peft
@@ -201,3 +201,28 @@ def test_a_failed_adapter_pull_keeps_the_previous_version_serving(lora_engine, p
     assert generate(llm, adapters.request()) == fresh[2]
     too_wide.unpublish()
 
+
+def test_a_base_update_keeps_the_adapter_served(lora_engine, published, fresh, hub_server, tiny_model):
+    """vLLM empties its adapter cache on every base-weight update
+    (``reset_lora_state``); the next request naming a held version rebuilds
+    it from memory, on the new base. vLLM keeps the prefix cache, though:
+    ``base_updated`` drops it (measured: without it the long prompt gets
+    tokens from v2's blocks computed on the old base). Reference: a fresh engine started on the
+    new base that loaded the adapter from disk."""
+    llm, adapters = lora_engine
+    base_key = "tiny-qwen2/lora-base"
+    v2 = adapters.load(2)
+    trainer = Trainer(hub_server.address, tiny_model, model_key=base_key)
+    try:
+        trainer.publish(1, "perturbed")
+        llm.init_weight_transfer_engine({"init_info": {"hub": hub_server.address, "model": base_key,
+                                                     "hub_config": HUB_CONFIG}})
+        update(llm, 1, "1")
+        assert all(s["cached"] == [] for s in adapters.stats())  # vLLM dropped every adapter
+        adapters.base_updated()  # without it, the long prompt reuses v2's blocks computed on the old base
+        assert generate(llm) == fresh["perturbed"]
+        assert generate(llm, v2) == fresh["perturbed+2"]
+        assert all(s["cached"] == [v2.lora_int_id] for s in adapters.stats())
+    finally:
+        llm.shutdown_weight_transfer_engine()
+        trainer.close()

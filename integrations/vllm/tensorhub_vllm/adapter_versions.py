@@ -105,6 +105,13 @@ class AdapterVersions:
     def _drop(self, version: int) -> None:
         self.llm.collective_rpc("tensorhub_adapters_drop", args=(self.model, version))
 
+    def base_updated(self) -> None:
+        """Call after every base-weight update. vLLM 0.32 drops its adapters on
+        one (they come back from memory by themselves) but keeps the prefix
+        cache, so a request naming an adapter version would reuse KV blocks
+        computed on the old base (measured in tests/vllm/test_vllm_lora.py)."""
+        self.llm.reset_prefix_cache()
+
     def stats(self) -> list[dict[str, Any]]:
         """Per worker: adapter ids held in memory and in vLLM's cache, and its last load."""
         return self.llm.collective_rpc("tensorhub_adapters_stats")
