@@ -129,3 +129,16 @@ class TensorHubUpdateInfo(WeightTransferUpdateInfo):
     @classmethod
     def from_dict(cls, values: Any) -> TensorHubUpdateInfo:
         return cls(**_parse(cls, values, {"version": _version}))
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorHubAdapterInfo:
+    """Where an engine's workers pull LoRA adapter versions from
+    (``collective_rpc("tensorhub_adapters_init", ...)``, sent by ``AdapterVersions``)."""
+
+    hub: str  # reference server, host:port
+    hub_config: dict[str, Any] = field(default_factory=dict)  # tensorhub.HubConfig fields
+
+    @classmethod
+    def from_dict(cls, values: Any) -> TensorHubAdapterInfo:
+        return cls(**_parse(cls, values, {"hub": _text, "hub_config": _hub_config}))

@@ -5,6 +5,9 @@
     llm.collective_rpc("tensorhub_update", args=(7,))       # -> [7, 7, ...] one per worker
     llm.collective_rpc("tensorhub_version")                 # -> [7, 7, ...]
 
+LoRA adapter versions (``tensorhub_adapters_*``) are driven by
+``tensorhub_vllm.adapter_versions.AdapterVersions``, not by hand.
+
 Same guarantees as the ``tensorhub`` backend: the whole version is received and
 checked before the first parameter changes, all workers of the engine load the
 same version (group pull), and the received copy is served until the next update.
@@ -15,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorhub_vllm.config import TensorHubInitInfo, TensorHubUpdateInfo
+from tensorhub_vllm.adapters import WorkerAdapters
+from tensorhub_vllm.config import TensorHubAdapterInfo, TensorHubInitInfo, TensorHubUpdateInfo
 from tensorhub_vllm.worker import WorkerUpdater
 
 
@@ -23,6 +27,7 @@ class TensorHubWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     _tensorhub: WorkerUpdater | None = None
+    _tensorhub_adapters: WorkerAdapters | None = None
     _tensorhub_inits = 0  # every worker sees the same calls, so this agrees across ranks
 
     def tensorhub_init(self, init_info: dict[str, Any]) -> None:
@@ -76,3 +81,35 @@ class TensorHubWorkerExtension:
         if self._tensorhub is not None:
             self._tensorhub.close()
             self._tensorhub = None
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    def tensorhub_adapters_init(self, info: dict[str, Any]) -> None:
+        parsed = TensorHubAdapterInfo.from_dict(info)
+        if self._tensorhub_adapters is not None:
+            self._tensorhub_adapters.close()
+        self._tensorhub_adapters = WorkerAdapters(self, parsed)
+
+    def _tensorhub_adapters_or_fail(self) -> WorkerAdapters:
+        if self._tensorhub_adapters is None:
+            raise RuntimeError("tensorhub: call collective_rpc('tensorhub_adapters_init', args=({...},)) first")
+        return self._tensorhub_adapters
+
+    def tensorhub_adapters_load(self, model: str, version: int) -> int:
+        """Pull adapter ``model`` at ``version`` and register it; on error the held versions stay served."""
+        return self._tensorhub_adapters_or_fail().load(model, version)
+
+    def tensorhub_adapters_drop(self, model: str, version: int) -> bool:
+        return self._tensorhub_adapters_or_fail().drop(model, version)
+
+    def tensorhub_adapters_stats(self) -> dict[str, Any]:
+        """Adapter ids this worker holds in memory, those in vLLM's adapter
+        cache now (``list_loras``), and the last load's bytes and timing."""
+        a = self._tensorhub_adapters
+        return {} if a is None else {"held": a.held_ids(), "cached": sorted(self.list_loras()),  # type: ignore[attr-defined]
+                                     "last": dict(a.last), "agent": a.hub.name}
+
+    def tensorhub_adapters_close(self) -> None:
+        if self._tensorhub_adapters is not None:
+            self._tensorhub_adapters.close()
+            self._tensorhub_adapters = None

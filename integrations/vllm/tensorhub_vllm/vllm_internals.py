@@ -31,14 +31,23 @@
 * ``engine_cpu_group``: the gloo group of the engine's workers (vLLM's world
   group), over which the first worker hands its Resolve answer to the others
   (``groupshare``).
+* ``lora_manager_of`` / ``lora_model_from_tensors`` / ``serve_adapters_from``:
+  vLLM 0.32 loads LoRA adapters only from a path (the worker manager's
+  ``_load_adapter`` reads ``adapter_config.json`` and safetensors); its tensor
+  path ``LoRAModel.from_lora_tensors`` has no public caller. We build the
+  adapter from tensors in memory with the same checks and arguments its disk
+  path uses, and route requests whose ``lora_path`` names a TensorHub version
+  (``tensorhub://model@version``) to that builder, on this worker's manager
+  instance only. Anything else still loads from disk as before.
 
 When vLLM changes these internals, this module is what to update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import vllm
@@ -46,6 +55,11 @@ from vllm.config import ParallelConfig
 from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
+from vllm.lora.lora_model import LoRAModel
+from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.request import LoRARequest
+from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+from vllm.lora.worker_manager import WorkerLoRAManager
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
@@ -178,3 +192,69 @@ def engine_cpu_group(world_size: int) -> tuple[object, int, int] | None:
     if world.world_size != world_size:
         return None
     return world.cpu_group, world.rank_in_group, world.world_size
+
+
+def lora_manager_of(worker: Any) -> WorkerLoRAManager:
+    """The worker's LoRA manager; raises where the engine runs without LoRA."""
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if not isinstance(manager, WorkerLoRAManager):
+        raise RuntimeError("tensorhub: this engine serves no LoRA adapters: start it with enable_lora=True "  # noqa: TRY004
+                           "(and max_loras >= 2 so a new adapter version can load beside the one in use)")
+    return manager
+
+
+def _expected_modules(manager: WorkerLoRAManager) -> set[str]:
+    """The module names an adapter of this model may target (as ``_load_adapter`` computes them)."""
+    adapters = manager._adapter_manager
+    expected: set[str] = set()
+    for module in adapters.supported_lora_modules:
+        expected.update(adapters.packed_modules_mapping.get(module, [module]))
+    return expected
+
+
+def lora_model_from_tensors(manager: WorkerLoRAManager, lora_int_id: int, tensors: Mapping[str, torch.Tensor],
+                            peft_config: Mapping[str, Any]) -> LoRAModel:
+    """A LoRAModel of PEFT-named ``tensors`` built as vLLM's disk path builds
+    one (same PEFT checks against the engine's LoRA limits, same name mapping,
+    dtype and vocab checks), without a file. Raises ValueError naming what the
+    engine cannot serve; nothing is registered here."""
+    peft = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    peft.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = None if mapper is None else mapper.get_rename_mapper()
+    skip = getattr(model, "lora_skip_prefixes", None)
+    expected = _expected_modules(manager)
+    unexpected = sorted({module for name in tensors if not is_base_embedding_weights(name)
+                         for module, _ in [parse_fine_tuned_lora_name(name, mapper)]
+                         if module.rsplit(".", 1)[-1] not in expected
+                         and not (skip and LoRAModel._should_skip_module(name, skip))})
+    if unexpected:
+        raise ValueError(f"tensorhub: the adapter targets modules this model cannot serve with LoRA: "
+                         f"{unexpected[:4]}; expected module names in {sorted(expected)}")
+    # Copies: vLLM keeps the tensors it is given where dtype and device already
+    # match, then scales lora_B in place (LoRALayerWeights.optimize). Built from
+    # our held tensors themselves, every rebuild (after LRU eviction, after a
+    # base update) would scale them again: wrong tokens, no error.
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_int_id, tensors={n: t.clone() for n, t in tensors.items()}, peft_helper=peft, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
+        skip_prefixes=skip)
+    manager._adapter_manager._validate_modules_to_save(lora)
+    return lora
+
+
+def serve_adapters_from(manager: WorkerLoRAManager, scheme: str,
+                        build: Callable[[LoRARequest], LoRAModel]) -> None:
+    """From now on this manager builds adapters whose ``lora_path`` starts
+    with ``scheme`` with ``build`` (tensors in memory) instead of reading the
+    path; other paths load as before. vLLM calls the loader whenever a request
+    names an adapter it does not hold (first use, after LRU eviction, after a
+    base-weight update emptied its cache), so adapters held in memory come back
+    by themselves in each of those cases."""
+    disk = type(manager)._load_adapter.__get__(manager)
+
+    def load(request: LoRARequest) -> LoRAModel:
+        return build(request) if request.lora_path.startswith(scheme) else disk(request)
+
+    manager._load_adapter = load

@@ -1,0 +1,180 @@
+"""LoRA adapters as versions of their own model.
+
+A trainer whose base is frozen publishes only its adapter: the LoRA A/B
+matrices (about 1% of the model's bytes) as a version of a model key of its
+own, e.g. ``policy/lora/math`` at version = step. The adapter's PEFT settings
+(rank, alpha, target modules) travel with the version as one small side tensor,
+``ADAPTER_CONFIG`` (the JSON bytes as uint8): a manifest holds tensors only,
+and a side tensor needs no change to the wire protocol; it gets the same
+checksums, relays and retention as the matrices.
+
+    pub = publish_adapter(hub, "policy/lora/math", step, peft_model)   # in place
+    adapter = pull_adapter(hub, "policy/lora/math", "latest")          # -> .tensors, .config
+
+Tensor names are PEFT's saved names (``base_model.model.<module>.lora_A.weight``),
+which is what vLLM and PEFT's own loaders read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from tensorhub.client.hub import Hub, PullResult
+from tensorhub.client.publication import Publication
+
+# Reserved tensor name of the adapter's settings inside the version.
+ADAPTER_CONFIG = "tensorhub.adapter_config"
+_LORA_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B")
+
+
+def _fail(name: str, problem: str) -> ValueError:
+    return ValueError(f"AdapterConfig.{name}: {problem}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterConfig:
+    """The PEFT LoRA settings a server needs to apply the matrices."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise _fail("r", f"must be an integer >= 1, not {self.r!r}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise _fail("lora_alpha", f"must be a number > 0, not {self.lora_alpha!r}")
+        if isinstance(self.target_modules, str) or not self.target_modules or \
+                not all(isinstance(m, str) and m for m in self.target_modules):
+            raise _fail("target_modules", f"must be a non-empty list of module names, not {self.target_modules!r}")
+        if not isinstance(self.use_rslora, bool):
+            raise _fail("use_rslora", f"must be true or false, not {self.use_rslora!r}")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> AdapterConfig:
+        """From a PEFT ``adapter_config.json`` (or ``LoraConfig.to_dict()``):
+        the fields above are taken, the rest (task type, dropout, ...) ignored.
+        A set of target modules (PEFT keeps one) becomes a sorted tuple."""
+        missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in values]
+        if missing:
+            raise _fail(missing[0], "is required")
+        if values.get("bias", "none") != "none":
+            raise _fail("bias", f"LoRA biases are not supported (vLLM serves none), not {values['bias']!r}")
+        targets = values["target_modules"]
+        targets = sorted(targets) if isinstance(targets, (set, frozenset)) else targets
+        return cls(r=values["r"], lora_alpha=values["lora_alpha"], target_modules=targets,
+                   use_rslora=values.get("use_rslora", False), rank_pattern=dict(values.get("rank_pattern") or {}),
+                   alpha_pattern=dict(values.get("alpha_pattern") or {}))
+
+    def to_peft_dict(self) -> dict[str, Any]:
+        """As PEFT writes ``adapter_config.json``: what vLLM's PEFTHelper reads."""
+        return {**asdict(self), "target_modules": list(self.target_modules), "peft_type": "LORA", "bias": "none"}
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(json.dumps(self.to_peft_dict(), sort_keys=True).encode()), dtype=torch.uint8)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> AdapterConfig:
+        return cls.from_dict(json.loads(bytes(tensor.cpu().numpy().tobytes()).decode()))
+
+
+def _peft_name(param_name: str, adapter_name: str) -> str:
+    """A PEFT model's parameter name as PEFT saves it: without the adapter's
+    name (``q_proj.lora_A.default.weight`` -> ``q_proj.lora_A.weight``)."""
+    return param_name.replace(f".{adapter_name}.", ".").removesuffix(f".{adapter_name}")
+
+
+def adapter_of(model: torch.nn.Module, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], AdapterConfig]:
+    """The LoRA tensors of a PEFT-wrapped module (its live parameters, not
+    copies: published in place) under PEFT's saved names, and its settings
+    (``model.peft_config[adapter_name]``)."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or adapter_name not in configs:
+        raise ValueError(f"the module has no PEFT adapter {adapter_name!r} (no peft_config entry): pass a PEFT "
+                         "model, or a dict of LoRA tensors with its AdapterConfig")
+    peft_config = configs[adapter_name]
+    values = peft_config.to_dict() if hasattr(peft_config, "to_dict") else vars(peft_config)
+    tensors = {_peft_name(n, adapter_name): p.detach() for n, p in model.named_parameters()
+               if any(m in n for m in _LORA_MARKS) and f".{adapter_name}" in n}
+    return tensors, AdapterConfig.from_dict(values)
+
+
+def check_adapter(tensors: Mapping[str, torch.Tensor], config: AdapterConfig) -> None:
+    """Raise ValueError (naming the tensor) unless ``tensors`` are LoRA
+    matrices whose A and B come in pairs of ``config``'s rank."""
+    if not tensors:
+        raise ValueError("the adapter has no tensors")
+    if ADAPTER_CONFIG in tensors:
+        raise ValueError(f"{ADAPTER_CONFIG!r} is a reserved name (the adapter's settings)")
+    for name, t in tensors.items():
+        if ".lora_A." in name:
+            partner, rank = name.replace(".lora_A.", ".lora_B."), t.shape[0]
+        elif ".lora_B." in name:
+            partner, rank = name.replace(".lora_B.", ".lora_A."), t.shape[-1]
+        elif "lora_embedding_" in name:
+            continue
+        else:
+            raise ValueError(f"{name!r} is not a LoRA matrix (no .lora_A. or .lora_B. in its name)")
+        if partner not in tensors:
+            raise ValueError(f"{name!r} has no partner {partner!r}")
+        if t.dim() != 2:
+            raise ValueError(f"{name!r} has shape {list(t.shape)}, not a matrix")
+        if not config.rank_pattern and rank != config.r:
+            raise ValueError(f"{name!r} has rank {rank}, the config says r={config.r}")
+
+
+def publish_adapter(hub: Hub, model: str, version: int,
+                    adapter: torch.nn.Module | Mapping[str, torch.Tensor], config: AdapterConfig | Mapping | None = None,
+                    *, adapter_name: str = "default", **publish_kwargs: Any) -> Publication:
+    """Publish a LoRA adapter as ``version`` of ``model``, in place: a PEFT
+    model's own parameters (its config from ``peft_config``), or a dict of
+    PEFT-named tensors with ``config``. Do not modify them until the returned
+    publication is unpublished. ``publish_kwargs`` go to ``Hub.publish``
+    (``delta_from``, ``chunk_size``, ...)."""
+    try:
+        if isinstance(adapter, torch.nn.Module):
+            tensors, own = adapter_of(adapter, adapter_name)
+            config = own if config is None else config
+        else:
+            tensors = dict(adapter)
+            if config is None:
+                raise ValueError("a dict of LoRA tensors needs its config (AdapterConfig or PEFT's dict)")
+        config = config if isinstance(config, AdapterConfig) else AdapterConfig.from_dict(config)
+        check_adapter(tensors, config)
+    except ValueError as e:
+        raise ValueError(f"{e}; nothing was published") from None
+    return hub.publish(model, version, {**tensors, ADAPTER_CONFIG: config.to_tensor()}, **publish_kwargs)
+
+
+@dataclass(frozen=True)
+class PulledAdapter:
+    version: int
+    config: AdapterConfig
+    tensors: dict[str, torch.Tensor]  # PEFT names -> LoRA matrices
+    result: PullResult  # bytes, sources, timing of the pull
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def pull_adapter(hub: Hub, model: str, version: int | Literal["latest"] = "latest", **pull_kwargs: Any) -> PulledAdapter:
+    """Pull a whole adapter version into new memory (checked chunk by chunk
+    like any version) and split off its settings. Raises the hub's typed
+    errors, or ValueError when the version is not an adapter; nothing is
+    kept either way."""
+    result = hub.pull(model, version, **pull_kwargs)
+    tensors = dict(result.tensors)
+    side = tensors.pop(ADAPTER_CONFIG, None)
+    if side is None:
+        raise ValueError(f"{model!r} version {result.version} is not a LoRA adapter (no {ADAPTER_CONFIG!r} tensor)")
+    return PulledAdapter(result.version, AdapterConfig.from_tensor(side), tensors, result)

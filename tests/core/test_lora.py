@@ -1,0 +1,94 @@
+"""LoRA adapters as versions (tensorhub.lora): published with their PEFT
+settings beside the matrices, pulled back as both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorhub import Hub
+from tensorhub.lora import ADAPTER_CONFIG, AdapterConfig, publish_adapter, pull_adapter
+
+CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": {"v_proj", "q_proj"}, "task_type": "CAUSAL_LM", "bias": "none"}
+
+
+def adapter(seed: int = 0, r: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(r, 32, generator=g).to(torch.bfloat16)
+            out[f"{prefix}.lora_B.weight"] = torch.randn(48, r, generator=g).to(torch.bfloat16)
+    return out
+
+
+class PeftShaped(torch.nn.Module):
+    """Named as a PEFT model names its parameters (``lora_A.<adapter>.weight``
+    under ``base_model.model``), with a ``peft_config`` mapping, so the
+    module path is checked without installing peft."""
+
+    class _Config:
+        def to_dict(self):
+            return dict(CONFIG)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peft_config = {"default": self._Config()}
+        proj = torch.nn.Module()
+        proj.base_layer = torch.nn.Linear(32, 48, bias=False)
+        proj.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(32, 4, bias=False)})
+        proj.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 48, bias=False)})
+        inner = torch.nn.Module()
+        inner.q_proj = proj
+        self.base_model = torch.nn.Module()
+        self.base_model.model = inner
+
+
+def test_adapter_round_trips_with_its_config(server):
+    tensors = adapter()
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
+        publish_adapter(trainer, "policy/lora/math", 3, tensors, CONFIG)
+        got = pull_adapter(hub, "policy/lora/math", "latest")
+    assert got.version == 3
+    assert got.config == AdapterConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
+    assert got.config.to_peft_dict()["peft_type"] == "LORA"
+    assert set(got.tensors) == set(tensors)  # the side tensor is split off
+    assert all(torch.equal(got.tensors[n], t) for n, t in tensors.items())
+    assert got.result.nbytes == got.nbytes + got.result.tensors[ADAPTER_CONFIG].numel()
+
+
+def test_peft_module_publishes_its_live_parameters_under_saved_names(server):
+    model = PeftShaped()
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
+        pub = publish_adapter(trainer, "policy/lora/peft", 1, model)
+        assert pub.tensors["base_model.model.q_proj.lora_A.weight"].data_ptr() == \
+            model.base_model.model.q_proj.lora_A["default"].weight.data_ptr()  # in place, not a copy
+        got = pull_adapter(hub, "policy/lora/peft", 1)
+    assert sorted(got.tensors) == ["base_model.model.q_proj.lora_A.weight", "base_model.model.q_proj.lora_B.weight"]
+    assert torch.equal(got.tensors["base_model.model.q_proj.lora_B.weight"],
+                       model.base_model.model.q_proj.lora_B["default"].weight.detach())
+
+
+@pytest.mark.parametrize(("tensors", "config", "match"), [
+    (adapter(r=4), {**CONFIG, "r": 8}, "has rank 4, the config says r=8"),
+    ({k: v for k, v in adapter().items() if "lora_B" not in k}, CONFIG, "has no partner"),
+    ({**adapter(), "model.norm.weight": torch.ones(32)}, CONFIG, "is not a LoRA matrix"),
+    (adapter(), {**CONFIG, "lora_alpha": 0}, r"AdapterConfig\.lora_alpha: must be a number > 0"),
+    (adapter(), {"r": 4, "lora_alpha": 8}, r"AdapterConfig\.target_modules: is required"),
+    (adapter(), {**CONFIG, "bias": "all"}, r"AdapterConfig\.bias"),
+    (adapter(), None, "needs its config"),
+])
+def test_bad_adapter_is_refused_before_publishing(server, tensors, config, match):
+    with Hub.connect(server.address, name="trainer") as trainer:
+        with pytest.raises(ValueError, match=match) as e:
+            publish_adapter(trainer, "policy/lora/bad", 1, tensors, config)
+        assert "nothing was published" in str(e.value)
+        assert trainer.versions("policy/lora/bad") == []
+
+
+def test_a_plain_version_is_not_taken_for_an_adapter(server):
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
+        trainer.publish("policy", 1, {"w": torch.ones(4)})
+        with pytest.raises(ValueError, match="is not a LoRA adapter"):
+            pull_adapter(hub, "policy", 1)
