@@ -28,7 +28,7 @@ class Recorder:
     def get_xfer_descs(self, descs: np.ndarray, kind: str) -> np.ndarray:
         return descs
 
-    def initialize_xfer(self, op: str, local: object, remote: object, name: str) -> int:
+    def initialize_xfer(self, op: str, local: object, remote: object, name: str, notif: bytes = b"") -> int:
         self.handles += 1
         return self.handles
 
