@@ -368,6 +368,10 @@ class NixlAgent:
             raise TransferFailed(remote, f"push request not sent: {type(e).__name__}: {e}") from e
         return PendingRead(remote, ticket)
 
+    def writes_out(self) -> int:
+        """The WRITEs this holder has out for readers' push requests."""
+        return self._push.writes_out() if self._push is not None else 0
+
     def notify(self, remote: str, message: bytes) -> None:
         """A NIXL notification to agent ``remote`` (loaded here)."""
         self._agent.send_notif(remote, message)

@@ -194,6 +194,9 @@ class PushService:
             self._nixl.release(write.pending)  # done (NIXL sends its notification) or failed
         self._writes = left
 
+    def writes_out(self) -> int:
+        return len(self._writes)
+
     def _send_alive(self) -> None:
         by_reader: dict[str, list[bytes]] = {}
         for write in self._writes:
