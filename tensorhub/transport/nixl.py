@@ -195,6 +195,11 @@ class NixlAgent:
         self._flights: dict[str, int] = {}
         self._forgotten: set[str] = set()  # removed at the release of their last READ
         self._unloadable: set[str] = set()  # agents NIXL refuses to load again (see connect)
+        # Push holders: the digest of the metadata each requesting reader's agent
+        # was last loaded from. Apart from _loaded, so that a relay pair (each
+        # reads the other's partial metadata and pushes to its whole one) does
+        # not reload one for the other at every request.
+        self._admitted: dict[str, bytes] = {}
         # Last: its thread calls back into this agent at once.
         self._push = PushService(self) if self.transfer == "push" else None
 
@@ -308,6 +313,7 @@ class NixlAgent:
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)
         self._loaded = {d: n for d, n in self._loaded.items() if n != name}
+        self._admitted.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001  already gone on NIXL's side
@@ -338,7 +344,7 @@ class NixlAgent:
         """Load a requesting reader's metadata, once per digest (as ``connect``)."""
         digest = hashlib.blake2b(metadata, digest_size=16).digest()
         with self._lock:
-            if self._loaded.get(digest) == reader and reader not in self._forgotten:
+            if self._admitted.get(reader) == digest and reader not in self._forgotten:
                 return
             if reader in self._forgotten:
                 raise TransferFailed(reader, "its connection is closing: WRITEs to it are still out")
@@ -353,8 +359,7 @@ class NixlAgent:
             name = raw.decode() if isinstance(raw, bytes) else raw
             if name != reader:  # a request naming one agent and carrying another's metadata
                 raise TransferFailed(reader, f"its request carries the metadata of agent {name!r}")
-            self._loaded = {d: n for d, n in self._loaded.items() if n != name}
-            self._loaded[digest] = name
+            self._admitted[reader] = digest
 
     def _request_push(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
                       remote_kind: MemoryKind) -> PendingRead:
@@ -456,7 +461,7 @@ class NixlAgent:
         if self._push is not None:
             self._push.close()
         with self._lock:
-            for name in set(self._remotes.values()) | set(self._loaded.values()) | self._forgotten:
+            for name in set(self._remotes.values()) | set(self._loaded.values()) | self._forgotten | set(self._admitted):
                 self._remove(name)
             self._remotes.clear()
             self._loaded.clear()
