@@ -216,23 +216,23 @@ class PushService:
         busy_until = 0.0
         alive_at = 0.0
         while not self._stop.is_set():
+            now = time.monotonic()
             try:
                 notifs = self._nixl.notifications()
-            except Exception as e:  # noqa: BLE001  keep serving: one bad poll must not end the thread
-                log.warning("push: reading notifications failed: %s", e)
+                for source, messages in notifs.items():
+                    for message in messages:
+                        if message.startswith(pushwire.REQUEST):
+                            self._serve(source, message)
+                        else:
+                            self._answered(message)
+                if self._writes:
+                    self._progress_writes()
+                    if now - alive_at >= ALIVE_INTERVAL_S:
+                        alive_at = now
+                        self._send_alive()
+            except Exception:  # keep serving: a thread that ended would leave every reader of this holder silent
+                log.exception("push: serving round failed")
                 notifs = {}
-            now = time.monotonic()
-            for source, messages in notifs.items():
-                for message in messages:
-                    if message.startswith(pushwire.REQUEST):
-                        self._serve(source, message)
-                    else:
-                        self._answered(message)
-            if self._writes:
-                self._progress_writes()
-                if now - alive_at >= ALIVE_INTERVAL_S:
-                    alive_at = now
-                    self._send_alive()
             with self._lock:
                 waiting = bool(self._waits)
             if notifs or self._writes or waiting:
