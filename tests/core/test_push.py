@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tensorhub.testing import finish_transfer
 from tensorhub.transport import push
 from tensorhub.transport.memory import MemoryKind
 from tensorhub.transport.nixl import NixlAgent, TransferFailed
@@ -30,16 +31,6 @@ def pair(monkeypatch):
         holder.close()
 
 
-def _wait(agent, pending, timeout_s=10.0):
-    until = time.monotonic() + timeout_s
-    try:
-        while not agent.poll(pending):
-            assert time.monotonic() < until, "no end within the test's deadline"
-            time.sleep(0.001)
-    finally:
-        agent.release(pending)
-
-
 def test_holder_writes_what_the_reader_asks_and_refuses_what_it_does_not_hold(pair):
     holder, reader = pair
     assert holder.transfer == reader.transfer == "push"  # auto, with UCX_TLS=tcp
@@ -49,7 +40,7 @@ def test_holder_writes_what_the_reader_asks_and_refuses_what_it_does_not_hold(pa
     reader.register([dest])
     half = NBYTES // 2  # two requests, the second half first: each lands where asked
     for at in (half, 0):
-        _wait(reader, reader.post(remote, np.array([[dest.data_ptr() + at, half, 0]]), MemoryKind.DRAM,
+        finish_transfer(reader, reader.post(remote, np.array([[dest.data_ptr() + at, half, 0]]), MemoryKind.DRAM,
                                   np.array([[source.data_ptr() + at, half, 0]]), MemoryKind.DRAM))
     assert torch.equal(dest, source)
     assert holder.writes_out() == 0
@@ -58,7 +49,7 @@ def test_holder_writes_what_the_reader_asks_and_refuses_what_it_does_not_hold(pa
     pending = reader.post(remote, np.array([[dest.data_ptr(), 4096, 0]]), MemoryKind.DRAM,
                           np.array([[source.data_ptr() + NBYTES, 4096, 0]]), MemoryKind.DRAM)  # past its end
     with pytest.raises(TransferFailed, match="holder could not WRITE") as failed:
-        _wait(reader, pending)
+        finish_transfer(reader, pending)
     assert not failed.value.stalled and time.monotonic() - started < push.SILENCE_S
 
 
@@ -72,7 +63,7 @@ def test_a_holder_that_stops_answering_is_given_up_as_stalled(pair):
                           np.array([[source.data_ptr(), NBYTES, 0]]), MemoryKind.DRAM)
     started = time.monotonic()
     with pytest.raises(TransferFailed, match="no word from the holder") as failed:
-        _wait(reader, pending)
+        finish_transfer(reader, pending)
     assert failed.value.stalled
     assert push.SILENCE_S - 0.1 < time.monotonic() - started < push.SILENCE_S + 2.0
     assert not dest.any()
