@@ -67,3 +67,17 @@ def test_a_holder_that_stops_answering_is_given_up_as_stalled(pair):
     assert failed.value.stalled
     assert push.SILENCE_S - 0.1 < time.monotonic() - started < push.SILENCE_S + 2.0
     assert not dest.any()
+
+
+def test_where_push_is_used_an_emulated_read_is_an_error_not_a_fallback(pair):
+    holder, reader = pair
+    assert reader._agent.get_backend_params("UCX")["engine_config"] == "PROTO_EMULATION_ENABLE=n"
+    source, dest = torch.ones(NBYTES, dtype=torch.uint8), torch.zeros(NBYTES, dtype=torch.uint8)
+    remote = reader.connect("push-holder.1", holder.register([source]).metadata)
+    reader.register([dest])
+    started = time.monotonic()
+    with pytest.raises(TransferFailed):  # a READ over TCP would be emulated: UCX refuses it at once
+        finish_transfer(reader, reader._post("READ", remote, np.array([[dest.data_ptr(), NBYTES, 0]]),
+                                             MemoryKind.DRAM, np.array([[source.data_ptr(), NBYTES, 0]]),
+                                             MemoryKind.DRAM))
+    assert time.monotonic() - started < 2.0 and not dest.any()
