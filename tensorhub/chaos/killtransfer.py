@@ -67,7 +67,7 @@ def _holder(conn: Connection, mode: str) -> None:
     conn.send("closed")
 
 
-def _reader(conn: Connection, mode: str) -> None:
+def _reader(conn: Connection, mode: str, piece: int, in_flight: int) -> None:
     from tensorhub.transport.memory import MemoryKind
     from tensorhub.transport.nixl import TransferFailed
 
@@ -77,17 +77,17 @@ def _reader(conn: Connection, mode: str) -> None:
     metadata, address = conn.recv()  # the holder's: its agent started meanwhile
     remote = agent.connect("holder.1", metadata)
     base = dest.data_ptr()
-    pieces = list(range(0, NBYTES, PIECE))
+    pieces = list(range(0, NBYTES, piece))
     flying = []
     outcome = "exact"
     conn.send("posting")
     deadline = time.monotonic() + _FINISH_S
     try:
         while pieces or flying:
-            while pieces and len(flying) < IN_FLIGHT:
+            while pieces and len(flying) < in_flight:
                 at = pieces.pop()
-                flying.append(agent.post(remote, np.array([[base + at, PIECE, 0]]), MemoryKind.DRAM,
-                                         np.array([[address + at, PIECE, 0]]), MemoryKind.DRAM))
+                flying.append(agent.post(remote, np.array([[base + at, piece, 0]]), MemoryKind.DRAM,
+                                         np.array([[address + at, piece, 0]]), MemoryKind.DRAM))
             for pending in list(flying):
                 if agent.poll(pending):
                     agent.release(pending)
@@ -136,7 +136,8 @@ def _finish(conn: Connection, process, timeout_s: float) -> int | None:  # type:
     return process.exitcode
 
 
-def run_rounds(rounds: int, mode: str, *, seed: int = 0, window_ms: float = 60.0) -> Tally:
+def run_rounds(rounds: int, mode: str, *, seed: int = 0, window_ms: float = 60.0, piece: int = PIECE,
+               in_flight: int = IN_FLIGHT) -> Tally:
     """The campaign, from this process (which starts no NIXL agent itself)."""
     rng = random.Random(seed)
     ctx = processes.context()
@@ -147,7 +148,7 @@ def run_rounds(rounds: int, mode: str, *, seed: int = 0, window_ms: float = 60.0
         holder_conn, child = ctx.Pipe()
         holder = ctx.Process(target=_holder, args=(child, mode), daemon=True)
         reader_conn, reader_child = ctx.Pipe()
-        reader = ctx.Process(target=_reader, args=(reader_child, mode), daemon=True)
+        reader = ctx.Process(target=_reader, args=(reader_child, mode, piece, in_flight), daemon=True)
         holder.start()
         reader.start()  # both create their agent at once (~0.5 s each here)
         if not holder_conn.poll(60):
@@ -186,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window-ms", type=float, default=60.0, help="the kill comes 0 to this many ms after the "
                                                                        "first request (default 60)")
+    parser.add_argument("--piece-kib", type=int, default=PIECE >> 10, help="bytes per request, KiB (default 1024)")
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="requests out at once (default 4)")
     args = parser.parse_args(argv)
-    tally = run_rounds(args.rounds, args.mode, seed=args.seed, window_ms=args.window_ms)
+    tally = run_rounds(args.rounds, args.mode, seed=args.seed, window_ms=args.window_ms, piece=args.piece_kib << 10,
+                       in_flight=args.in_flight)
     print(json.dumps(asdict(tally), indent=1))
     return 1 if tally.survivors_lost or tally.exact != tally.completed else 0
 
