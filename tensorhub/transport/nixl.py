@@ -134,10 +134,10 @@ def new_agent(name: str, engine_config: str = ""):  # type: ignore[no-untyped-de
 
 
 class TransferFailed(Exception):
-    """A READ failed or stalled. ``stalled`` tells a deadline from a NIXL error."""
+    """A READ (or push) failed or stalled. ``stalled`` tells a deadline from a NIXL error."""
 
-    def __init__(self, remote: str, detail: str, *, stalled: bool = False) -> None:
-        super().__init__(f"READ from {remote} {'stalled' if stalled else 'failed'}: {detail}")
+    def __init__(self, remote: str, detail: str, *, stalled: bool = False, op: str = "READ") -> None:
+        super().__init__(f"{op} from {remote} {'stalled' if stalled else 'failed'}: {detail}")
         self.remote = remote
         self.stalled = stalled
 
@@ -370,7 +370,7 @@ class NixlAgent:
             ticket = self._push.request(remote, local, local_kind, remote_descs, remote_kind)
         except Exception as e:  # the holder's agent is unknown here, or the send failed
             self.release(PendingRead(remote, None))
-            raise TransferFailed(remote, f"push request not sent: {type(e).__name__}: {e}") from e
+            raise TransferFailed(remote, f"request not sent: {type(e).__name__}: {e}", op="push") from e
         return PendingRead(remote, ticket)
 
     def writes_out(self) -> int:
@@ -431,12 +431,12 @@ class NixlAgent:
         assert self._push is not None and isinstance(pending.handle, PushTicket)
         done, error, stalled = self._push.state(pending.handle)
         if error:
-            pending.failed = TransferFailed(pending.remote, f"the holder reports: {error}")
+            pending.failed = TransferFailed(pending.remote, f"the holder reports: {error}", op="push")
             raise pending.failed
         if stalled:  # not marked failed: a holder that was only slow may still write (drained as a READ is)
             raise TransferFailed(pending.remote, "no word from the holder: its process is gone, busy beyond "
                                  "reason, or not serving push requests (every process must use the same "
-                                 "transfer mode, $TENSORHUB_TRANSFER)", stalled=True)
+                                 "transfer mode, $TENSORHUB_TRANSFER)", stalled=True, op="push")
         pending.done = done
         return done
 
