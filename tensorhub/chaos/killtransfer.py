@@ -18,12 +18,14 @@ completed must be byte-exact.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
@@ -143,40 +145,61 @@ def run_rounds(rounds: int, mode: str, *, seed: int = 0, window_ms: float = 60.0
     ctx = processes.context()
     tally = Tally(mode)
     started = time.monotonic()
-    os.environ["UCX_TLS"] = "tcp"  # children take the environment as it is when they start
-    for number in range(rounds):
-        holder_conn, child = ctx.Pipe()
-        holder = ctx.Process(target=_holder, args=(child, mode), daemon=True)
-        reader_conn, reader_child = ctx.Pipe()
-        reader = ctx.Process(target=_reader, args=(reader_child, mode, piece, in_flight), daemon=True)
-        holder.start()
-        reader.start()  # both create their agent at once (~0.5 s each here)
-        if not holder_conn.poll(60):
-            raise RuntimeError(f"round {number}: the holder did not start (exit {holder.exitcode})")
-        reader_conn.send(holder_conn.recv())
-        if not reader_conn.poll(60):
-            raise RuntimeError(f"round {number}: the reader did not start (exit {reader.exitcode})")
-        reader_conn.recv()  # posting
-        time.sleep(rng.uniform(0, window_ms) / 1000)
-        victim = rng.choice(("holder", "reader"))
-        tally.killed[victim] += 1
-        os.kill((holder if victim == "holder" else reader).pid, signal.SIGKILL)
-        (holder if victim == "holder" else reader).join(10)
-        if victim == "holder":
-            outcome = reader_conn.recv() if reader_conn.poll(_FINISH_S) else "hung"
-            tally.completed += outcome in ("exact", "mismatch")
-            tally.exact += outcome == "exact"
-            tally.failed_over += outcome.startswith("failed")
-            code = _finish(reader_conn, reader, _FINISH_S)
-            if outcome == "hung" or code != 0:
-                tally.survivors_lost.append(f"round {number}: reader {outcome[:80]}, exit {code}")
-        else:
-            code = _finish(holder_conn, holder, _FINISH_S)
-            if code != 0:
-                tally.survivors_lost.append(f"round {number}: holder exit {code}")
-        tally.rounds += 1
+    with _ucx_over_tcp():
+        for number in range(rounds):
+            _round(number, ctx, rng, mode, window_ms, piece, in_flight, tally)
     tally.seconds = round(time.monotonic() - started, 1)
     return tally
+
+
+@contextlib.contextmanager
+def _ucx_over_tcp() -> Iterator[None]:
+    """UCX_TLS=tcp for the children started meanwhile (they take the environment
+    as it is when they start), and the caller's own setting back afterwards."""
+    before = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["UCX_TLS"]
+        else:
+            os.environ["UCX_TLS"] = before
+
+
+def _round(number: int, ctx, rng: random.Random, mode: str, window_ms: float, piece: int,  # type: ignore[no-untyped-def]
+           in_flight: int, tally: Tally) -> None:
+    """One round: a fresh holder and reader, one of them killed mid-transfer."""
+    holder_conn, child = ctx.Pipe()
+    holder = ctx.Process(target=_holder, args=(child, mode), daemon=True)
+    reader_conn, reader_child = ctx.Pipe()
+    reader = ctx.Process(target=_reader, args=(reader_child, mode, piece, in_flight), daemon=True)
+    holder.start()
+    reader.start()  # both create their agent at once (~0.5 s each here)
+    if not holder_conn.poll(60):
+        raise RuntimeError(f"round {number}: the holder did not start (exit {holder.exitcode})")
+    reader_conn.send(holder_conn.recv())
+    if not reader_conn.poll(60):
+        raise RuntimeError(f"round {number}: the reader did not start (exit {reader.exitcode})")
+    reader_conn.recv()  # posting
+    time.sleep(rng.uniform(0, window_ms) / 1000)
+    victim = rng.choice(("holder", "reader"))
+    tally.killed[victim] += 1
+    os.kill((holder if victim == "holder" else reader).pid, signal.SIGKILL)
+    (holder if victim == "holder" else reader).join(10)
+    if victim == "holder":
+        outcome = reader_conn.recv() if reader_conn.poll(_FINISH_S) else "hung"
+        tally.completed += outcome in ("exact", "mismatch")
+        tally.exact += outcome == "exact"
+        tally.failed_over += outcome.startswith("failed")
+        code = _finish(reader_conn, reader, _FINISH_S)
+        if outcome == "hung" or code != 0:
+            tally.survivors_lost.append(f"round {number}: reader {outcome[:80]}, exit {code}")
+    else:
+        code = _finish(holder_conn, holder, _FINISH_S)
+        if code != 0:
+            tally.survivors_lost.append(f"round {number}: holder exit {code}")
+    tally.rounds += 1
 
 
 def main(argv: list[str] | None = None) -> int:
