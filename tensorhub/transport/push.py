@@ -44,6 +44,7 @@ SILENCE_S = 3.0  # a reader hearing nothing this long from a holder: the request
 _BUSY_POLL_S = 0.0005  # notification polling while requests are out or being served
 _IDLE_POLL_S = 0.002  # ... and while none are: ~500 cheap calls a second
 _BUSY_FOR_S = 0.05  # how long after the last activity the thread keeps polling fast
+_AFTER_ERROR_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +233,8 @@ class PushService:
                         self._send_alive()
             except Exception:  # keep serving: a thread that ended would leave every reader of this holder silent
                 log.exception("push: serving round failed")
-                notifs = {}
+                self._stop.wait(_AFTER_ERROR_S)  # a lasting fault logs 10 times a second, not 2,000
+                continue
             with self._lock:
                 waiting = bool(self._waits)
             if notifs or self._writes or waiting:
