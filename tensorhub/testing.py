@@ -458,6 +458,18 @@ def _pull_latest_loop(hub: Any, held: dict, *, model: str, specs: list, times: i
     return {"versions": versions, "bad": bad}
 
 
+def finish_transfer(agent: Any, pending: Any, timeout_s: float = 10.0) -> None:
+    """Poll a posted transfer (NixlAgent.post) until it ends, then release it;
+    TransferFailed as poll raises it, AssertionError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not agent.poll(pending):
+            assert time.monotonic() < deadline, f"transfer did not finish in {timeout_s} s"
+            time.sleep(0.001)
+    finally:
+        agent.release(pending)
+
+
 def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) -> int:
     """Wait until a pull started with ``progress_file=path`` has landed bytes."""
     deadline = time.monotonic() + timeout

@@ -41,6 +41,11 @@ class HubConfig:
     # cut (tensorhub.client.trainercut); a tensor bigger than this alone is an
     # error. Its share of the cut itself comes on top, for as long as it publishes.
     cut_gather_bytes: int = 1 << 30
+    # How bytes move: "read" (NIXL READ), "push" (the holder WRITEs what the
+    # reader asks for) or "auto": push where UCX would emulate READ (TCP only),
+    # whose failure can abort the serving process (tensorhub.transport.transfermode).
+    # Empty: $TENSORHUB_TRANSFER, else auto. Every process must resolve the same.
+    transfer: str = ""
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

@@ -58,6 +58,7 @@ from tensorhub.shard import Entry
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, NixlAgent
 from tensorhub.transport.cost import SETTINGS, LinkCost, pick
+from tensorhub.transport.transfermode import resolve_transfer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -183,13 +184,14 @@ class Hub:
         self.address = _address(address)
         if config.read_cost not in SETTINGS:  # before anything starts
             raise ValueError(f"HubConfig.read_cost {config.read_cost!r} is not one of {', '.join(SETTINGS)}")
+        resolve_transfer(config.transfer)  # ValueError for an unknown mode, before anything starts
         self.config = config
         self.name = config.name or f"{socket.gethostname()}:{os.getpid()}"
         self.agent_id = f"{re.sub(r'[^A-Za-z0-9._:@/+-]', '_', self.name)[:80]}-{uuid.uuid4().hex[:12]}"
         self._rpc = ReferenceClient.for_hub(self.address, config)
         self._closed = False
         try:
-            self._nixl = NixlAgent(self.agent_id)
+            self._nixl = NixlAgent(self.agent_id, config.transfer)
         except BaseException:  # TransportUnavailable: no UCX backend; nothing else was started
             self._rpc.close()
             raise

@@ -1,6 +1,9 @@
 """A process's NIXL agent (UCX backend): register memory in place, learn remote
 agents from their metadata, and post READs of byte ranges from them, to be
 polled and released by the caller (the puller, which keeps a deadline on each).
+Where UCX would emulate READ (TCP only), a "READ" is a pull by push instead:
+the holder WRITEs the ranges (tensorhub.transport.push; the mode:
+tensorhub.transport.transfermode). Callers see the same post/poll/release.
 
 NIXL facts this relies on (measured, see the project notes):
 * a peer that dies mid-READ makes ``transfer``/``check_xfer_state`` raise;
@@ -22,6 +25,8 @@ import torch
 
 from tensorhub.errors import TransportUnavailable
 from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of, storages_of
+from tensorhub.transport.push import PushService, PushTicket
+from tensorhub.transport.transfermode import PUSH_ENGINE_CONFIG, resolve_transfer
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +99,14 @@ def nixl_api():  # type: ignore[no-untyped-def]
     return _api
 
 
-def new_agent(name: str):  # type: ignore[no-untyped-def]
+def new_agent(name: str, engine_config: str = ""):  # type: ignore[no-untyped-def]
     """A raw ``nixl_agent`` (UCX) whose progress thread waits instead of spinning.
 
     The Python API hard-codes the delay; its config object is swapped for one
-    that keeps ours, for the duration of this constructor only.
+    that keeps ours, for the duration of this constructor only. ``engine_config``
+    ("KEY=VAL,...", UCX settings without the UCX_ prefix) goes to the UCX
+    backend's own parameters: NIXL 1.5's config object has no backend
+    parameters, so the backend is created after the agent, with them.
     """
     api = nixl_api()
     bindings = api.nixlBind
@@ -115,8 +123,10 @@ def new_agent(name: str):  # type: ignore[no-untyped-def]
             # register and deregister memory (publish, unpublish, retention copies).
             # NIXL's default without a listener thread is no locking at all; the
             # fault campaign saw heap corruption ("corrupted double-linked list").
-            config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-            return api.nixl_agent(name, config)
+            config = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            agent = api.nixl_agent(name, config)
+            agent.create_backend("UCX", {"engine_config": engine_config} if engine_config else {})
+            return agent
         except Exception as e:  # nixlBackendError: e.g. the device is down (a cut link), seen by tensorhub chaos
             raise TransportUnavailable(name, f"{type(e).__name__}: {e}") from e
         finally:
@@ -124,10 +134,10 @@ def new_agent(name: str):  # type: ignore[no-untyped-def]
 
 
 class TransferFailed(Exception):
-    """A READ failed or stalled. ``stalled`` tells a deadline from a NIXL error."""
+    """A READ (or push) failed or stalled. ``stalled`` tells a deadline from a NIXL error."""
 
-    def __init__(self, remote: str, detail: str, *, stalled: bool = False) -> None:
-        super().__init__(f"READ from {remote} {'stalled' if stalled else 'failed'}: {detail}")
+    def __init__(self, remote: str, detail: str, *, stalled: bool = False, op: str = "READ") -> None:
+        super().__init__(f"{op} from {remote} {'stalled' if stalled else 'failed'}: {detail}")
         self.remote = remote
         self.stalled = stalled
 
@@ -153,11 +163,16 @@ class Registration:
 
 
 class NixlAgent:
-    """One NIXL agent per process. Thread-safe: reads may run from a pool."""
+    """One NIXL agent per process. Thread-safe: reads may run from a pool.
+    ``transfer``: "read", "push" or "auto" (tensorhub.transport.transfermode;
+    empty: $TENSORHUB_TRANSFER, else auto)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, transfer: str = "") -> None:
         self.name = name
-        self._agent = new_agent(name)
+        self.transfer = resolve_transfer(transfer)
+        # Push: any emulated operation fails at once instead of running (a READ
+        # emulated over TCP is what can abort a serving process).
+        self._agent = new_agent(name, PUSH_ENGINE_CONFIG if self.transfer == "push" else "")
         # Read by a pull's drain: a READ given up on cannot be cancelled, only
         # waited for; UCX fails it at most this long after its peer vanished.
         self.failure_detection_s = failure_detection_s()
@@ -180,6 +195,13 @@ class NixlAgent:
         self._flights: dict[str, int] = {}
         self._forgotten: set[str] = set()  # removed at the release of their last READ
         self._unloadable: set[str] = set()  # agents NIXL refuses to load again (see connect)
+        # Push holders: the digest of the metadata each requesting reader's agent
+        # was last loaded from. Apart from _loaded, so that a relay pair (each
+        # reads the other's partial metadata and pushes to its whole one) does
+        # not reload one for the other at every request.
+        self._admitted: dict[str, bytes] = {}
+        # Last: its thread calls back into this agent at once.
+        self._push = PushService(self) if self.transfer == "push" else None
 
     # ---------------------------------------------------------------- memory
 
@@ -195,12 +217,20 @@ class NixlAgent:
             metadata = self._agent.get_partial_agent_metadata(descs, True, ["UCX"])
         else:
             metadata = self._agent.get_agent_metadata()
+        if self._push is not None:
+            self._push.metadata_changed()
         return Registration(kind, regions, metadata, handle)
 
     def deregister(self, registration: Registration) -> None:
         if registration._handle is not None:
             self._agent.deregister_memory(registration._handle)
             registration._handle = None
+            if self._push is not None:
+                self._push.metadata_changed()
+
+    def local_metadata(self) -> bytes:
+        """This agent's whole metadata (every registration): what a holder needs to WRITE to us."""
+        return self._agent.get_agent_metadata()
 
     # ---------------------------------------------------------------- remotes
 
@@ -267,6 +297,11 @@ class NixlAgent:
             if name is not None:
                 self._drop_agent(name)
 
+    def forget_agent(self, name: str) -> None:
+        """Drop remote agent ``name`` (a reader whose WRITE failed): as ``forget``."""
+        with self._lock:
+            self._drop_agent(name)
+
     def _drop_agent(self, name: str) -> None:  # under the lock
         for key in [k for k, n in self._remotes.items() if n == name]:
             del self._remotes[key]
@@ -278,6 +313,7 @@ class NixlAgent:
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)
         self._loaded = {d: n for d, n in self._loaded.items() if n != name}
+        self._admitted.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001  already gone on NIXL's side
@@ -290,7 +326,68 @@ class NixlAgent:
         """Start a READ of ``remote_descs`` of agent ``remote`` into ``local`` (both
         N x 3: addr, nbytes, device). Over shared memory it has usually finished
         on return; over TCP or RDMA it is in flight: ``poll`` it, then ``release``
-        it. Raises TransferFailed (with nothing left to release) on a NIXL error."""
+        it. Raises TransferFailed (with nothing left to release) on a NIXL error.
+        In push mode the holder WRITEs instead: same calls, same deadlines."""
+        if self._push is not None:
+            return self._request_push(remote, local, local_kind, remote_descs, remote_kind)
+        return self._post("READ", remote, local, local_kind, remote_descs, remote_kind)
+
+    def write(self, reader: str, metadata: bytes, local: np.ndarray, local_kind: MemoryKind,
+              remote_descs: np.ndarray, remote_kind: MemoryKind, notif: bytes) -> PendingRead:
+        """A holder's WRITE of ``local`` (its memory) into ``remote_descs`` of agent
+        ``reader``, whose ``metadata`` came with its request; NIXL notifies the
+        reader with ``notif`` once the bytes have landed. Poll and release it."""
+        self._admit_reader(reader, metadata)
+        return self._post("WRITE", reader, local, local_kind, remote_descs, remote_kind, notif)
+
+    def _admit_reader(self, reader: str, metadata: bytes) -> None:
+        """Load a requesting reader's metadata, once per digest (as ``connect``)."""
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        with self._lock:
+            if self._admitted.get(reader) == digest and reader not in self._forgotten:
+                return
+            if reader in self._forgotten:
+                raise TransferFailed(reader, "its connection is closing: WRITEs to it are still out")
+            if reader in self._unloadable:
+                raise TransferFailed(reader, "NIXL can no longer load its metadata in this process")
+            try:
+                raw = self._agent.add_remote_agent(metadata)
+            except Exception as e:  # see connect: a half-failed load is not retried
+                if "INVALID_PARAM" in str(e) or "REMOTE_DISCONNECT" in str(e):
+                    self._unloadable.add(reader)
+                raise TransferFailed(reader, f"cannot load its metadata: {type(e).__name__}: {e}") from e
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            if name != reader:  # a request naming one agent and carrying another's metadata
+                raise TransferFailed(reader, f"its request carries the metadata of agent {name!r}")
+            self._admitted[reader] = digest
+
+    def _request_push(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
+                      remote_kind: MemoryKind) -> PendingRead:
+        assert self._push is not None
+        with self._lock:
+            self._flights[remote] = self._flights.get(remote, 0) + 1
+        try:
+            ticket = self._push.request(remote, local, local_kind, remote_descs, remote_kind)
+        except Exception as e:  # the holder's agent is unknown here, or the send failed
+            self.release(PendingRead(remote, None))
+            raise TransferFailed(remote, f"request not sent: {type(e).__name__}: {e}", op="push") from e
+        return PendingRead(remote, ticket)
+
+    def writes_out(self) -> int:
+        """The WRITEs this holder has out for readers' push requests."""
+        return self._push.writes_out() if self._push is not None else 0
+
+    def notify(self, remote: str, message: bytes) -> None:
+        """A NIXL notification to agent ``remote`` (loaded here)."""
+        self._agent.send_notif(remote, message)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """The notifications received since the last call, by sending agent."""
+        got = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in got.items()}
+
+    def _post(self, op: str, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
+              remote_kind: MemoryKind, notif: bytes = b"") -> PendingRead:
         agent = self._agent
         handle = None
         with self._lock:
@@ -298,7 +395,7 @@ class NixlAgent:
         try:
             local_list = agent.get_xfer_descs(local, local_kind.value)
             remote_list = agent.get_xfer_descs(remote_descs, remote_kind.value)
-            handle = agent.initialize_xfer("READ", local_list, remote_list, remote)
+            handle = agent.initialize_xfer(op, local_list, remote_list, remote, notif)
             state = agent.transfer(handle)
             if state == "ERR":
                 raise TransferFailed(remote, "NIXL reported ERR")
@@ -317,6 +414,8 @@ class NixlAgent:
             raise pending.failed
         if pending.done:
             return True
+        if isinstance(pending.handle, PushTicket):
+            return self._poll_push(pending)
         try:
             state = self._agent.check_xfer_state(pending.handle)
         except Exception as e:
@@ -328,9 +427,25 @@ class NixlAgent:
         pending.done = state == "DONE"
         return pending.done
 
+    def _poll_push(self, pending: PendingRead) -> bool:
+        assert self._push is not None and isinstance(pending.handle, PushTicket)
+        done, error, stalled = self._push.state(pending.handle)
+        if error:
+            pending.failed = TransferFailed(pending.remote, f"the holder reports: {error}", op="push")
+            raise pending.failed
+        if stalled:  # not marked failed: a holder that was only slow may still write (drained as a READ is)
+            raise TransferFailed(pending.remote, "no word from the holder: its process is gone, busy beyond "
+                                 "reason, or not serving push requests (every process must use the same "
+                                 "transfer mode, $TENSORHUB_TRANSFER)", stalled=True, op="push")
+        pending.done = done
+        return done
+
     def release(self, pending: PendingRead) -> None:
         """Let go of a READ's handle (once per ``post``, whatever its outcome)."""
-        if pending.handle is not None:
+        if isinstance(pending.handle, PushTicket):
+            assert self._push is not None
+            self._push.forget(pending.handle)
+        elif pending.handle is not None:
             try:
                 self._agent.release_xfer_handle(pending.handle)
             except Exception as e:  # noqa: BLE001  a failed transfer may refuse release
@@ -343,8 +458,10 @@ class NixlAgent:
                 self._remove(pending.remote)
 
     def close(self) -> None:
+        if self._push is not None:
+            self._push.close()
         with self._lock:
-            for name in set(self._remotes.values()) | set(self._loaded.values()) | self._forgotten:
+            for name in set(self._remotes.values()) | set(self._loaded.values()) | self._forgotten | set(self._admitted):
                 self._remove(name)
             self._remotes.clear()
             self._loaded.clear()

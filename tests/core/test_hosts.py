@@ -32,9 +32,10 @@ def _hub(hosts, name, server, zone="", **config):
 
 
 @contextlib.contextmanager
-def _cluster(readers, *, specs=SPECS, zones=None, zone_link=None, **config):
+def _cluster(readers, *, specs=SPECS, zones=None, zone_link=None, exits=None, **config):
     """Emulated hosts: a server, a trainer holding version 1 of ``specs``, and a
-    hub per reader (``config`` for theirs); every process closed afterwards."""
+    hub per reader (``config`` for theirs); every process closed afterwards, its
+    exit code put in ``exits`` by name (when given)."""
     zones = zones or {}
     names = ["server", "trainer", *readers]
     with netns.Hosts(names, rate="1gbit", zones=zones or None, zone_link=zone_link) as hosts, \
@@ -47,6 +48,8 @@ def _cluster(readers, *, specs=SPECS, zones=None, zone_link=None, **config):
         finally:
             for proc in [*hubs, trainer]:
                 proc.close(timeout=15)
+                if exits is not None:
+                    exits[proc.name] = proc.process.exitcode
 
 
 def test_pull_across_hosts_and_a_cut_link_becomes_source_lost(hosts, tmp_path):
@@ -87,21 +90,24 @@ def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_tra
 
 
 def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pull(tmp_path):
-    with _cluster(["r0", "r1", "r2", "r3"], chunk_timeout_s=3.0) as (_, readers):
+    exits = {}
+    with _cluster(["r0", "r1", "r2", "r3"], chunk_timeout_s=3.0, exits=exits) as (_, readers):
         marks = str(tmp_path / "progress")
-        readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks, pace_s=1.0)
+        readers[0].send("pull", model="m", specs=SPECS, serve=True, progress_file=marks)
         for reader in readers[1:]:
             reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
         wait_for_progress(marks, at_least=4 << 20)
-        # Killed half-way through the 1 s it sleeps in its progress callback, once
-        # the READs it had out landed: a reader killed with a READ out crashes the
-        # peer serving it over TCP (UCX's abort on a failed reply of its emulated
-        # GET, docs/history/fault-campaign.md), which no code of ours can catch.
-        time.sleep(0.5)
+        # Killed mid-transfer, with requests out to its holders and holders'
+        # WRITEs into it in flight. Over TCP a READ would be emulated, and a
+        # reader killed mid-READ could abort the peer serving it (UCX's fatal
+        # error on a failed reply, docs/history/fault-campaign.md); pull by push
+        # (auto, as UCX_TLS is tcp) leaves every peer alive.
         readers[0].kill()  # it served some chunks and owned others
         results = [reader.result(timeout=120) for reader in readers[1:]]
     assert all(r["mismatched"] == [] for r in results)
     assert all(sum(r["sources"].values()) == 64 << 20 for r in results)
+    assert {name: code for name, code in exits.items() if name != "r0"} == dict.fromkeys(
+        ["r1", "r2", "r3", "trainer"], 0), exits  # every survivor lived and closed cleanly
 
 
 def test_two_zones_joined_by_a_slow_link_carry_about_one_copy_across_it():

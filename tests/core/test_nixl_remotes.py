@@ -28,7 +28,7 @@ class Recorder:
     def get_xfer_descs(self, descs: np.ndarray, kind: str) -> np.ndarray:
         return descs
 
-    def initialize_xfer(self, op: str, local: object, remote: object, name: str) -> int:
+    def initialize_xfer(self, op: str, local: object, remote: object, name: str, notif: bytes = b"") -> int:
         self.handles += 1
         return self.handles
 
@@ -46,7 +46,7 @@ class Recorder:
 
 
 def test_forgetting_a_remote_under_reads_in_flight_waits_for_their_release():
-    nixl = NixlAgent("reader-under-test")
+    nixl = NixlAgent("reader-under-test", "read")  # the recorder speaks READ only
     nixl._agent = rec = Recorder()
     descs = np.zeros((1, 3), dtype=np.uint64)
     name = nixl.connect("holder.1", b"holder")
@@ -62,7 +62,7 @@ def test_forgetting_a_remote_under_reads_in_flight_waits_for_their_release():
 def test_a_closing_remote_is_not_loaded_again_until_its_reads_end():
     """Loading more metadata of an agent whose removal waits for READs failed
     half-way in NIXL (NIXL_ERR_INVALID_PARAM, and the reader crashed later)."""
-    nixl = NixlAgent("reader-under-test-2")
+    nixl = NixlAgent("reader-under-test-2", "read")
     nixl._agent = rec = Recorder()
     descs = np.zeros((1, 3), dtype=np.uint64)
     name = nixl.connect("holder.1", b"holder")
@@ -92,7 +92,7 @@ def test_an_agent_nixl_refuses_to_load_again_is_not_asked_for_again():
     NIXL_ERR_INVALID_PARAM for minutes, and the reader that kept calling
     into NIXL for it crashed (SIGSEGV). Now the first such refusal is the
     last call for that agent; other agents are untouched."""
-    nixl = NixlAgent("reader-under-test-3")
+    nixl = NixlAgent("reader-under-test-3", "read")
     nixl._agent = rec = Poisoned()
     with pytest.raises(TransferFailed, match="INVALID_PARAM"):
         nixl.connect("holder.1", b"holder")
@@ -117,7 +117,7 @@ def test_a_load_cut_off_half_way_is_the_last_call_for_that_agent():
     three fault campaigns), and two of the five UCX aborts read on 12-01 ("Endpoint
     timeout", the reader killed) came seconds after such a retry. So the first
     failure is the last call into NIXL for that agent."""
-    nixl = NixlAgent("reader-under-test-4")
+    nixl = NixlAgent("reader-under-test-4", "read")
     nixl._agent = rec = CutWhileLoading()
     with pytest.raises(TransferFailed, match="REMOTE_DISCONNECT"):
         nixl.connect("holder.1", b"holder")
@@ -145,7 +145,7 @@ def test_a_failed_read_stays_failed_at_every_poll():
     """The puller may poll a READ again after a failure (the check-in-cache
     poll right after posting, then its polling loop): a READ that failed must
     never turn into one that finished, or its missing bytes would be taken."""
-    nixl = NixlAgent("reader-under-test-4")
+    nixl = NixlAgent("reader-under-test-4", "read")
     nixl._agent = FailsThenForgets()
     descs = np.zeros((1, 3), dtype=np.uint64)
     read = nixl.post(nixl.connect("holder.1", b"holder"), descs, MemoryKind.DRAM, descs, MemoryKind.DRAM)

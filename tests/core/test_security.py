@@ -5,7 +5,6 @@ registration (a reader holding stale metadata)."""
 from __future__ import annotations
 
 import subprocess
-import time
 
 import grpc
 import numpy as np
@@ -20,7 +19,7 @@ from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.server import EmbeddedServer
 from tensorhub.server.auth import REFUSAL
-from tensorhub.testing import make_tensors
+from tensorhub.testing import finish_transfer, make_tensors
 from tensorhub.transport import MemoryKind, NixlAgent, TransferFailed
 
 TOKEN = "s3cret-token-0123456789abcdef"
@@ -128,14 +127,7 @@ def test_unpublish_deregisters_the_memory_at_once(server):
 
 def _remote_read(agent: NixlAgent, remote: str, regions: np.ndarray, into: torch.Tensor) -> None:
     local = np.array([(into.data_ptr(), into.nbytes, 0)], dtype=np.uint64)
-    pending = agent.post(remote, local, MemoryKind.DRAM, regions[:, :3], MemoryKind.DRAM)
-    deadline = time.monotonic() + 10
-    try:
-        while not agent.poll(pending):
-            assert time.monotonic() < deadline, "READ did not finish in 10 s"
-            time.sleep(0.001)
-    finally:
-        agent.release(pending)
+    finish_transfer(agent, agent.post(remote, local, MemoryKind.DRAM, regions[:, :3], MemoryKind.DRAM))
 
 
 @pytest.mark.xfail(strict=True, reason=(
