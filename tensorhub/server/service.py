@@ -565,7 +565,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             raise Invalid(f"{len(request.members)} members, more than {MAX_SHARED_MEMBERS}")
         members = frozenset(_require_id(m, "members") for m in request.members) - {agent_id}
         for member in sorted(members):
-            self.state._agent(member)  # FAILED_PRECONDITION for an agent not registered (or expired)
+            self.state.registered(member)
         return members
 
     def _group_holders(self, model: str, version: int, sources: list[Replica], known_memory: frozenset[bytes],

@@ -261,6 +261,10 @@ class State:
                 replica.confirmed_at = now
         return True
 
+    def registered(self, agent_id: str) -> Agent:
+        """The agent, or FAILED_PRECONDITION when it is not registered (expired, or the server restarted)."""
+        return self._agent(agent_id)
+
     def _agent(self, agent_id: str) -> Agent:
         agent = self.agents.get(agent_id)
         if agent is None:

@@ -174,8 +174,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                    timeout=60)
         # What each engine is told of version 1 as it starts, the trainer's ranks alone holding it (not
         # measured: the sample above is version 1's cost); it knows their layouts from then on.
-        _NUMBERING.clear()  # this server's numbering is new to every engine
-        knows = {e: {info.layout for info in _engine_resolve(stub, e, 1, fingerprint, set()).replicas}
+        numbering: dict[int, str] = {}  # per engine: the server's layout numbering it has numbers of
+        knows = {e: {info.layout for info in _engine_resolve(stub, e, 1, fingerprint, set(), numbering).replicas}
                  for e in range(engines)}
         rss0, cpu0 = _rss(pid), _cpu(pid)
         for e in range(engines):
@@ -189,7 +189,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
 
         # 5. the steady state: version 2 from the same buffers, every reader's messages for real
-        steady = _steady(stub, pid, ranks, engines, fingerprint, knows,
+        steady = _steady(stub, pid, ranks, engines, fingerprint, knows, numbering,
                          lambda r: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40, True,
                                                    False, version=2),
                          lambda e, w: publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner),
@@ -252,6 +252,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
+            numbering: dict[int, str],
             trainer_request, relay_request) -> dict:
     """Version 2 from the same buffers, as an RL step makes it: the trainer's
     ranks publish naming their version-1 layout, every engine resolves once
@@ -268,7 +269,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     # 1's cost), then once relays held it: the trainer's holders and the relays its answer named, the
     # agents its version-2 answers name. Its workers know the same: they all took its answers (``groupshare``).
     for e in range(engines):
-        v1 = _engine_resolve(stub, e, 1, fingerprint, knows[e])
+        v1 = _engine_resolve(stub, e, 1, fingerprint, knows[e], numbering)
         knows[e] |= {info.layout for info in v1.replicas}
     cpu0 = _cpu(pid)
     for r in range(ranks):
@@ -283,7 +284,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
         for e in range(engines):
-            answer = _engine_resolve(stub, e, 2, fingerprint, knows[e], sizes=requests)
+            answer = _engine_resolve(stub, e, 2, fingerprint, knows[e], numbering, sizes=requests)
             answers.append(answer.ByteSize())
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
@@ -297,10 +298,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
 
 
-_NUMBERING: dict[int, str] = {}  # per engine, the server's layout numbering it has numbers of (ResolveResponse.layout_ids)
-
-
-def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes],
+def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
                     sizes: list[int] | None = None) -> pb.ResolveResponse:
     """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
     of them with a read lease (``Hub.resolve_for_group``), released as the
@@ -308,9 +306,9 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
-                                layout_ids=_NUMBERING.get(e, ""))
+                                layout_ids=numbering.get(e, ""))
     answer = stub.Resolve(request, timeout=120)
-    _NUMBERING[e] = answer.layout_ids  # as client/rpc.py: lean holders by number from the next answer on
+    numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number from the next answer on
     stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
                           timeout=120)
     if sizes is not None:
