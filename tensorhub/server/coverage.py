@@ -20,6 +20,8 @@ Adding a holder costs its number of groups (tens), not its regions or rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from tensorhub.regions import Bounds, Region, cut_out, intersect
@@ -239,36 +241,43 @@ def group_numel(keys: HolderKeys) -> np.ndarray:
     return keys.numel
 
 
-def covering_prefix(grouping: Grouping, base: list[HolderKeys], more: list[HolderKeys]) -> int | None:
+def covering_prefix(grouping: Grouping, base: list[HolderKeys], more: Sequence[HolderKeys]) -> int | None:
     """The fewest of ``more``, in order, that with ``base`` cover every tensor;
     None when all of them do not. Element counts give a first candidate (no
-    fewer can cover); boxes check it, then a galloping search past it."""
+    fewer can cover), summed block by block (a few dozen of a thousand holders
+    are most often enough: ``more`` may compute its keys on demand); boxes
+    check it, then a galloping search past it."""
     if any(k.table is None for k in base):  # a holder of every tensor whole: the common case, O(1)
         return 0
-    whole_at = next((i for i, k in enumerate(more) if k.table is None), None)
-    if whole_at is not None:  # no search past a whole holder
-        more = more[:whole_at + 1]
     rep_numel = grouping.shapes.numel[grouping.rep]
     have = sum((group_numel(k) for k in base), np.zeros(grouping.count, np.int64))
-    if len(more):
-        running = have + np.cumsum(np.stack([group_numel(k) for k in more]), axis=0)
+    n = len(more)
+    start = 0 if (have >= rep_numel).all() else None
+    done, block = 0, 16
+    while start is None and done < n:
+        keys = [more[i] for i in range(done, min(n, done + block))]
+        whole = next((i for i, k in enumerate(keys) if k.table is None), None)
+        if whole is not None:  # no search past a whole holder
+            keys = keys[:whole + 1]
+            n = done + whole + 1
+        running = have + np.cumsum(np.stack([group_numel(k) for k in keys]), axis=0)
         enough = np.flatnonzero((running >= rep_numel).all(axis=1))
-        start = int(enough[0]) + 1 if len(enough) else len(more)
-    else:
-        start = 0
-    if (have >= rep_numel).all():
-        start = 0
+        if len(enough):
+            start = done + int(enough[0]) + 1
+        have, done, block = running[-1], done + len(keys), block * 2
+    if start is None:
+        start = n
 
     def ok(p: int) -> bool:
-        return covers(grouping, base + more[:p])
+        return covers(grouping, base + [more[i] for i in range(p)])
 
     if ok(start):
         return start
-    if start >= len(more) or not ok(len(more)):
+    if start >= n or not ok(n):
         return None
     lo, step = start, 1  # ok(lo) is False
     while True:
-        hi = min(lo + step, len(more))
+        hi = min(lo + step, n)
         if ok(hi):
             break
         lo, step = hi, step * 2

@@ -22,7 +22,7 @@ import math
 import time
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,9 @@ from tensorhub.topology import Labels, Reliability
 GROUP_ROUNDS_KEPT = 64  # per group: rounds older than this are forgotten
 MAX_GROUP_MEMBERS = 1024  # members of one group remembered (a group is an engine: 8 or 16 workers)
 MAX_GROUPS_KEPT = 65536  # groups whose members are remembered (group_sources)
+# Readers (groups) whose holder agents' rank keys are kept across versions (_agent_rank_keys):
+# about 100 B a holder, so 256 readers of 1,280 holders keep about 33 MB at most.
+_RANK_KEYS_KEPT = 256
 MISSING_SHOWN = 8  # missing regions named in a "not complete" message
 
 Held = tuple[int, Region]  # (index of the tensor in the manifest, region)
@@ -180,6 +183,9 @@ class Version:
     manifest: Manifest
     fingerprint: str
     replicas: dict[str, Replica] = field(default_factory=dict)
+    # Agent id -> its replicas' ids in this version: a publish checks the agent's
+    # own (one live replica per agent), not every holder's (1,280 at paper scale).
+    by_agent: dict[str, list[str]] = field(default_factory=dict)
     visible: bool = False  # the live complete replicas cover every element
     missing: list[tuple[int, Bounds]] = field(default_factory=list)  # first (tensor, box) nobody complete holds
     missing_count: int = 0
@@ -238,6 +244,11 @@ class State:
         # published, withdrawn or removed; an agent registered, perhaps with new
         # labels, or expired): ``sources`` keeps each reader's ranking until then.
         self._holders_changed = 0
+        # Bumped whenever an agent registers (perhaps with new labels) or expires:
+        # ``_agent_rank_keys`` keeps each reader's keys of holder agents until then.
+        self._agents_changed = 0
+        self._rank_keys: dict[tuple[str, str], dict] = {}
+        self._rank_keys_at = 0
 
     # ------------------------------------------------------------ agents
 
@@ -245,6 +256,7 @@ class State:
         agent = Agent(agent_id, name, labels, reliability, time.monotonic() + self.agent_ttl_s)
         self.agents[agent_id] = agent
         self._holders_changed += 1
+        self._agents_changed += 1
         self._next_expiry = min(self._next_expiry, agent.expires_at)
 
     def heartbeat(self, agent_id: str, held: Iterable[str] = ()) -> bool:
@@ -315,7 +327,7 @@ class State:
         if existing is not None and (existing.agent_id, existing.model, existing.version) != (agent_id, model, version):
             raise StateError("ALREADY_EXISTS", f"replica id {replica_id!r} is taken by another replica")
         if entry is not None:
-            for other in entry.replicas.values():
+            for other in (entry.replicas[rid] for rid in entry.by_agent.get(agent_id, ())):
                 # One live replica per agent and version; a retained copy may sit
                 # beside the replica it replaces while that one drains, and a
                 # trainer rank's cut beside its shards (Hub.publish(cut=...)).
@@ -351,6 +363,8 @@ class State:
             replica.leases = existing.leases
         if not replica.leases:
             replica.drained.set()
+        if existing is None:
+            entry.by_agent.setdefault(agent_id, []).append(replica_id)
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
         _grouping(entry).refine(replica.held)  # its cuts split the groups they differ in
@@ -457,6 +471,11 @@ class State:
         entry = versions.get(replica.version)
         if entry is not None:
             entry.replicas.pop(replica_id, None)
+            mine = entry.by_agent.get(replica.agent_id, [])
+            if replica_id in mine:
+                mine.remove(replica_id)
+                if not mine:
+                    del entry.by_agent[replica.agent_id]
             self._refresh(entry)
             if not entry.replicas:
                 del versions[replica.version]
@@ -624,7 +643,7 @@ class State:
         rest = [live[i] for i in order[k:] if live[i].complete]
         # The fewest more holders, best first, that make the answer cover the
         # version (all of them when nothing covers it).
-        extra = covering_prefix(grouping, base, [_keys(entry, r) for r in rest])
+        extra = covering_prefix(grouping, base, _LazyKeys(entry, rest))
         return chosen + rest[:len(rest) if extra is None else extra]
 
     def _ranking(self, entry: Version, reader_agent_id: str, k: int, exclude: frozenset[str] = frozenset(),
@@ -650,26 +669,45 @@ class State:
                 and r.agent_id not in exclude]
         if len(live) <= k:
             return live, None
-        reader = agents.get(near or reader_agent_id)  # near: whose labels rank (a group's asking member)
-        me = reader.labels if reader else Labels()
-        # CRC-32 is affine in its start value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z)
-        # for z = len(d) zero bytes, so a holder keeps crc32(d) and a reader costs a CRC per id length.
-        # salt: whose spread of equal holders (a group's stays the same as members join)
-        seed = zlib.crc32(f"{salt or reader_agent_id}/".encode())
-        salts: dict[int, int] = {}
+        by_agent = self._agent_rank_keys(near or reader_agent_id, salt or reader_agent_id)
         fixed = []
         for r in live:
-            rid = r.agent_id.encode()  # by agent: the same holders rank alike in every version
-            n = len(rid)
-            salt = salts.get(n)
-            if salt is None:
-                zeros = bytes(n)
-                salt = salts[n] = zlib.crc32(zeros, seed) ^ zlib.crc32(zeros)
-            agent = agents[r.agent_id]
-            spot_origin = (agent.reliability is Reliability.SPOT) << 1 | r.origin
-            fixed.append(me.tier(agent.labels) << 66 | spot_origin << 64 | zlib.crc32(rid) ^ salt)
+            key = by_agent.get(r.agent_id)
+            if key is None:
+                key = by_agent[r.agent_id] = self._agent_rank_key(by_agent, r.agent_id)
+            fixed.append(key | r.origin << 64)
         entry.ranked[reader_agent_id] = (live, fixed)
         return live, fixed
+
+    def _agent_rank_keys(self, near: str, salt: str) -> dict:
+        """The agent part of ``_ranking``'s keys for one reader (``near``: whose
+        labels rank; ``salt``: whose spread of equal holders), per holder agent:
+        (tier, spot, -, -, crc32(holder's agent id, crc32(salt + "/"))). It depends
+        on agents alone, not on a version, so it is kept across versions while no
+        agent registers or expires (``_agents_changed``): the next version's
+        holders are most often the same agents (the steady state), and ranking
+        them costs a lookup each instead of a CRC and a label comparison."""
+        if self._rank_keys_at != self._agents_changed:
+            self._rank_keys.clear()
+            self._rank_keys_at = self._agents_changed
+        kept = self._rank_keys.get((near, salt))
+        if kept is None:
+            while len(self._rank_keys) >= _RANK_KEYS_KEPT:  # the oldest reader first
+                del self._rank_keys[next(iter(self._rank_keys))]
+            reader = self.agents.get(near)
+            # CRC-32 is affine in its start value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z)
+            # for z = len(d) zero bytes, so a holder's id costs one CRC and a reader one per id length.
+            kept = self._rank_keys[(near, salt)] = {"\0labels": reader.labels if reader else Labels(),
+                                                    "\0seed": zlib.crc32(f"{salt}/".encode())}
+        return kept
+
+    def _agent_rank_key(self, by_agent: dict, agent_id: str) -> int:
+        rid = agent_id.encode()  # by agent: the same holders rank alike in every version
+        zeros = bytes(len(rid))
+        spread = zlib.crc32(zeros, by_agent["\0seed"]) ^ zlib.crc32(zeros)
+        agent = self.agents[agent_id]
+        spot = agent.reliability is Reliability.SPOT
+        return by_agent["\0labels"].tier(agent.labels) << 66 | spot << 65 | zlib.crc32(rid) ^ spread
 
     @staticmethod
     def _covers(entry: Version, holders: list[Replica]) -> bool:
@@ -849,6 +887,23 @@ def _grouping(entry: Version) -> Grouping:
 def _keys(entry: Version, replica: Replica) -> HolderKeys:
     """The replica's regions per group, kept while the grouping does not change."""
     return _grouping(entry).keys(replica.held)
+
+
+class _LazyKeys(Sequence):
+    """The holders' ``_keys``, each computed when first asked for: a search for
+    the few that cover a version looks at the first dozens of a thousand."""
+
+    def __init__(self, entry: Version, holders: list[Replica]) -> None:
+        self._entry, self._holders = entry, holders
+        self._keys: list[HolderKeys] = []
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def __getitem__(self, i):  # an int index (covering_prefix asks one by one)
+        while len(self._keys) <= i:
+            self._keys.append(_keys(self._entry, self._holders[len(self._keys)]))
+        return self._keys[i]
 
 
 def _coverage(entry: Version, holders: list[Replica]) -> Coverage:

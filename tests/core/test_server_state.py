@@ -346,3 +346,38 @@ def test_a_reader_mid_pull_is_still_told_the_holders_of_a_version_no_longer_visi
         s.resolve("m", 1, reader="a2")
     with pytest.raises(StateError):  # the latest is never a version that is not visible
         s.resolve("m", None, reader="a1")
+
+
+def test_rankings_kept_across_versions_follow_a_holder_that_registers_again_with_new_labels():
+    """The agent part of a reader's ranking is kept from one version to the next
+    (the same holders, the steady state) and dropped when an agent registers
+    again: a holder that moved racks ranks by its new place in the next version."""
+    s = State(ServerConfig(max_sources=1))
+    s.register_agent("me", "me", Labels("h0", "r0", "z0"), Reliability.RELIABLE)
+    s.register_agent("near", "near", Labels("h1", "r0", "z0"), Reliability.RELIABLE)
+    s.register_agent("far", "far", Labels("h2", "r9", "z9"), Reliability.RELIABLE)
+
+    def best(version):
+        for agent in ("near", "far"):
+            s.publish(agent_id=agent, replica_id=f"{agent}.{version}", model="m", version=version, manifest=MANIFEST,
+                      held=check_held(MANIFEST, []), chunk_size=CHUNK, memory=None, complete=True, bitmap=b"",
+                      origin=False)
+        _, entry = s.resolve("m", version)
+        return [r.agent_id for r in s.sources(entry, "me")]
+
+    assert best(1) == ["near"] and best(2) == ["near"]
+    s.register_agent("near", "near", Labels("h1", "r8", "z8"), Reliability.RELIABLE)  # moved: now as far as "far"
+    s.register_agent("far", "far", Labels("h2", "r0", "z0"), Reliability.RELIABLE)  # and "far" moved next to "me"
+    assert best(3) == ["far"]
+
+
+def test_one_replica_per_agent_and_version_is_checked_after_a_replica_is_removed():
+    s = state()
+    publish(s, "a0", [rows(0, 500)])
+    publish(s, "a1", [rows(500, 1000)])
+    s.remove_replica("a0.1")
+    publish(s, "a0", [rows(0, 500)], replica="a0.again")  # its earlier replica is gone: allowed
+    with pytest.raises(StateError, match="already publishes"):
+        publish(s, "a0", [rows(0, 500)], replica="a0.third")
+    publish(s, "a0", [rows(0, 500)], replica="a0.again")  # the same id again: an idempotent re-publish
+    assert sorted(s.models["m"][1].by_agent) == ["a0", "a1"] and s.models["m"][1].by_agent["a0"] == ["a0.again"]
