@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
@@ -65,17 +66,14 @@ class ControlPlane(LeaseService, Protocol):
     def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None: ...
 
 
-class Transport(Protocol):
-    """How a pull moves bytes (``NixlAgent``): READs posted, polled, released."""
+class Transport(Handles, Protocol):
+    """How a pull moves bytes (``NixlAgent``): READs posted, then polled and
+    released (``flights.Handles``)."""
 
     def connect(self, key: str, metadata: bytes) -> str: ...
 
     def post(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
              remote_kind: MemoryKind) -> Any: ...
-
-    def poll(self, pending: Any) -> bool: ...
-
-    def release(self, pending: Any) -> None: ...
 
     def forget(self, key: str) -> None: ...
 
@@ -94,9 +92,7 @@ _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read 
 _WAIT_FOR_CHANGE_S = 0.25
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
-_DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish (see drain_s)
 _POLL_MAX_S = 2e-3
-_DETECTION_SLACK_S = 0.5  # the transport's failure reaching our poll after its detection fired
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
@@ -137,22 +133,6 @@ class PullStats:
     chunk_sources: dict[int, str] = field(default_factory=dict)
 
 
-def drain_s(chunk_timeout_s: float, failure_detection_s: float | None) -> float:
-    """How long the READs still out when a pull ends get to finish before they
-    are released. A READ cannot be cancelled: released unfinished, it may still
-    land bytes in the destination later. One from a live source ends within the
-    chunk timeout (``_DRAIN_S`` at most: the caller is waiting); one from a source
-    that vanished ends when the transport fails it, so the drain lasts at least
-    that long when it is known and finite (UCX's TCP settings; a user who set
-    them longer than TensorHub's defaults gets a longer drain, not late bytes).
-    The fault campaign with UCX's detection off had 3 pulls whose given-up READs
-    landed a newer version's bytes after the pull returned."""
-    base = min(chunk_timeout_s, _DRAIN_S)
-    if failure_detection_s is None or failure_detection_s == float("inf"):
-        return base
-    return max(base, failure_detection_s + _DETECTION_SLACK_S)
-
-
 @dataclass(kw_only=True, slots=True)
 class PullJob:
     rpc: ControlPlane
@@ -185,15 +165,9 @@ class PullJob:
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
     _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
     _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
-    # READs in flight across rounds: (chunk, transfer, handle, deadline, source)
-    _flying: list[tuple[int, Transfer, Any, float, RemoteReplica]] = field(default_factory=list)
-    # READs given up on (stalled) but not finished: NIXL 1.5 cannot cancel them
-    # (a released one may still land), so they are polled until they end and the
-    # pull's leases, which keep their sources' memory as it was, outlive them.
-    _given_up: list[Any] = field(default_factory=list)
-    # Per source: when a READ from it last finished. A READ queued behind others on
-    # a slow link is not stalled while its source makes progress.
-    _source_progress: dict[str, float] = field(default_factory=dict)
+    # READs in flight across rounds, and those given up on but not ended (``flights``):
+    # made when the pull runs, over the transport it has then
+    _flying: Flights = field(init=False)
     _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
@@ -223,6 +197,8 @@ class PullJob:
         maps = self._maps(res.replicas, set())
         self._server, self._seen_change, self._asked_at = res.instance_id, res.change, time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
+        self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
+                               drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s))
         try:
             self._rounds(res, stats, needed, maps)
         except SourceLost as e:
@@ -332,7 +308,7 @@ class PullJob:
                 continue
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
-            in_air = {entry[0] for entry in self._flying}
+            in_air = self._flying.chunks()
             chunks = self._batch(needed - in_air, usable, first=stats.rounds == 1,
                                  held=self.layout.num_chunks - len(needed))
             if not chunks:
@@ -472,7 +448,7 @@ class PullJob:
         gone = [rid for rid in old if rid not in fresh and self._leases.covers(rid) and rid not in excluded]
         if not gone:
             return fresh
-        if any(entry[1].replica_id in gone for entry in self._flying):  # never release a lease under a READ
+        if any(self._flying.from_source(rid) for rid in gone):  # never release a lease under a READ
             for rid in gone:
                 fresh[rid] = old[rid]
             return fresh
@@ -548,7 +524,7 @@ class PullJob:
         ``carry``: once every READ of the round is posted and some landed, return
         with up to half of ``_slots`` still flying; the next round (after the
         server is asked who holds what) keeps them, so the links never drain
-        between rounds. The flights live on the job (``_flying``)."""
+        between rounds. The flights live on the job (``_flying``: ``flights.Flights``)."""
         layout = self.layout
         todo = iter(by_turns(transfers, lambda t: t.replica_id))
         deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
@@ -578,7 +554,7 @@ class PullJob:
                 failed.add(chunk)
                 return
             try:
-                deadline = self._read_deadline(transfer.replica_id, time.monotonic())
+                deadline = flying.deadline(transfer.replica_id, time.monotonic())
                 remote = self.nixl.connect(transfer.replica_id, replica.metadata)
                 local, remote_descs = self.wide.posted(transfer)
                 handle = self.nixl.post(remote, local, self.dest_kind, remote_descs, replica.kind)
@@ -592,12 +568,12 @@ class PullJob:
                 self._leases.forget(transfer.replica_id)
                 failed.add(chunk)
             else:
-                flying.append((chunk, transfer, handle, deadline, replica))
+                flying.add(chunk, transfer, handle, deadline, replica)
 
         def room(transfer: Transfer) -> bool:
             rid = transfer.replica_id
             return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap, peer_cap=self._peer_cap,
-                         flying={rid: sum(1 for entry in flying if entry[1].replica_id == rid)})
+                         flying={rid: flying.from_source(rid)})
 
         def take() -> tuple[int, Transfer] | None:
             """The next READ to post: held-back ones first once their holder has room."""
@@ -633,31 +609,18 @@ class PullJob:
                         continue
                     begun.add(chunk)
                     post(chunk, transfer)
-                    if self._checks.enabled and flying and self._landed_at_once(flying[-1][2]):
+                    if self._checks.enabled and flying.newest_landed():
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
                 if not flying or (carry and not posting and finished_any and len(flying) <= max(self._slots, self.in_flight) // 2):
                     break
-                finished = []
-                for i, entry in enumerate(flying):
-                    chunk, transfer, handle, deadline, replica = entry
-                    try:
-                        if not self.nixl.poll(handle):
-                            now = time.monotonic()
-                            if now <= deadline:
-                                continue
-                            deadline = self._read_deadline(transfer.replica_id, now, posted_by=deadline)
-                            if now <= deadline:  # its lease was renewed, or its source made progress
-                                flying[i] = (chunk, transfer, handle, deadline, replica)
-                                continue
-                            raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
-                                                 stalled=True)
-                    except TransferFailed as e:
-                        self.wide.ended(transfer, reusable=not e.stalled)  # a stalled READ may land later
-                        lost(replica, e)
+                finished: list[Flight] = []
+                for flight, error in flying.poll():
+                    chunk, transfer, replica = flight.chunk, flight.transfer, flight.replica
+                    finished.append(flight)
+                    if error is not None:
+                        self.wide.ended(transfer, reusable=not error.stalled)  # a stalled READ may land later
+                        lost(replica, error)
                         failed.add(chunk)
-                        finished.append(entry)
-                        if e.stalled:
-                            self._given_up.append(handle)
                         continue
                     read, descriptors = self.wide.landed(transfer)  # wide groups cut into place first
                     stats.read_bytes += read
@@ -669,10 +632,8 @@ class PullJob:
                                  chunk, transfer.replica_id)
                         self._leases.forget(transfer.replica_id)
                         failed.add(chunk)
-                        finished.append(entry)
                         continue
-                    finished.append(entry)
-                    self._source_progress[transfer.replica_id] = time.monotonic()
+                    flying.progressed(transfer.replica_id)
                     if chunk in failed:
                         continue
                     by_source = got.setdefault(chunk, {})
@@ -696,13 +657,7 @@ class PullJob:
                         needed.discard(chunk)
                         landed.extend(self._checks.landed(chunk, self._arrived.pop(chunk, ())))
                 landed.extend(self._checked(needed, excluded, stats))
-                if finished:  # by identity: entries hold descriptor arrays, which == cannot compare
-                    gone = {id(entry) for entry in finished}
-                    flying[:] = [entry for entry in flying if id(entry) not in gone]
-                for entry in finished:
-                    if not any(entry[2] is h for h in self._given_up):
-                        self.nixl.release(entry[2])
-                self._reap_given_up()
+                flying.settle(finished)
                 if finished:
                     finished_any = True
                     pause = _POLL_MIN_S
@@ -722,7 +677,7 @@ class PullJob:
             raise
         finally:
             # A failed chunk with nothing left in flight is planned again next round.
-            in_air = {entry[0] for entry in flying}
+            in_air = flying.chunks()
             for chunk in [c for c in failed if c not in in_air]:
                 failed.discard(chunk)
                 pending.pop(chunk, None)
@@ -731,67 +686,10 @@ class PullJob:
         if landed and self.landed is not None:
             self.landed(landed)
 
-    def _landed_at_once(self, handle: Any) -> bool:
-        """Whether a READ just posted has already finished. A failed one counts
-        as finished: the polling loop meets its failure and fails its source over
-        (the fault campaign saw NIXL_ERR_REMOTE_DISCONNECT escape from here untyped)."""
-        try:
-            return self.nixl.poll(handle)
-        except TransferFailed:
-            return True
-
-    def _read_deadline(self, replica_id: str, now: float, posted_by: float = 0.0) -> float:
-        """Until when a READ from ``replica_id`` may take: ``chunk_timeout_s``
-        without any READ from that source finishing, and never past the read
-        lease (renewed here when due) or the pull's deadline. 0 when no lease
-        covers the source any more. TensorHubError if the lease cannot be renewed."""
-        lease = self._leases.covering(replica_id)
-        if lease is None:
-            return 0.0
-        try:
-            leased = lease.valid_until()
-        except TensorHubError:
-            if posted_by:  # polling: the READ ends at its lease's expiry, as posted
-                self._leases.forget(replica_id)
-                return 0.0
-            raise
-        progress = max(now if not posted_by else 0.0, self._source_progress.get(replica_id, 0.0))
-        return min(max(progress + self.chunk_timeout_s, posted_by), leased, self.deadline)
-
-    def _reap_given_up(self) -> None:
-        """Release the given-up READs that have ended (done or failed)."""
-        left = []
-        for handle in self._given_up:
-            try:
-                ended = self.nixl.poll(handle)
-            except TransferFailed:
-                ended = True
-            if ended:
-                self.nixl.release(handle)
-            else:
-                left.append(handle)
-        self._given_up = left
-
     def _drop_flights(self) -> None:
-        """Let go of the READs still out when the pull ends (in flight, or given
-        up on earlier). Each first gets a short while to finish (its lease is
-        still held): released unfinished, a READ on a slow link can still land
-        bytes in the destination after the caller reused that memory (the fault
-        campaign saw a failed pull's late bytes land in the next pull's new
-        tensors, allocated at the same addresses), and bytes its holder wrote
-        after the lease ended."""
-        until = time.monotonic() + drain_s(self.chunk_timeout_s, self.failure_detection_s)
-        for handle in [entry[2] for entry in self._flying] + self._given_up:
-            try:
-                while not self.nixl.poll(handle) and time.monotonic() < until:
-                    time.sleep(_POLL_MAX_S)
-            except TransferFailed:  # failed: nothing more will land
-                pass
-            self.nixl.release(handle)
-        for entry in self._flying:  # a READ released unfinished may land later: its scratch is not reused
-            self.wide.ended(entry[1], reusable=False)
-        self._flying.clear()
-        self._given_up.clear()
+        """Let go of the READs still out (``Flights.drop``); their scratch is not reused."""
+        for transfer in self._flying.drop():
+            self.wide.ended(transfer, reusable=False)
 
     def _checked(self, needed: set[int], excluded: set[str], stats: PullStats, wait_s: float = 0.0) -> list[int]:
         """Collect finished checks: the chunks now settled. A source whose bytes
