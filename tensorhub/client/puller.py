@@ -34,6 +34,7 @@ from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
+from tensorhub.client.refresh import ServerAnswers
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.verify import ChunkVerifier, Mismatch
 from tensorhub.client.wideread import WideReads
@@ -177,11 +178,8 @@ class PullJob:
     _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
     _peer_cap: int = 0  # and from one filling holder
     _slots: int = 0  # this round's READs in flight, at most (``schedule.reads_in_flight``; see _batch)
-    _server: str = ""  # the server instance that last answered a resolve of this pull
-    _seen_change: int = 0  # the version's change counter in the server's last answer (a long poll's start)
+    _server: ServerAnswers = field(init=False)  # what the server's answers to this pull said (``refresh``)
     _asked_at: float = 0.0  # when this pull last asked who holds what
-    _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
-    _resettle_until: float = 0.0  # see _RESETTLE_S
     _plans_reused: int = 0
     _plans_made: int = 0
 
@@ -195,7 +193,8 @@ class PullJob:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
                                      self.layout)
         maps = self._maps(res.replicas, set())
-        self._server, self._seen_change, self._asked_at = res.instance_id, res.change, time.monotonic()
+        self._server = ServerAnswers(self.rpc, self.agent_id, res, resettle_s=_RESETTLE_S)
+        self._asked_at = time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
                                drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s))
@@ -314,11 +313,11 @@ class PullJob:
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
-                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(excluded, maps, needed)
                 elif self._serve_checked(needed, excluded, stats):
-                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(excluded, maps, needed)
                 else:  # every chunk left is due from a peer: until one lands it, or patience runs out
-                    maps = self._refresh_quietly(res, excluded, maps, needed, wait_s=self._wait_for_peers_s())
+                    maps = self._refresh_quietly(excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded), relayed=self._relayed,
@@ -348,14 +347,14 @@ class PullJob:
                 try:
                     granted = self._leases.take(uncovered)
                 except ServerUnavailable:
-                    if not self._server_out_of_reach():
+                    if not self._server.unanswered():
                         raise
                     time.sleep(_RESETTLE_POLL_S)
                     continue
                 withdrawn = set(uncovered) - granted
-                if withdrawn and self._resettling():  # a restarted server may not list them again yet
+                if withdrawn and self._server.resettling():  # a restarted server may not list them again yet
                     time.sleep(_RESETTLE_POLL_S)
-                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(excluded, maps, needed)
                     continue
                 if withdrawn:  # unpublished since the plan: never read them
                     excluded |= withdrawn
@@ -367,7 +366,7 @@ class PullJob:
             self._read_round(transfers, maps, needed, excluded, stats, carry=len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed:  # who holds what now: peers' chunks landed, readers joined
-                maps = self._refresh_quietly(res, excluded, maps, needed)
+                maps = self._refresh_quietly(excluded, maps, needed)
 
     def _planned(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:
         """The READs that fill ``chunk`` from ``ranked`` holders, None if they miss
@@ -413,24 +412,19 @@ class PullJob:
         left = min(_PATIENCE_S - (now - self._progress_at), _WAIT_FOR_CHANGE_S, self.deadline - now)
         return max(0.0, left)
 
-    def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap],
-                         needed: set[int], wait_s: float = 0.0) -> dict[str, HolderMap]:
+    def _refresh_quietly(self, excluded: set[str], maps: dict[str, HolderMap], needed: set[int],
+                         wait_s: float = 0.0) -> dict[str, HolderMap]:
         """Holders as the server sees them now (``wait_s``: once they changed, or
         after that long); the old ones if it cannot say (the next round finds
         out what is missing)."""
         self._asked_at = time.monotonic()
         try:
-            if wait_s > 0:
-                fresh = self.rpc.resolve(self.agent_id, res.model, res.version, wait_change_s=wait_s,
-                                         seen_change=self._seen_change)
-            else:
-                fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
+            fresh = self._server.ask(wait_s)
         except ServerUnavailable:
-            self._server_out_of_reach()
+            self._server.unanswered()
             return maps
         except VersionNotFound:
             return maps
-        self._answered_by(fresh)
         return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded, needed)
 
     def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap], excluded: set[str],
@@ -472,47 +466,24 @@ class PullJob:
         """Ask the server again who holds the version; new holders may exist."""
         res = self.resolved
         if stale_rounds >= _MAX_ROUNDS_WITHOUT_PROGRESS:
-            if not self._resettling():
+            if not self._server.resettling():
                 raise SourceLost(res.model, res.version, stats.lost_sources,
                                  f"no remaining holder has {self.layout.missing(unavailable, usable)}")
             time.sleep(_RESETTLE_POLL_S)
         try:
-            fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
+            fresh = self._server.ask()
         except VersionNotFound as e:
-            if self._resettling():  # nobody announced the version to the new instance yet
+            if self._server.resettling():  # nobody announced the version to the new instance yet
                 return {}
             raise SourceLost(res.model, res.version, stats.lost_sources,
                              f"no remaining holder has {self.layout.missing(unavailable, usable)} ({e})") from None
         except ServerUnavailable:
-            if not self._server_out_of_reach():
+            if not self._server.unanswered():
                 raise
             return {}
-        self._answered_by(fresh)
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
         return self._maps(fresh.replicas, excluded)
-
-    def _answered_by(self, fresh: Resolved) -> None:
-        """Note which server instance answered: a new one (a restart) knows no
-        holder until they announce themselves again (``_RESETTLE_S``)."""
-        self._out_of_reach = False
-        self._seen_change = fresh.change
-        if fresh.instance_id and fresh.instance_id != self._server:
-            if self._server:
-                log.info("the server restarted mid-pull: its holders get %.0f s to announce themselves", _RESETTLE_S)
-                self._resettle_until = max(self._resettle_until, time.monotonic() + _RESETTLE_S)
-            self._server = fresh.instance_id
-
-    def _server_out_of_reach(self) -> bool:
-        """The server did not answer. The first time since its last answer, its
-        holders get ``_RESETTLE_S`` (it may be restarting); True while they have it."""
-        if not self._out_of_reach:
-            self._out_of_reach = True
-            self._resettle_until = max(self._resettle_until, time.monotonic() + _RESETTLE_S)
-        return self._resettling()
-
-    def _resettling(self) -> bool:
-        return time.monotonic() < self._resettle_until
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
