@@ -12,8 +12,17 @@ Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
 
-Which read lease covers which holder is ``leases.PullLeases``'s to keep; the
-job decides when to lease, take over and let go.
+``PullJob`` makes the decisions: what each round reads and from whom
+(``schedule``, ``planner``), when to lease, take over and let go, what a failed
+READ or a fresh list of holders means. The bookkeeping lives beside it:
+
+    PullJob (this module) ─┬─▶ flights.Flights       READs in flight across rounds: deadlines,
+                           │                         given-up READs polled until they end, the drain
+                           ├─▶ refresh.ServerAnswers what the server's answers mid-pull say: its
+                           │                         instance, change counter, the resettle window
+                           ├─▶ leases.PullLeases     which read lease covers which holder
+                           ├─▶ verify.ChunkVerifier  chunks checked against their checksums
+                           └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
 
 The job talks to the reference server through ``ControlPlane`` and moves bytes
 through ``Transport``: the real ones are ``ReferenceClient`` and ``NixlAgent``;
