@@ -12,8 +12,17 @@ Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
 
-Which read lease covers which holder is ``leases.PullLeases``'s to keep; the
-job decides when to lease, take over and let go.
+``PullJob`` makes the decisions: what each round reads and from whom
+(``schedule``, ``planner``), when to lease, take over and let go, what a failed
+READ or a fresh list of holders means. The bookkeeping lives beside it:
+
+    PullJob (this module) ─┬─▶ flights.Flights       READs in flight across rounds: deadlines,
+                           │                         given-up READs polled until they end, the drain
+                           ├─▶ refresh.ServerAnswers what the server's answers mid-pull say: its
+                           │                         instance, change counter, the resettle window
+                           ├─▶ leases.PullLeases     which read lease covers which holder
+                           ├─▶ verify.ChunkVerifier  chunks checked against their checksums
+                           └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
 
 The job talks to the reference server through ``ControlPlane`` and moves bytes
 through ``Transport``: the real ones are ``ReferenceClient`` and ``NixlAgent``;
@@ -30,9 +39,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
+from tensorhub.client.refresh import ServerAnswers
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.verify import ChunkVerifier, Mismatch
 from tensorhub.client.wideread import WideReads
@@ -65,17 +76,14 @@ class ControlPlane(LeaseService, Protocol):
     def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None: ...
 
 
-class Transport(Protocol):
-    """How a pull moves bytes (``NixlAgent``): READs posted, polled, released."""
+class Transport(Handles, Protocol):
+    """How a pull moves bytes (``NixlAgent``): READs posted, then polled and
+    released (``flights.Handles``)."""
 
     def connect(self, key: str, metadata: bytes) -> str: ...
 
     def post(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
              remote_kind: MemoryKind) -> Any: ...
-
-    def poll(self, pending: Any) -> bool: ...
-
-    def release(self, pending: Any) -> None: ...
 
     def forget(self, key: str) -> None: ...
 
@@ -94,9 +102,7 @@ _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read 
 _WAIT_FOR_CHANGE_S = 0.25
 _WAIT_FOR_PEERS_S = 0.01
 _POLL_MIN_S = 20e-6
-_DRAIN_S = 5.0  # at most this long for a failed pull's READs still out to finish (see drain_s)
 _POLL_MAX_S = 2e-3
-_DETECTION_SLACK_S = 0.5  # the transport's failure reaching our poll after its detection fired
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
@@ -137,22 +143,6 @@ class PullStats:
     chunk_sources: dict[int, str] = field(default_factory=dict)
 
 
-def drain_s(chunk_timeout_s: float, failure_detection_s: float | None) -> float:
-    """How long the READs still out when a pull ends get to finish before they
-    are released. A READ cannot be cancelled: released unfinished, it may still
-    land bytes in the destination later. One from a live source ends within the
-    chunk timeout (``_DRAIN_S`` at most: the caller is waiting); one from a source
-    that vanished ends when the transport fails it, so the drain lasts at least
-    that long when it is known and finite (UCX's TCP settings; a user who set
-    them longer than TensorHub's defaults gets a longer drain, not late bytes).
-    The fault campaign with UCX's detection off had 3 pulls whose given-up READs
-    landed a newer version's bytes after the pull returned."""
-    base = min(chunk_timeout_s, _DRAIN_S)
-    if failure_detection_s is None or failure_detection_s == float("inf"):
-        return base
-    return max(base, failure_detection_s + _DETECTION_SLACK_S)
-
-
 @dataclass(kw_only=True, slots=True)
 class PullJob:
     rpc: ControlPlane
@@ -185,15 +175,9 @@ class PullJob:
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
     _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
     _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
-    # READs in flight across rounds: (chunk, transfer, handle, deadline, source)
-    _flying: list[tuple[int, Transfer, Any, float, RemoteReplica]] = field(default_factory=list)
-    # READs given up on (stalled) but not finished: NIXL 1.5 cannot cancel them
-    # (a released one may still land), so they are polled until they end and the
-    # pull's leases, which keep their sources' memory as it was, outlive them.
-    _given_up: list[Any] = field(default_factory=list)
-    # Per source: when a READ from it last finished. A READ queued behind others on
-    # a slow link is not stalled while its source makes progress.
-    _source_progress: dict[str, float] = field(default_factory=dict)
+    # READs in flight across rounds, and those given up on but not ended (``flights``):
+    # made when the pull runs, over the transport it has then
+    _flying: Flights = field(init=False)
     _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
     _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
     _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
@@ -203,11 +187,8 @@ class PullJob:
     _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
     _peer_cap: int = 0  # and from one filling holder
     _slots: int = 0  # this round's READs in flight, at most (``schedule.reads_in_flight``; see _batch)
-    _server: str = ""  # the server instance that last answered a resolve of this pull
-    _seen_change: int = 0  # the version's change counter in the server's last answer (a long poll's start)
+    _server: ServerAnswers = field(init=False)  # what the server's answers to this pull said (``refresh``)
     _asked_at: float = 0.0  # when this pull last asked who holds what
-    _out_of_reach: bool = False  # the server's last answer to this pull was none (ServerUnavailable)
-    _resettle_until: float = 0.0  # see _RESETTLE_S
     _plans_reused: int = 0
     _plans_made: int = 0
 
@@ -221,8 +202,11 @@ class PullJob:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
                                      self.layout)
         maps = self._maps(res.replicas, set())
-        self._server, self._seen_change, self._asked_at = res.instance_id, res.change, time.monotonic()
+        self._server = ServerAnswers(self.rpc, self.agent_id, res, resettle_s=_RESETTLE_S)
+        self._asked_at = time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
+        self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
+                               drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s))
         try:
             self._rounds(res, stats, needed, maps)
         except SourceLost as e:
@@ -332,17 +316,17 @@ class PullJob:
                 continue
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
-            in_air = {entry[0] for entry in self._flying}
+            in_air = self._flying.chunks()
             chunks = self._batch(needed - in_air, usable, first=stats.rounds == 1,
                                  held=self.layout.num_chunks - len(needed))
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
-                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(excluded, maps, needed)
                 elif self._serve_checked(needed, excluded, stats):
-                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(excluded, maps, needed)
                 else:  # every chunk left is due from a peer: until one lands it, or patience runs out
-                    maps = self._refresh_quietly(res, excluded, maps, needed, wait_s=self._wait_for_peers_s())
+                    maps = self._refresh_quietly(excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded), relayed=self._relayed,
@@ -372,14 +356,14 @@ class PullJob:
                 try:
                     granted = self._leases.take(uncovered)
                 except ServerUnavailable:
-                    if not self._server_out_of_reach():
+                    if not self._server.unanswered():
                         raise
                     time.sleep(_RESETTLE_POLL_S)
                     continue
                 withdrawn = set(uncovered) - granted
-                if withdrawn and self._resettling():  # a restarted server may not list them again yet
+                if withdrawn and self._server.resettling():  # a restarted server may not list them again yet
                     time.sleep(_RESETTLE_POLL_S)
-                    maps = self._refresh_quietly(res, excluded, maps, needed)
+                    maps = self._refresh_quietly(excluded, maps, needed)
                     continue
                 if withdrawn:  # unpublished since the plan: never read them
                     excluded |= withdrawn
@@ -391,7 +375,7 @@ class PullJob:
             self._read_round(transfers, maps, needed, excluded, stats, carry=len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed:  # who holds what now: peers' chunks landed, readers joined
-                maps = self._refresh_quietly(res, excluded, maps, needed)
+                maps = self._refresh_quietly(excluded, maps, needed)
 
     def _planned(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:
         """The READs that fill ``chunk`` from ``ranked`` holders, None if they miss
@@ -437,24 +421,19 @@ class PullJob:
         left = min(_PATIENCE_S - (now - self._progress_at), _WAIT_FOR_CHANGE_S, self.deadline - now)
         return max(0.0, left)
 
-    def _refresh_quietly(self, res: Resolved, excluded: set[str], maps: dict[str, HolderMap],
-                         needed: set[int], wait_s: float = 0.0) -> dict[str, HolderMap]:
+    def _refresh_quietly(self, excluded: set[str], maps: dict[str, HolderMap], needed: set[int],
+                         wait_s: float = 0.0) -> dict[str, HolderMap]:
         """Holders as the server sees them now (``wait_s``: once they changed, or
         after that long); the old ones if it cannot say (the next round finds
         out what is missing)."""
         self._asked_at = time.monotonic()
         try:
-            if wait_s > 0:
-                fresh = self.rpc.resolve(self.agent_id, res.model, res.version, wait_change_s=wait_s,
-                                         seen_change=self._seen_change)
-            else:
-                fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
+            fresh = self._server.ask(wait_s)
         except ServerUnavailable:
-            self._server_out_of_reach()
+            self._server.unanswered()
             return maps
         except VersionNotFound:
             return maps
-        self._answered_by(fresh)
         return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded, needed)
 
     def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap], excluded: set[str],
@@ -472,7 +451,7 @@ class PullJob:
         gone = [rid for rid in old if rid not in fresh and self._leases.covers(rid) and rid not in excluded]
         if not gone:
             return fresh
-        if any(entry[1].replica_id in gone for entry in self._flying):  # never release a lease under a READ
+        if any(self._flying.from_source(rid) for rid in gone):  # never release a lease under a READ
             for rid in gone:
                 fresh[rid] = old[rid]
             return fresh
@@ -496,47 +475,24 @@ class PullJob:
         """Ask the server again who holds the version; new holders may exist."""
         res = self.resolved
         if stale_rounds >= _MAX_ROUNDS_WITHOUT_PROGRESS:
-            if not self._resettling():
+            if not self._server.resettling():
                 raise SourceLost(res.model, res.version, stats.lost_sources,
                                  f"no remaining holder has {self.layout.missing(unavailable, usable)}")
             time.sleep(_RESETTLE_POLL_S)
         try:
-            fresh = self.rpc.resolve(self.agent_id, res.model, res.version)
+            fresh = self._server.ask()
         except VersionNotFound as e:
-            if self._resettling():  # nobody announced the version to the new instance yet
+            if self._server.resettling():  # nobody announced the version to the new instance yet
                 return {}
             raise SourceLost(res.model, res.version, stats.lost_sources,
                              f"no remaining holder has {self.layout.missing(unavailable, usable)} ({e})") from None
         except ServerUnavailable:
-            if not self._server_out_of_reach():
+            if not self._server.unanswered():
                 raise
             return {}
-        self._answered_by(fresh)
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
         return self._maps(fresh.replicas, excluded)
-
-    def _answered_by(self, fresh: Resolved) -> None:
-        """Note which server instance answered: a new one (a restart) knows no
-        holder until they announce themselves again (``_RESETTLE_S``)."""
-        self._out_of_reach = False
-        self._seen_change = fresh.change
-        if fresh.instance_id and fresh.instance_id != self._server:
-            if self._server:
-                log.info("the server restarted mid-pull: its holders get %.0f s to announce themselves", _RESETTLE_S)
-                self._resettle_until = max(self._resettle_until, time.monotonic() + _RESETTLE_S)
-            self._server = fresh.instance_id
-
-    def _server_out_of_reach(self) -> bool:
-        """The server did not answer. The first time since its last answer, its
-        holders get ``_RESETTLE_S`` (it may be restarting); True while they have it."""
-        if not self._out_of_reach:
-            self._out_of_reach = True
-            self._resettle_until = max(self._resettle_until, time.monotonic() + _RESETTLE_S)
-        return self._resettling()
-
-    def _resettling(self) -> bool:
-        return time.monotonic() < self._resettle_until
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
@@ -548,7 +504,7 @@ class PullJob:
         ``carry``: once every READ of the round is posted and some landed, return
         with up to half of ``_slots`` still flying; the next round (after the
         server is asked who holds what) keeps them, so the links never drain
-        between rounds. The flights live on the job (``_flying``)."""
+        between rounds. The flights live on the job (``_flying``: ``flights.Flights``)."""
         layout = self.layout
         todo = iter(by_turns(transfers, lambda t: t.replica_id))
         deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
@@ -578,7 +534,7 @@ class PullJob:
                 failed.add(chunk)
                 return
             try:
-                deadline = self._read_deadline(transfer.replica_id, time.monotonic())
+                deadline = flying.deadline(transfer.replica_id, time.monotonic())
                 remote = self.nixl.connect(transfer.replica_id, replica.metadata)
                 local, remote_descs = self.wide.posted(transfer)
                 handle = self.nixl.post(remote, local, self.dest_kind, remote_descs, replica.kind)
@@ -592,12 +548,12 @@ class PullJob:
                 self._leases.forget(transfer.replica_id)
                 failed.add(chunk)
             else:
-                flying.append((chunk, transfer, handle, deadline, replica))
+                flying.add(chunk, transfer, handle, deadline, replica)
 
         def room(transfer: Transfer) -> bool:
             rid = transfer.replica_id
             return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap, peer_cap=self._peer_cap,
-                         flying={rid: sum(1 for entry in flying if entry[1].replica_id == rid)})
+                         flying={rid: flying.from_source(rid)})
 
         def take() -> tuple[int, Transfer] | None:
             """The next READ to post: held-back ones first once their holder has room."""
@@ -633,31 +589,18 @@ class PullJob:
                         continue
                     begun.add(chunk)
                     post(chunk, transfer)
-                    if self._checks.enabled and flying and self._landed_at_once(flying[-1][2]):
+                    if self._checks.enabled and flying.newest_landed():
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
                 if not flying or (carry and not posting and finished_any and len(flying) <= max(self._slots, self.in_flight) // 2):
                     break
-                finished = []
-                for i, entry in enumerate(flying):
-                    chunk, transfer, handle, deadline, replica = entry
-                    try:
-                        if not self.nixl.poll(handle):
-                            now = time.monotonic()
-                            if now <= deadline:
-                                continue
-                            deadline = self._read_deadline(transfer.replica_id, now, posted_by=deadline)
-                            if now <= deadline:  # its lease was renewed, or its source made progress
-                                flying[i] = (chunk, transfer, handle, deadline, replica)
-                                continue
-                            raise TransferFailed(transfer.replica_id, "no completion before the reader's deadline",
-                                                 stalled=True)
-                    except TransferFailed as e:
-                        self.wide.ended(transfer, reusable=not e.stalled)  # a stalled READ may land later
-                        lost(replica, e)
+                finished: list[Flight] = []
+                for flight, error in flying.poll():
+                    chunk, transfer, replica = flight.chunk, flight.transfer, flight.replica
+                    finished.append(flight)
+                    if error is not None:
+                        self.wide.ended(transfer, reusable=not error.stalled)  # a stalled READ may land later
+                        lost(replica, error)
                         failed.add(chunk)
-                        finished.append(entry)
-                        if e.stalled:
-                            self._given_up.append(handle)
                         continue
                     read, descriptors = self.wide.landed(transfer)  # wide groups cut into place first
                     stats.read_bytes += read
@@ -669,10 +612,8 @@ class PullJob:
                                  chunk, transfer.replica_id)
                         self._leases.forget(transfer.replica_id)
                         failed.add(chunk)
-                        finished.append(entry)
                         continue
-                    finished.append(entry)
-                    self._source_progress[transfer.replica_id] = time.monotonic()
+                    flying.progressed(transfer.replica_id)
                     if chunk in failed:
                         continue
                     by_source = got.setdefault(chunk, {})
@@ -696,13 +637,7 @@ class PullJob:
                         needed.discard(chunk)
                         landed.extend(self._checks.landed(chunk, self._arrived.pop(chunk, ())))
                 landed.extend(self._checked(needed, excluded, stats))
-                if finished:  # by identity: entries hold descriptor arrays, which == cannot compare
-                    gone = {id(entry) for entry in finished}
-                    flying[:] = [entry for entry in flying if id(entry) not in gone]
-                for entry in finished:
-                    if not any(entry[2] is h for h in self._given_up):
-                        self.nixl.release(entry[2])
-                self._reap_given_up()
+                flying.settle(finished)
                 if finished:
                     finished_any = True
                     pause = _POLL_MIN_S
@@ -722,7 +657,7 @@ class PullJob:
             raise
         finally:
             # A failed chunk with nothing left in flight is planned again next round.
-            in_air = {entry[0] for entry in flying}
+            in_air = flying.chunks()
             for chunk in [c for c in failed if c not in in_air]:
                 failed.discard(chunk)
                 pending.pop(chunk, None)
@@ -731,67 +666,10 @@ class PullJob:
         if landed and self.landed is not None:
             self.landed(landed)
 
-    def _landed_at_once(self, handle: Any) -> bool:
-        """Whether a READ just posted has already finished. A failed one counts
-        as finished: the polling loop meets its failure and fails its source over
-        (the fault campaign saw NIXL_ERR_REMOTE_DISCONNECT escape from here untyped)."""
-        try:
-            return self.nixl.poll(handle)
-        except TransferFailed:
-            return True
-
-    def _read_deadline(self, replica_id: str, now: float, posted_by: float = 0.0) -> float:
-        """Until when a READ from ``replica_id`` may take: ``chunk_timeout_s``
-        without any READ from that source finishing, and never past the read
-        lease (renewed here when due) or the pull's deadline. 0 when no lease
-        covers the source any more. TensorHubError if the lease cannot be renewed."""
-        lease = self._leases.covering(replica_id)
-        if lease is None:
-            return 0.0
-        try:
-            leased = lease.valid_until()
-        except TensorHubError:
-            if posted_by:  # polling: the READ ends at its lease's expiry, as posted
-                self._leases.forget(replica_id)
-                return 0.0
-            raise
-        progress = max(now if not posted_by else 0.0, self._source_progress.get(replica_id, 0.0))
-        return min(max(progress + self.chunk_timeout_s, posted_by), leased, self.deadline)
-
-    def _reap_given_up(self) -> None:
-        """Release the given-up READs that have ended (done or failed)."""
-        left = []
-        for handle in self._given_up:
-            try:
-                ended = self.nixl.poll(handle)
-            except TransferFailed:
-                ended = True
-            if ended:
-                self.nixl.release(handle)
-            else:
-                left.append(handle)
-        self._given_up = left
-
     def _drop_flights(self) -> None:
-        """Let go of the READs still out when the pull ends (in flight, or given
-        up on earlier). Each first gets a short while to finish (its lease is
-        still held): released unfinished, a READ on a slow link can still land
-        bytes in the destination after the caller reused that memory (the fault
-        campaign saw a failed pull's late bytes land in the next pull's new
-        tensors, allocated at the same addresses), and bytes its holder wrote
-        after the lease ended."""
-        until = time.monotonic() + drain_s(self.chunk_timeout_s, self.failure_detection_s)
-        for handle in [entry[2] for entry in self._flying] + self._given_up:
-            try:
-                while not self.nixl.poll(handle) and time.monotonic() < until:
-                    time.sleep(_POLL_MAX_S)
-            except TransferFailed:  # failed: nothing more will land
-                pass
-            self.nixl.release(handle)
-        for entry in self._flying:  # a READ released unfinished may land later: its scratch is not reused
-            self.wide.ended(entry[1], reusable=False)
-        self._flying.clear()
-        self._given_up.clear()
+        """Let go of the READs still out (``Flights.drop``); their scratch is not reused."""
+        for transfer in self._flying.drop():
+            self.wide.ended(transfer, reusable=False)
 
     def _checked(self, needed: set[int], excluded: set[str], stats: PullStats, wait_s: float = 0.0) -> list[int]:
         """Collect finished checks: the chunks now settled. A source whose bytes

@@ -1,0 +1,87 @@
+"""Asking the server again mid-pull who holds the version, and what its
+answers, or its silence, say about the holders it lists.
+
+    the pull's first resolve ──▶ ServerAnswers(first): its instance, its change counter
+                                        │
+    a round ends, holders run out ──▶ ask(wait_s) ──▶ resolve ─┬─ answered ──▶ same instance: as before
+         (wait_s > 0: a long poll,                             │               a new one (a restart) ──┐
+          from the last change seen)                           │                                       │
+                                                               └─ ServerUnavailable ──▶ unanswered():  │
+                                                                    the first time since an answer ────┤
+                                                                                                       ▼
+                                              resettling() for resettle_s: the holders announce their
+                                              replicas again at their next heartbeats; meanwhile a
+                                              holder missing or a lease refused does not mean it is gone
+
+Why a module of its own: ``PullJob`` decides what a fresh list of holders
+means for its rounds and leases (keep reading a withdrawn holder, let it go,
+fail over); this class only keeps what the server's answers to one pull
+said, so that every place the pull asks reads a restart or an outage alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from tensorhub.client.rpc import Resolved
+
+log = logging.getLogger(__name__)
+
+
+class Resolves(Protocol):
+    """The server's resolve (``ReferenceClient.resolve``), as a pull asks it again."""
+
+    def resolve(self, agent_id: str, model: str, version: int | None, *, wait_change_s: float = 0.0,
+                seen_change: int = 0) -> Resolved: ...
+
+
+class ServerAnswers:
+    """What the server told one pull so far: which instance answered, the
+    version's change counter, and whether its holders are resettling."""
+
+    def __init__(self, rpc: Resolves, agent_id: str, first: Resolved, *, resettle_s: float) -> None:
+        self._rpc, self._agent_id = rpc, agent_id
+        self._model, self._version = first.model, first.version
+        self._resettle_s = resettle_s
+        self._instance = first.instance_id  # the server instance that last answered a resolve of this pull
+        self._seen_change = first.change  # the version's change counter in its last answer (a long poll's start)
+        self._out_of_reach = False  # its last answer to this pull was none (ServerUnavailable)
+        self._resettle_until = 0.0
+
+    def ask(self, wait_s: float = 0.0) -> Resolved:
+        """Who holds the version now; ``wait_s`` > 0: once that changed since the
+        last answer, or after that long. ServerUnavailable, VersionNotFound as
+        the server raises them (``unanswered`` is the caller's to call)."""
+        if wait_s > 0:
+            fresh = self._rpc.resolve(self._agent_id, self._model, self._version, wait_change_s=wait_s,
+                                      seen_change=self._seen_change)
+        else:
+            fresh = self._rpc.resolve(self._agent_id, self._model, self._version)
+        self._answered_by(fresh)
+        return fresh
+
+    def _answered_by(self, fresh: Resolved) -> None:
+        """Note which server instance answered: a new one (a restart) knows no
+        holder until they announce themselves again (``resettle_s``)."""
+        self._out_of_reach = False
+        self._seen_change = fresh.change
+        if fresh.instance_id and fresh.instance_id != self._instance:
+            if self._instance:
+                log.info("the server restarted mid-pull: its holders get %.0f s to announce themselves",
+                         self._resettle_s)
+                self._resettle_until = max(self._resettle_until, time.monotonic() + self._resettle_s)
+            self._instance = fresh.instance_id
+
+    def unanswered(self) -> bool:
+        """The server did not answer. The first time since its last answer, its
+        holders get ``resettle_s`` (it may be restarting); True while they have it."""
+        if not self._out_of_reach:
+            self._out_of_reach = True
+            self._resettle_until = max(self._resettle_until, time.monotonic() + self._resettle_s)
+        return self.resettling()
+
+    def resettling(self) -> bool:
+        """Whether the server's holders may still be announcing themselves again."""
+        return time.monotonic() < self._resettle_until

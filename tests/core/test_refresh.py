@@ -1,0 +1,93 @@
+"""What a pull makes of the server's answers when it asks again mid-pull
+(client/refresh.py), against a fake server.
+
+The pulls in test_server_restart_mid_pull.py and test_reconnect.py go through
+a real server that restarts; here each rule is pinned on its own: a long poll
+starts from the last change seen, a new instance opens the resettle window,
+an outage opens it once per silence, and an answer ends the silence.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tensorhub.client.refresh import ServerAnswers
+from tensorhub.client.rpc import Resolved
+from tensorhub.errors import ServerUnavailable
+
+
+def _answer(instance: str, change: int) -> Resolved:
+    return Resolved(model="m", version=3, manifest=None, replicas=(), instance_id=instance,  # type: ignore[arg-type]
+                    change=change)
+
+
+class FakeServer:
+    def __init__(self, instance: str = "s1") -> None:
+        self.instance = instance
+        self.change = 1
+        self.down = False
+        self.asked: list[tuple] = []
+
+    def resolve(self, agent_id: str, model: str, version: int | None, **kw: float) -> Resolved:
+        self.asked.append((agent_id, model, version, kw))
+        if self.down:
+            raise ServerUnavailable("no answer")
+        return _answer(self.instance, self.change)
+
+
+def _answers(server: FakeServer, resettle_s: float = 60.0) -> ServerAnswers:
+    return ServerAnswers(server, "reader", _answer("s1", 1), resettle_s=resettle_s)
+
+
+def test_a_long_poll_starts_from_the_last_change_seen_and_a_plain_ask_is_plain():
+    server = FakeServer()
+    answers = _answers(server)
+    server.change = 7
+    answers.ask()
+    answers.ask(wait_s=0.25)
+    assert server.asked == [("reader", "m", 3, {}), ("reader", "m", 3, {"wait_change_s": 0.25, "seen_change": 7})]
+    assert not answers.resettling()  # the same instance: its holders are as listed
+
+
+def test_a_new_instance_gives_the_holders_the_resettle_window():
+    server = FakeServer(instance="s2")
+    answers = _answers(server, resettle_s=0.2)
+    answers.ask()
+    assert answers.resettling()
+    answers.ask()  # the same new instance again: the window does not move on
+    time.sleep(0.25)
+    assert not answers.resettling()
+
+
+def test_an_answer_without_an_instance_id_never_opens_the_window():
+    server = FakeServer(instance="")
+    answers = _answers(server)
+    answers.ask()
+    assert not answers.resettling()
+
+
+def test_an_outage_opens_the_window_once_per_silence():
+    server = FakeServer()
+    answers = _answers(server, resettle_s=0.2)
+    server.down = True
+    with pytest.raises(ServerUnavailable):
+        answers.ask()
+    assert answers.unanswered()
+    time.sleep(0.25)
+    assert not answers.unanswered(), "a server silent past the window still counted as restarting"
+    server.down = False
+    answers.ask()  # it answered: the next silence is a new one
+    server.down = True
+    assert answers.unanswered()
+
+
+def test_the_first_instance_heard_of_is_not_a_restart():
+    server = FakeServer(instance="s1")
+    answers = ServerAnswers(server, "reader", _answer("", 1), resettle_s=60.0)  # the first answer named none
+    answers.ask()
+    assert not answers.resettling()
+    server.instance = "s2"
+    answers.ask()
+    assert answers.resettling()
