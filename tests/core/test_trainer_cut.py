@@ -109,9 +109,15 @@ def test_the_cut_holds_each_readers_regions_and_serves_them_byte_exact(server, h
     for hub in ranks:
         hub.call("withdraw_shards", model="m", version=2)
     assert [r.trainer_cut for r in _replicas(server.address, 2) if r.origin] == [True, True]
+    cut_bytes = [r.held_bytes for r in _replicas(server.address, 2) if r.trainer_cut]
     for w in range(2):
         got = _pull(hubs(f"e2w{w}"), 2, ("tp", w, 2))
         assert set(got["sources"]) <= {"rank0", "rank1"} and sum(got["sources"].values()) == got["nbytes"]
+        # From the cut, one contiguous READ per region, split only where a chunk
+        # ends (the reader's, or a cut holder's: READs and checksums are per chunk).
+        chunk_ends = -(-got["nbytes"] // CHUNK) - 1 + sum(-(-n // CHUNK) - 1 for n in cut_bytes)
+        assert got["read_bytes"] == got["nbytes"] and got["descriptors"] <= len(SPECS) + chunk_ends, \
+            (got["descriptors"], len(SPECS), chunk_ends)
 
     # Unpublish withdraws the cut too.
     for hub in ranks:
