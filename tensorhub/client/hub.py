@@ -97,6 +97,9 @@ class PullResult:
     # Chunks whose READs an earlier pull into the same buffers planned, from
     # holders laid out the same (the next version from the same buffers, too)
     plans_reused: int = 0
+    # Resolves the pull sent after its first answer: asking again who holds what
+    # (a round ran out of holders, or took longer than a refresh interval)
+    refreshes: int = 0
     # Per chunk of the read set, the agent most of its bytes came from (empty for a delta pull)
     chunk_sources: dict[int, str] = field(default_factory=dict)
     # A pull given ``have=u`` that patched the destination from v's deltas:
@@ -550,7 +553,7 @@ class Hub:
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
                           chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused,
-                          path=path.path, not_replayed=path.why)
+                          refreshes=stats.refreshes, path=path.path, not_replayed=path.why)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:

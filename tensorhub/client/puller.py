@@ -134,6 +134,7 @@ class PullStats:
     descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
     plans_reused: int = 0  # chunk plans an earlier pull into the same layout made (``plancache``)
     plans_made: int = 0  # chunk plans made by this pull (not in the cache)
+    refreshes: int = 0  # resolves this pull sent after its first answer (asking again who holds what)
     # Holders a byte was read from, by agent name: whether each came lean (its
     # layout known from an earlier answer: ``replay``)
     lean_sources: dict[str, bool] = field(default_factory=dict)
@@ -224,6 +225,7 @@ class PullJob:
             stats.unverified_bytes = self._checks.unverified_bytes
             stats.checks_failed = len(self._checks.mismatches)
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
+            stats.refreshes = self._server.asked
         stats.nbytes = self.layout.total_bytes
         stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
         return stats

@@ -49,11 +49,13 @@ class ServerAnswers:
         self._seen_change = first.change  # the version's change counter in its last answer (a long poll's start)
         self._out_of_reach = False  # its last answer to this pull was none (ServerUnavailable)
         self._resettle_until = 0.0
+        self.asked = 0  # resolves sent after the first answer (PullStats.refreshes)
 
     def ask(self, wait_s: float = 0.0) -> Resolved:
         """Who holds the version now; ``wait_s`` > 0: once that changed since the
         last answer, or after that long. ServerUnavailable, VersionNotFound as
         the server raises them (``unanswered`` is the caller's to call)."""
+        self.asked += 1
         if wait_s > 0:
             fresh = self._rpc.resolve(self._agent_id, self._model, self._version, wait_change_s=wait_s,
                                       seen_change=self._seen_change)
