@@ -156,7 +156,8 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         assert row["publish_request_bytes"] < 8192 < row["publish_request_bytes_first"]  # by fingerprint after the first
         # The steady stage: every reader's messages sent for real, every holder lean, small answers.
         # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
-        assert row["steady_resolves"] == 2 * row["engines"]
+        assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
+        assert row["steady_first_predicted_s"] <= row["predicted_s"]
         assert row["steady_holders_full"] == 0 and row["steady_holders_lean"] > 0
         assert row["steady_answer_bytes_max"] <= 4096 < row["resolve_response_bytes_max"]
         assert row["steady_server_cpu_s"] >= 0 and row["steady_predicted_s"] <= row["predicted_s"]

@@ -25,10 +25,13 @@ of an engine ask as one ``group``: one ranking and coverage search), and a
 second worker's resolve (a lookup) times the other workers, done one after
 another on its one core.
 
-    5. the steady state: version 2 from the same buffers; every message of every
-       holder and reader sent for real (lean: layouts named, holders sent by
-       digest), the server's CPU for all of them -> steady_* figures Planning is per reader and in parallel: one
-reader's. What is not the real code: the holders publish no bytes (their NIXL
+    5. the steady state: versions 2 and 3 from the same buffers; every message
+       of every holder and reader sent for real (lean: layouts named, holders
+       sent by number), the server's CPU for all of them -> steady_* figures
+       (version 3), steady_first_* (version 2, which still pays once for the
+       groups version 1's relays split)
+
+Planning is per reader and in parallel: one reader's. What is not the real code: the holders publish no bytes (their NIXL
 metadata is a placeholder of 2 KB), and planning here intersects boxes per
 group of alike tensors, as the server's coverage does; today's ReadLayout
 expands every region into element runs, which for a TP=8 worker of Kimi-K2
@@ -188,12 +191,18 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                    server_bytes_per_relay_replica=(_rss(pid) - rss0) / readers)
         late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
 
-        # 5. the steady state: version 2 from the same buffers, every reader's messages for real
-        steady = _steady(stub, pid, ranks, engines, fingerprint, knows, numbering,
-                         lambda r: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40, True,
-                                                   False, version=2),
-                         lambda e, w: publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner),
-                                                      1 << 41, False, False, version=2))
+        # 5. the steady state: versions 2 and 3 from the same buffers, every reader's messages for real.
+        # Version 2 is the first: it still pays once for what version 1's relays changed on the server
+        # (their regions split its groups of alike tensors, so every holder's coverage keys are computed
+        # again); version 3 is every later step's cost.
+        first_steady, steady = (
+            _steady(stub, pid, ranks, engines, fingerprint, knows, numbering, version,
+                    lambda r, v=version: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40,
+                                                         True, False, version=v),
+                    lambda e, w, v=version: publish_request(f"engine{e}.{w}",
+                                                            *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41,
+                                                            False, False, version=v))
+            for version in (2, 3))
 
     # 4. the reader's READs and the link model
     t0 = time.perf_counter()
@@ -236,6 +245,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     # every message of version 2, one after another on its core, plus one reader's parse of its answers
     # (its plans come from the plan cache: nothing to decode or plan).
     steady_control_s = steady["server_cpu_s"] + steady["parse_s"]
+    first_steady_control_s = first_steady["server_cpu_s"] + first_steady["parse_s"]
     ps = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
                        first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
                        control_plane_s=steady_control_s)
@@ -247,15 +257,24 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_server_cpu_publish_s=steady["publish_cpu_s"], steady_server_cpu_resolve_s=steady["resolve_cpu_s"],
         steady_parse_s=steady["parse_s"], steady_predicted_s=ps.predicted_s,
         steady_predicted_over_limit=ps.predicted_s / ps.link_limit_s,
+        # version 2, the first from the same buffers (``steady_*``: version 3)
+        steady_first_control_plane_s=first_steady_control_s,
+        steady_first_server_cpu_publish_s=first_steady["publish_cpu_s"],
+        steady_first_server_cpu_resolve_s=first_steady["resolve_cpu_s"],
+        steady_first_resolves=first_steady["resolves"],
+        steady_first_predicted_s=links.predict(
+            engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
+            first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
+            control_plane_s=first_steady_control_s).predicted_s,
     )
     return out
 
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
-            numbering: dict[int, str],
+            numbering: dict[int, str], version: int,
             trainer_request, relay_request) -> dict:
-    """Version 2 from the same buffers, as an RL step makes it: the trainer's
-    ranks publish naming their version-1 layout, every engine resolves once
+    """``version`` from the same buffers as the one before, as an RL step makes
+    it: the trainer's ranks publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
     version-1 answers, the workers publish what they pulled as relays (naming
@@ -265,12 +284,13 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
     parse_s = 0.0
-    # What each engine was told of version 1 (``knows``: as it started; not measured, that was version
-    # 1's cost), then once relays held it: the trainer's holders and the relays its answer named, the
-    # agents its version-2 answers name. Its workers know the same: they all took its answers (``groupshare``).
+    # What each engine was told of the version before (``knows``: as it started; not measured, that was
+    # that version's cost), then once relays held it: the trainer's holders and the relays its answer named,
+    # the agents this version's answers name. Its workers know the same: they all took its answers
+    # (``groupshare``).
     for e in range(engines):
-        v1 = _engine_resolve(stub, e, 1, fingerprint, knows[e], numbering)
-        knows[e] |= {info.layout for info in v1.replicas}
+        before = _engine_resolve(stub, e, version - 1, fingerprint, knows[e], numbering)
+        knows[e] |= {info.layout for info in before.replicas}
     cpu0 = _cpu(pid)
     for r in range(ranks):
         _publish_lean(stub, trainer_request(r))
@@ -284,7 +304,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
         for e in range(engines):
-            answer = _engine_resolve(stub, e, 2, fingerprint, knows[e], numbering, sizes=requests)
+            answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests)
             answers.append(answer.ByteSize())
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
