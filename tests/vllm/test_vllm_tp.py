@@ -68,6 +68,9 @@ def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, tr
     before = _control(hub_server.address)
     update_and_relay(a, b, trainer, (31, 32), PROMPTS, share=0.6)
     # Three updates of TP=2 engines, one Resolve each: the first worker resolves
-    # for both (groupshare), the second adopts its answer.
+    # for both (groupshare), the second adopts its answer. A pull slower than
+    # its refresh interval asks again mid-pull (a loaded machine; ``PullResult.refreshes``),
+    # so the Resolves are 3 and a few; one per worker would be 6.
     after = _control(hub_server.address)
-    assert (after.resolves - before.resolves, after.answers_shared - before.answers_shared) == (3, 3)
+    assert after.answers_shared - before.answers_shared == 3
+    assert 3 <= after.resolves - before.resolves < 6, after.resolves - before.resolves
