@@ -244,11 +244,9 @@ class State:
         # published, withdrawn or removed; an agent registered, perhaps with new
         # labels, or expired): ``sources`` keeps each reader's ranking until then.
         self._holders_changed = 0
-        # Bumped whenever an agent registers (perhaps with new labels) or expires:
-        # ``_agent_rank_keys`` keeps each reader's keys of holder agents until then.
-        self._agents_changed = 0
-        self._rank_keys: dict[tuple[str, str], dict] = {}
-        self._rank_keys_at = 0
+        # Each reader's rank keys of holder agents (``_agent_rank_keys``), kept across
+        # versions until an agent registers (perhaps with new labels).
+        self._rank_keys: dict[tuple[str, str], _ReaderRankKeys] = {}
 
     # ------------------------------------------------------------ agents
 
@@ -256,7 +254,7 @@ class State:
         agent = Agent(agent_id, name, labels, reliability, time.monotonic() + self.agent_ttl_s)
         self.agents[agent_id] = agent
         self._holders_changed += 1
-        self._agents_changed += 1
+        self._rank_keys.clear()
         self._next_expiry = min(self._next_expiry, agent.expires_at)
 
     def heartbeat(self, agent_id: str, held: Iterable[str] = ()) -> bool:
@@ -669,27 +667,24 @@ class State:
                 and r.agent_id not in exclude]
         if len(live) <= k:
             return live, None
-        by_agent = self._agent_rank_keys(near or reader_agent_id, salt or reader_agent_id)
+        reader = self._agent_rank_keys(near or reader_agent_id, salt or reader_agent_id)
         fixed = []
         for r in live:
-            key = by_agent.get(r.agent_id)
+            key = reader.by_agent.get(r.agent_id)
             if key is None:
-                key = by_agent[r.agent_id] = self._agent_rank_key(by_agent, r.agent_id)
+                key = reader.by_agent[r.agent_id] = self._agent_rank_key(reader, r.agent_id)
             fixed.append(key | r.origin << 64)
         entry.ranked[reader_agent_id] = (live, fixed)
         return live, fixed
 
-    def _agent_rank_keys(self, near: str, salt: str) -> dict:
+    def _agent_rank_keys(self, near: str, salt: str) -> _ReaderRankKeys:
         """The agent part of ``_ranking``'s keys for one reader (``near``: whose
         labels rank; ``salt``: whose spread of equal holders), per holder agent:
         (tier, spot, -, -, crc32(holder's agent id, crc32(salt + "/"))). It depends
-        on agents alone, not on a version, so it is kept across versions while no
-        agent registers or expires (``_agents_changed``): the next version's
-        holders are most often the same agents (the steady state), and ranking
-        them costs a lookup each instead of a CRC and a label comparison."""
-        if self._rank_keys_at != self._agents_changed:
-            self._rank_keys.clear()
-            self._rank_keys_at = self._agents_changed
+        on agents alone, not on a version, so it is kept across versions until an
+        agent registers (an expired one is no holder: ``_ranking`` skips it): the
+        next version's holders are most often the same agents (the steady state),
+        and ranking them costs a lookup each instead of a CRC and a label comparison."""
         kept = self._rank_keys.get((near, salt))
         if kept is None:
             while len(self._rank_keys) >= _RANK_KEYS_KEPT:  # the oldest reader first
@@ -697,17 +692,17 @@ class State:
             reader = self.agents.get(near)
             # CRC-32 is affine in its start value: crc32(d, s) == crc32(d) ^ crc32(z, s) ^ crc32(z)
             # for z = len(d) zero bytes, so a holder's id costs one CRC and a reader one per id length.
-            kept = self._rank_keys[(near, salt)] = {"\0labels": reader.labels if reader else Labels(),
-                                                    "\0seed": zlib.crc32(f"{salt}/".encode())}
+            kept = self._rank_keys[(near, salt)] = _ReaderRankKeys(reader.labels if reader else Labels(),
+                                                                   zlib.crc32(f"{salt}/".encode()))
         return kept
 
-    def _agent_rank_key(self, by_agent: dict, agent_id: str) -> int:
+    def _agent_rank_key(self, reader: _ReaderRankKeys, agent_id: str) -> int:
         rid = agent_id.encode()  # by agent: the same holders rank alike in every version
         zeros = bytes(len(rid))
-        spread = zlib.crc32(zeros, by_agent["\0seed"]) ^ zlib.crc32(zeros)
+        spread = zlib.crc32(zeros, reader.seed) ^ zlib.crc32(zeros)
         agent = self.agents[agent_id]
         spot = agent.reliability is Reliability.SPOT
-        return by_agent["\0labels"].tier(agent.labels) << 66 | spot << 65 | zlib.crc32(rid) ^ spread
+        return reader.labels.tier(agent.labels) << 66 | spot << 65 | zlib.crc32(rid) ^ spread
 
     @staticmethod
     def _covers(entry: Version, holders: list[Replica]) -> bool:
@@ -887,6 +882,16 @@ def _grouping(entry: Version) -> Grouping:
 def _keys(entry: Version, replica: Replica) -> HolderKeys:
     """The replica's regions per group, kept while the grouping does not change."""
     return _grouping(entry).keys(replica.held)
+
+
+@dataclass(slots=True)
+class _ReaderRankKeys:
+    """One reader's ranking inputs (``State._agent_rank_keys``): its labels, its
+    spread's CRC seed, and the agent part of each holder agent's key so far."""
+
+    labels: Labels
+    seed: int
+    by_agent: dict[str, int] = field(default_factory=dict)
 
 
 class _LazyKeys(Sequence):

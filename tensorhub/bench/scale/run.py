@@ -218,9 +218,13 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                              + engines * (cuts.TP - 1) * s["cpu_per_member_s"]
                                              for s in (first, late))
     control_s = server_s + planning_s
-    p = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
-                      first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
-                      control_plane_s=control_s)
+
+    def predict(control_plane_s: float) -> links.Prediction:
+        return links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
+                             first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
+                             control_plane_s=control_plane_s)
+
+    p = predict(control_s)
     out.update(
         predicted_s=p.predicted_s, link_limit_s=p.link_limit_s, predicted_over_limit=p.predicted_s / p.link_limit_s,
         control_plane_s=control_s, control_plane_share=control_s / p.link_limit_s,
@@ -246,9 +250,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     # (its plans come from the plan cache: nothing to decode or plan).
     steady_control_s = steady["server_cpu_s"] + steady["parse_s"]
     first_steady_control_s = first_steady["server_cpu_s"] + first_steady["parse_s"]
-    ps = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
-                       first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
-                       control_plane_s=steady_control_s)
+    ps = predict(steady_control_s)
     out.update(
         steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
         steady_server_cpu_s=steady["server_cpu_s"], steady_answer_bytes_max=steady["answer_bytes_max"],
@@ -262,10 +264,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_first_server_cpu_publish_s=first_steady["publish_cpu_s"],
         steady_first_server_cpu_resolve_s=first_steady["resolve_cpu_s"],
         steady_first_resolves=first_steady["resolves"],
-        steady_first_predicted_s=links.predict(
-            engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
-            first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
-            control_plane_s=first_steady_control_s).predicted_s,
+        steady_first_predicted_s=predict(first_steady_control_s).predicted_s,
     )
     return out
 
