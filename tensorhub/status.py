@@ -83,6 +83,7 @@ class ControlView:
     publishes_full: int = 0
     publishes_lean: int = 0
     answers_shared: int = 0  # members answered by another member's Resolve (one per engine: ``members``)
+    calls: dict[str, int] = field(default_factory=dict)  # every RPC received, by method (Publish, Resolve, ...)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,4 +192,7 @@ def render(status: HubStatus, console: Any | None = None) -> None:
                       f"layout {c.publishes_lean:,}; pulls replayed {c.pulls_replayed:,} / planned {c.pulls_planned:,}"
                       + (f"; {c.answers_shared:,} members answered by their engine's resolve" if c.answers_shared
                          else ""))
+    if c.calls:
+        console.print("messages received: " + ", ".join(f"{name} {n:,}" for name, n in
+                                                        sorted(c.calls.items(), key=lambda kv: -kv[1])))
 

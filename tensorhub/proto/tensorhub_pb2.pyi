@@ -622,7 +622,14 @@ class DescribeResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., control: _Optional[_Union[ControlCounters, _Mapping]] = ...) -> None: ...
 
 class ControlCounters(_message.Message):
-    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean", "answers_shared")
+    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean", "answers_shared", "calls")
+    class CallsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RESOLVES_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FULL_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_LEAN_FIELD_NUMBER: _ClassVar[int]
@@ -632,6 +639,7 @@ class ControlCounters(_message.Message):
     PUBLISHES_FULL_FIELD_NUMBER: _ClassVar[int]
     PUBLISHES_LEAN_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     resolves: int
     holders_full: int
     holders_lean: int
@@ -641,4 +649,5 @@ class ControlCounters(_message.Message):
     publishes_full: int
     publishes_lean: int
     answers_shared: int
-    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ..., answers_shared: _Optional[int] = ...) -> None: ...
+    calls: _containers.ScalarMap[str, int]
+    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ..., answers_shared: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...

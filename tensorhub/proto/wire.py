@@ -265,7 +265,8 @@ def status_from_wire(msg: pb.DescribeResponse) -> HubStatus:
             for v in m.versions)) for m in msg.models),
         leases=tuple(LeaseView(lease_id=x.lease_id, agent_id=x.agent_id, replica_ids=tuple(x.replica_ids),
                                expires_in_s=x.expires_in_s) for x in msg.leases),
-        control=ControlView(**{f: getattr(msg.control, f) for f in ControlView.__slots__}),
+        control=ControlView(**{f: getattr(msg.control, f) for f in ControlView.__slots__ if f != "calls"},
+                            calls=dict(msg.control.calls)),
     )
 
 

@@ -810,8 +810,12 @@ def _lenient(cls: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-def _guard(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+def _guard(method: Callable[[Any, Any], Awaitable[Any]], calls: dict[str, int],
+           name: str) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``method`` behind the garbage check, counted in ``calls`` (ControlView.calls) as it arrives."""
+
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        calls[name] = calls.get(name, 0) + 1
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request is not a valid {request.type_name}: {request.error}")
@@ -831,7 +835,7 @@ def add_to_server(service: ReferenceService, server: grpc.aio.Server) -> None:
     descriptor = pb.DESCRIPTOR.services_by_name["ReferenceService"]
     handlers = {
         m.name: grpc.unary_unary_rpc_method_handler(
-            _guard(getattr(service, m.name)),
+            _guard(getattr(service, m.name), service.state.control.calls, m.name),
             request_deserializer=_lenient(getattr(pb, m.input_type.name)),
             response_serializer=_serialize,
         )

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import math
 import time
 import uuid
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -860,7 +859,8 @@ class State:
                        if not model or any((r := self.replicas.get(rid)) is not None and r.model == model
                                            for rid in lease.replica_ids))
         return HubStatus(instance_id=self.instance_id, uptime_s=now - self.started_at, agents=agents,
-                         models=tuple(models), leases=leases, control=copy.copy(self.control))
+                         models=tuple(models), leases=leases,
+                         control=replace(self.control, calls=dict(self.control.calls)))
 
     def _missing(self, entry: Version) -> str:
         if entry.visible:

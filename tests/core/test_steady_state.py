@@ -288,6 +288,8 @@ def test_a_publish_by_layout_is_taken_only_from_the_agent_that_sent_it_whole():
         assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         control = stub.Describe(pb.DescribeRequest()).control
         assert (control.publishes_full, control.publishes_lean) == (1, 1)
+        # Every message that arrived, refused or not, by method (the Describe itself too).
+        assert dict(control.calls) == {"RegisterAgent": 2, "Publish": 4, "Describe": 1}
         # Version 2, by layout, is read from a's memory as version 1 was: the reader's holder comes lean.
         v1 = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=1))
         v2 = stub.Resolve(pb.ResolveRequest(agent_id="b", model="m", version=2, known_layouts=[v1.replicas[0].layout]))
