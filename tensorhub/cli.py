@@ -106,7 +106,10 @@ def _bench_cluster(args: argparse.Namespace) -> int:
         print(f"tensorhub bench cluster: --hosts {args.hosts} must be the most --readers + 2 (the server and the "
               f"trainer have a host each): {max(counts) + 2}", file=sys.stderr)
         return 2
-    sweep = len(counts) > 1
+    if args.versions < 1:
+        print("tensorhub bench cluster: --versions must be >= 1", file=sys.stderr)
+        return 2
+    sweep = len(counts) > 1 or args.versions > 1
     if sweep and (args.zones != 1 or args.delta):
         print("tensorhub bench cluster: a list of reader counts takes neither --zones nor --delta", file=sys.stderr)
         return 2
@@ -118,7 +121,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     if sweep:
         cluster_sweep.run(cluster_sweep.SweepConfig(readers=counts, size=size or cluster_sweep.DEFAULT_SIZE,
                                                     link=args.link or cluster_sweep.DEFAULT_LINK,
-                                                    chunk=chunk or cluster_sweep.DEFAULT_CHUNK),
+                                                    chunk=chunk or cluster_sweep.DEFAULT_CHUNK,
+                                                    versions=args.versions),
                           json_path=args.json, plot_to=args.plot)
         return 0
     cfg = cluster.ClusterBenchConfig(readers=counts[0], size=size or 256 << 20, link=args.link or "1gbit",
@@ -356,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 1e-6)")
     cluster.add_argument("--json", help="write the results here as JSON (with a list of --readers, the plot "
                          "beside it: .png)")
+    cluster.add_argument("--versions", type=int, default=1,
+                         help="versions per reader count (default 1): the later ones from the same trainer buffers "
+                              "into the same destinations, the steady state of an RL run (row tensorhub-steady, with "
+                              "the server's messages per reader); more than 1 runs the sweep of a list of --readers")
     cluster.add_argument("--plot", help="with a list of --readers: write the plot here (default: beside --json)")
     cluster.set_defaults(func=_bench_cluster)
 

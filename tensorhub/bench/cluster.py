@@ -167,11 +167,19 @@ class Pulled:
 
 
 def pull_together(hosts: netns.Hosts, trainer: Any, group: list[Any], *, version: int, specs: list, chunk: int,
-                  serve: bool, method: str, timeout_s: float = 300) -> Pulled:
+                  serve: bool, method: str, timeout_s: float = 300, of: int | None = None,
+                  keep: str | None = None) -> Pulled:
     """The trainer publishes ``version`` (seeded with its number) and unpublishes
     it at once; every reader of ``group`` (HubProcess) pulls it, serving what
-    lands when ``serve``, and unpublishes its copy after."""
-    trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=chunk)
+    lands when ``serve``, and unpublishes its copy after. The steady state, as
+    an RL step makes it: ``of``, the trainer overwrites the buffers of that
+    (unpublished) version in place and publishes them again; ``keep``, every
+    reader pulls into the destination it kept under that name."""
+    if of is None:
+        trainer.call("publish", model=MODEL, version=version, specs=specs, seed=version, chunk_size=chunk)
+    else:
+        trainer.call("overwrite", model=MODEL, version=of, seed=version)
+        trainer.call("republish", model=MODEL, version=version, of=of, chunk_size=chunk)
     sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
     # One start instant for the group, as the raw NIXL rows have (rawrelay): the
     # pulls reach the readers one after another, and on 2 busy cores the 16th
@@ -179,7 +187,7 @@ def pull_together(hosts: netns.Hosts, trainer: Any, group: list[Any], *, version
     start_at = time.monotonic() + _START_DELAY_S
     for reader in group:
         reader.send("pull", model=MODEL, version=version, specs=specs, serve=serve, expect_seed=version,
-                    start_at=start_at)
+                    start_at=start_at, keep=keep)
     stall = trainer.call("unpublish", model=MODEL, version=version, timeout=timeout_s)
     got = [reader.result(timeout=timeout_s) for reader in group]
     egress = hosts.tx_bytes("trainer") - sent

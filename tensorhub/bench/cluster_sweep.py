@@ -40,7 +40,10 @@ the trainer). The goals of the issue are printed as met or not, and recorded.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +58,9 @@ from tensorhub.bench.report import Row, print_table, write_json
 DEFAULT_LINK = "100mbit"
 DEFAULT_SIZE = 64 << 20
 DEFAULT_CHUNK = 1 << 20
-METHODS = ("tensorhub", "nixl-raw-relay", "nixl-raw-all", "gloo-broadcast")  # per reader count
+# Per reader count; ``tensorhub-steady`` with ``--versions`` > 1.
+METHODS = ("tensorhub", "tensorhub-steady", "nixl-raw-relay", "nixl-raw-all", "gloo-broadcast")
+RAW = ("nixl-raw-relay", "nixl-raw-all")
 ORIGIN = "trainer"
 
 
@@ -65,6 +70,7 @@ class SweepConfig:
     size: int = DEFAULT_SIZE
     link: str = DEFAULT_LINK
     chunk: int = DEFAULT_CHUNK
+    versions: int = 1  # per reader count; the later ones are the steady state (tensorhub-steady)
 
 
 def parse_readers(text: str) -> list[int]:
@@ -183,6 +189,11 @@ def goals(rows: list[Row]) -> list[Goal]:
         ratio = ours.seconds / raw.seconds
         out.append(Goal(f"{n} reader(s): tensorhub {ours.seconds:.2f} s = {ratio:.2f}x nixl-raw-relay "
                         f"{raw.seconds:.2f} s (goal <= 1.10x)", ratio <= 1.10))
+    steady = by.get(("tensorhub-steady", 16))
+    if steady is not None and ("nixl-raw-relay", 16) in by:
+        ratio = steady.seconds / by[("nixl-raw-relay", 16)].seconds
+        out.append(Goal(f"16 readers, later versions from the same buffers: {steady.seconds:.2f} s = {ratio:.2f}x "
+                        f"nixl-raw-relay (goal <= 1.10x)", ratio <= 1.10))
     return out
 
 
@@ -198,7 +209,7 @@ def plot(rows: list[Row], path: str | Path, *, title: str = "") -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     counts = sorted({r.readers for r in rows if r.method in METHODS})
-    for method, marker in zip(METHODS, "osd^"):
+    for method, marker in zip(METHODS, "oxsd^"):
         points = sorted((r.readers, r.seconds, _copies(r)) for r in rows if r.method == method)
         if not points:
             continue
@@ -252,6 +263,23 @@ def _busy_since(since: tuple[int, int], row: Row) -> Row:
     return row
 
 
+def _messages(hosts: netns.Hosts, address: str) -> dict[str, int]:
+    """Every message the server has received so far, by method (``ControlView.calls``),
+    asked from inside the server's host (the emulated hosts' addresses are theirs alone)."""
+    out = subprocess.run(["ip", "netns", "exec", hosts.netns("server"), sys.executable, "-m", "tensorhub.cli",
+                          "status", "--address", address, "--json"], capture_output=True, text=True, timeout=120,
+                         check=True)
+    return json.loads(out.stdout)["control"]["calls"]
+
+
+def _per_reader(before: dict[str, int], after: dict[str, int], readers: int) -> dict[str, float]:
+    """Messages the server received between two ``_messages``, by method, per reader:
+    every process's (the trainer's too) but the status queries' own (Describe) and
+    heartbeats (sent by time, not by version)."""
+    return {name: round((n - before.get(name, 0)) / readers, 2) for name, n in sorted(after.items())
+            if name not in ("Describe", "Heartbeat") and n > before.get(name, 0)}
+
+
 def _tensorhub_row(method: str, moved: Any, size: int, names: list[str]) -> Row:
     start = min(g["start"] for g in moved.got)
     depth, parent = depths({name: g["sources"] for name, g in zip(names, moved.got)})
@@ -263,6 +291,18 @@ def _tensorhub_row(method: str, moved: Any, size: int, names: list[str]) -> Row:
                   trainer_stall_seconds=moved.stall, trainer_copies=round(moved.egress / size, 2),
                   reader_seconds=[round(g["end"] - start, 3) for g in moved.got],
                   depth=[depth[n] for n in names], parent=[parent[n] for n in names], trainer_share=share)
+
+
+def _steady_row(later: list[tuple[Row, dict[str, float]]], size: int, readers: int) -> Row:
+    """The versions after a count's first, as one row: the median time, each
+    version's time and messages per reader, how many pulls replayed their plans."""
+    last = later[-1][0].extra
+    return Row.of("tensorhub-steady", readers, size, [r.seconds for r, _ in later],
+                  trainer_egress_bytes=last["trainer_egress_bytes"], trainer_copies=last["trainer_copies"],
+                  cpu_busy=max(r.extra["cpu_busy"] for r, _ in later), depth=last["depth"], parent=last["parent"],
+                  reader_seconds=last["reader_seconds"], messages_per_reader=later[-1][1],
+                  replayed=[r.extra["replayed"] for r, _ in later],
+                  not_replayed=sorted({why for r, _ in later for why in r.extra["not_replayed"]}))
 
 
 def _order(row: Row) -> tuple:
@@ -302,19 +342,36 @@ def run(cfg: SweepConfig, *, json_path: str | None = None, plot_to: str | Path |
             for name in names:
                 progress.update(task, description=f"starting hub {name} of {len(names)}")
                 pulls.append(hub(name))
-            for version, (method, n) in enumerate([("single", 1)] + [("tensorhub", n) for n in counts], start=1):
-                progress.update(task, description=f"{method}: {n} reader(s)")
-                since = _cpu_jiffies()
-                moved = pull_together(hosts, trainer, pulls[:n], version=version, specs=specs, chunk=cfg.chunk,
-                                      serve=method == "tensorhub", method=method, timeout_s=timeout_s)
-                rows.append(_busy_since(since, _tensorhub_row(method, moved, size, names[:n])))
+            version = 0
+            for method, n in [("single", 1)] + [("tensorhub", n) for n in counts]:
+                # The first version in fresh buffers, as ever; with --versions, the later ones from the
+                # same buffers into the same destinations (the steady state): one row for them all.
+                steady: list[tuple[Row, dict[str, float]]] = []
+                for k in range(cfg.versions if method == "tensorhub" else 1):
+                    version += 1
+                    progress.update(task, description=f"{method}: {n} reader(s)" +
+                                    (f", version {k + 1} of {cfg.versions}" if cfg.versions > 1 else ""))
+                    before, since = _messages(hosts, server.address), _cpu_jiffies()
+                    moved = pull_together(hosts, trainer, pulls[:n], version=version, specs=specs, chunk=cfg.chunk,
+                                          serve=method == "tensorhub", method=method, timeout_s=timeout_s,
+                                          of=version - 1 if k else None, keep=f"x{n}" if cfg.versions > 1 else None)
+                    row = _busy_since(since, _tensorhub_row(method, moved, size, names[:n]))
+                    sent = _per_reader(before, _messages(hosts, server.address), n)
+                    row.extra.update(messages_per_reader=sent, replayed=sum(g["path"] == "replayed" for g in moved.got),
+                                     not_replayed=sorted({g["not_replayed"] for g in moved.got} - {""}))
+                    if k == 0:
+                        rows.append(row)
+                    else:
+                        steady.append((row, sent))
+                if steady:
+                    rows.append(_steady_row(steady, size, n))
                 progress.advance(task)
         finally:
             for proc in [*pulls, trainer]:
                 proc.close(timeout=15)
         progress.update(task, description="raw NIXL: starting agents")
         with raw_cluster(hosts, names, size, cfg.chunk) as raw:
-            for method, n in [("nixl-raw-single", 1)] + [(m, n) for n in counts for m in METHODS[1:3]]:
+            for method, n in [("nixl-raw-single", 1)] + [(m, n) for n in counts for m in RAW]:
                 progress.update(task, description=f"{method}: {n} reader(s), raw NIXL, no server")
                 since = _cpu_jiffies()
                 rows.append(_busy_since(since, raw_row(hosts, raw, method, n, size, none, timeout_s=timeout_s)))
@@ -348,7 +405,7 @@ def run(cfg: SweepConfig, *, json_path: str | None = None, plot_to: str | Path |
 def _print(cfg: SweepConfig, rows: list[Row], size: int, cap: float, rate: float, checked: list[Goal]) -> None:
     single = next(r for r in rows if r.method == "single")
     print_table(f"{size:,} bytes to 1..{max(cfg.readers)} readers on emulated hosts, links {cfg.link}, "
-                f"{cfg.chunk:,}-byte chunks", rows, {m: "nixl-raw-relay" for m in ("tensorhub", "gloo-broadcast")})
+                f"{cfg.chunk:,}-byte chunks", rows, {m: "nixl-raw-relay" for m in ("tensorhub", "tensorhub-steady", "gloo-broadcast")})
     print(f"raw single reader {rate / 1e6:.1f} MB/s = {rate / cap:.2f} of the {cfg.link} cap ({cap / 1e6:.1f} MB/s)")
     for row in rows:
         tree = f"; {tree_summary(row.extra['depth'])}" if "depth" in row.extra else ""
@@ -360,6 +417,13 @@ def _print(cfg: SweepConfig, rows: list[Row], size: int, cap: float, rate: float
             chain = " <- ".join(_chain(row, slow))
             print(f"tensorhub x{row.readers}: last reader r{slow} at {row.extra['reader_seconds'][slow]:.2f} s, "
                   f"its bytes came most through {chain}")
+    for row in rows:
+        if "messages_per_reader" in row.extra:
+            sent = row.extra["messages_per_reader"]
+            print(f"{row.method:>16} x{row.readers:<3}: {sum(sent.values()):6.1f} messages to the server per reader"
+                  f" and version ({', '.join(f'{k} {v:g}' for k, v in sent.items())})"
+                  + (f"; pulls that replayed their plans: {row.extra['replayed']}" if "steady" in row.method else "")
+                  + (f" (the others: {'; '.join(row.extra['not_replayed'])})" if row.extra.get("not_replayed") else ""))
     for goal in checked:
         verdict = "not measured" if goal.met is None else ("met" if goal.met else "NOT met")
         print(f"goal {verdict}: {goal.text}")

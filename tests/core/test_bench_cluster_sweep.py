@@ -49,6 +49,8 @@ def test_the_command_line_refuses_a_bad_list_and_what_a_sweep_does_not_take(caps
     assert cli.main(["bench", "cluster", "--readers", "1,2", "--delta"]) == 2
     assert cli.main(["bench", "cluster", "--readers", "4", "--plot", "p.png"]) == 2
     assert "needs a list" in capsys.readouterr().err
+    assert cli.main(["bench", "cluster", "--readers", "4", "--versions", "0"]) == 2
+    assert "--versions must be >= 1" in capsys.readouterr().err
 
 
 def test_link_rates_read_as_tc_writes_them():
@@ -133,6 +135,10 @@ def test_goals_are_checked_against_the_rows_of_the_run():
     by = {g.text.split(":")[0]: g.met for g in goals(slow)}
     assert by["16 readers finish <= 1.25x a lone reader, trainer egress <= 1.1 copies"] is False
     assert by["16 reader(s)"] is False  # 8.0 against 6.6: more than 10% behind the raw relay
+    raw16 = next(r for r in ROWS if (r.method, r.readers) == ("nixl-raw-relay", 16))
+    for seconds, met in ((raw16.seconds * 1.05, True), (raw16.seconds * 1.2, False)):
+        by = {g.text.split(":")[0]: g.met for g in goals([*ROWS, _row("tensorhub-steady", 16, seconds, 1.0)])}
+        assert by["16 readers, later versions from the same buffers"] is met
     few = goals([r for r in ROWS if r.readers <= 4])
     assert [g.met for g in few[:2]] == [None, None] and "not measured" in few[0].text
 
@@ -150,12 +156,21 @@ def test_the_plot_is_written_from_rows(tmp_path):
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 def test_a_small_sweep_runs_on_emulated_hosts(tmp_path):
     path = tmp_path / "sweep.json"
-    assert cli.main(["bench", "cluster", "--readers", "1,2", "--size", "4MiB", "--json", str(path)]) == 0
+    assert cli.main(["bench", "cluster", "--readers", "1,2", "--size", "4MiB", "--versions", "2",
+                     "--json", str(path)]) == 0
     got = json.loads(path.read_text())
     assert path.with_suffix(".png").exists()
     seen = {(r["method"], r["readers"]) for r in got["results"]}
     assert seen == {("single", 1), ("nixl-raw-single", 1)} | {
-        (m, n) for m in ("tensorhub", "nixl-raw-relay", "nixl-raw-all", "gloo-broadcast") for n in (1, 2)}
+        (m, n) for m in ("tensorhub", "tensorhub-steady", "nixl-raw-relay", "nixl-raw-all", "gloo-broadcast")
+        for n in (1, 2)}
+    for row in got["results"]:
+        if row["method"].startswith("tensorhub"):
+            # the server's own count: every reader resolved, the trainer published; heartbeats left out
+            sent = row["messages_per_reader"]
+            assert sent["Resolve"] >= 1 and sent["Publish"] >= 1 / row["readers"] and "Heartbeat" not in sent
+    steady = next(r for r in got["results"] if (r["method"], r["readers"]) == ("tensorhub-steady", 1))
+    assert steady["replayed"] == [1]  # a lone reader of the trainer's same buffers replays its plan
     for row in got["results"]:
         assert {"method", "readers", "seconds", "trainer_egress_bytes", "bytes", "cpu_busy"} <= set(row)
         if row["method"] in ("tensorhub", "single"):
