@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import re
@@ -35,6 +34,7 @@ from tensorhub.client.delta import (
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.holdings import Holdings
+from tensorhub.client.landed import LandedReports
 from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
@@ -148,30 +148,6 @@ def _check_model(model: Any) -> str:
     if not isinstance(model, str) or not model:
         raise InvalidRequest(f"model must be a non-empty string, not {model!r}")
     return model
-
-
-class _LandedReports:
-    """What a serving pull tells the server, in order, on its own thread: the
-    filling replica (announced first), then its chunks as they land. No READ
-    waits for these calls; the pull's last report (complete) waits for them."""
-
-    def __init__(self, holdings: Holdings, publication: Publication) -> None:
-        self._holdings, self._publication = holdings, publication
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-landed")
-        self._sent: list[cf.Future] = [self._pool.submit(holdings.announce, publication)]
-
-    def submit(self, chunks: list[int]) -> None:
-        self._sent.append(self._pool.submit(self._holdings.landed, self._publication, list(chunks)))
-
-    def finish(self) -> None:
-        """Wait for every report; raise what one of them raised."""
-        self._pool.shutdown(wait=True)
-        for sent in self._sent:
-            sent.result()
-
-    def abandon(self) -> None:
-        """The pull failed: let the reports in flight end (before the replica is withdrawn), drop the rest."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Hub:
@@ -506,7 +482,7 @@ class Hub:
             # their unpublish for a whole TTL although no byte will be read.
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             raise
-        reports = _LandedReports(self._holdings, publication) if publication is not None else None
+        reports = LandedReports(self._holdings, publication) if publication is not None else None
         index = manifest.index()
         read_parts = [
             ReadPart(p.name, index[p.name], p.full_shape, None, itemsize(manifest.tensors[index[p.name]].dtype),
@@ -527,8 +503,7 @@ class Hub:
         try:
             stats = job.run()
             if publication is not None:
-                reports.finish()
-                self._holdings.landed(publication, [], complete=True)
+                reports.finish()  # the last report says complete
         except BaseException:
             if publication is not None:
                 reports.abandon()

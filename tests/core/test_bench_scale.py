@@ -157,6 +157,12 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # The steady stage: every reader's messages sent for real, every holder lean, small answers.
         # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
         assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
+        # Every message of a steady version, as the server counted them: a publish per trainer rank; per
+        # relay its announce and one complete report; per engine two Resolves, each lease released.
+        engines, ranks = row["engines"], row["trainer_ranks"]
+        assert row["steady_messages_by_method"] == {"Publish": ranks + 8 * engines, "ReportChunks": 8 * engines,
+                                                    "Resolve": 2 * engines, "ReleaseReadLease": 2 * engines}
+        assert row["steady_messages"] == ranks + 16 * engines + 4 * engines
         assert row["steady_first_predicted_s"] <= row["predicted_s"]
         assert row["steady_holders_full"] == 0 and row["steady_holders_lean"] > 0
         assert row["steady_answer_bytes_max"] <= 4096 < row["resolve_response_bytes_max"]

@@ -59,6 +59,7 @@ from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.regiontable import shapes_of
+from tensorhub.server.state import held_bytes
 from tensorhub.testing import ServerProcess
 from tensorhub.transport.cost import BACKENDS
 
@@ -195,8 +196,11 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         # Version 2 is the first: it still pays once for what version 1's relays changed on the server
         # (their regions split its groups of alike tensors, so every holder's coverage keys are computed
         # again); version 3 is every later step's cost.
+        relay_chunks = [-(-int(held_bytes(man, wire.held_from_wire(
+            publish_request("w", *cuts.worker_rules(kinds, kv_heads, w, owner), 0, False, False).held_table,
+            shapes)).sum()) // CHUNK) for w in range(cuts.TP)]
         first_steady, steady = (
-            _steady(stub, pid, ranks, engines, fingerprint, knows, numbering, version,
+            _steady(stub, pid, ranks, engines, fingerprint, knows, numbering, version, relay_chunks,
                     lambda r, v=version: publish_request(f"rank{r}", *cuts.trainer_rules(dims0, ranks, r), 1 << 40,
                                                          True, False, version=v),
                     lambda e, w, v=version: publish_request(f"engine{e}.{w}",
@@ -253,6 +257,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     ps = predict(steady_control_s)
     out.update(
         steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
+        steady_messages=sum(steady["messages"].values()), steady_messages_by_method=steady["messages"],
         steady_server_cpu_s=steady["server_cpu_s"], steady_answer_bytes_max=steady["answer_bytes_max"],
         steady_request_bytes_max=steady["request_bytes_max"], steady_resolves=steady["resolves"],
         steady_holders_full=steady["holders_full"], steady_holders_lean=steady["holders_lean"],
@@ -270,14 +275,15 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
-            numbering: dict[int, str], version: int,
+            numbering: dict[int, str], version: int, relay_chunks: list[int],
             trainer_request, relay_request) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: the trainer's ranks publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
-    version-1 answers, the workers publish what they pulled as relays (naming
-    their layouts too), and every engine resolves again. Every message is sent
+    version-1 answers, the workers announce what they pull as relays (naming
+    their layouts too) and report it complete (``relay_chunks``: worker w's
+    chunks), and every engine resolves again. Every message is sent
     for real, none sampled, and the server's CPU for all of them is measured."""
     workers = [(e, w) for e in range(engines) for w in range(cuts.TP)]
     full = lean = 0
@@ -290,6 +296,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     for e in range(engines):
         before = _engine_resolve(stub, e, version - 1, fingerprint, knows[e], numbering)
         knows[e] |= {info.layout for info in before.replicas}
+    calls0 = _calls(stub)
     cpu0 = _cpu(pid)
     for r in range(ranks):
         _publish_lean(stub, trainer_request(r))
@@ -298,7 +305,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         if stage == 1:
             cpu = _cpu(pid)
             for e, w in workers:
-                _publish_lean(stub, relay_request(e, w))
+                _relay_messages(stub, relay_request(e, w), relay_chunks[w])
             publish_cpu += _cpu(pid) - cpu
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
@@ -312,9 +319,31 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         t0 = time.perf_counter()  # one reader's parse of its answer (the rebinding is a few attributes a holder)
         answer = pb.ResolveResponse.FromString(answer.SerializeToString())
         parse_s += time.perf_counter() - t0
-    return {"server_cpu_s": publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu, "resolve_cpu_s": resolve_cpu,
+    calls = _calls(stub)
+    messages = {name: n - calls0.get(name, 0) for name, n in calls.items() if n > calls0.get(name, 0)}
+    return {"messages": messages,
+            "server_cpu_s": publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu, "resolve_cpu_s": resolve_cpu,
             "answer_bytes_max": max(answers), "request_bytes_max": max(requests), "resolves": len(answers),
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
+
+
+def _calls(stub) -> dict[str, int]:
+    """The messages the server received so far, by method, the Describe asking left out."""
+    calls = dict(stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control.calls)
+    calls.pop("Describe", None)
+    return calls
+
+
+def _relay_messages(stub, request: pb.PublishRequest, chunks: int) -> None:
+    """A relay's messages for a version, the fewest a serving pull sends
+    (``client/landed.py``): its announce (Publish FILLING, naming its layout),
+    then one report of its chunks, complete. A pull slower than the server's
+    answers sends more reports between them (``tensorhub bench cluster
+    --versions`` counts them for real)."""
+    request.state = pb.REPLICA_STATE_FILLING
+    _publish_lean(stub, request)
+    stub.ReportChunks(pb.ReportChunksRequest(agent_id=request.agent_id, replica_id=request.replica_id,
+                                             chunks=range(chunks), complete=True), timeout=120)
 
 
 def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],

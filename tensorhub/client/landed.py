@@ -1,0 +1,89 @@
+"""What a serving pull tells the server about the chunks it landed.
+
+A reader that serves what it pulls (``Hub.pull(serve=True)``) is a holder
+while it fills: its peers read the chunks it has, so the server must hear of
+them soon. One thread per pull sends, in order:
+
+    announce (Publish FILLING) ─▶ report ─▶ report ─▶ … ─▶ last report, complete
+                                    ▲
+    PullJob.landed(chunks) ─────────┘  chunks that landed while the report
+                                       before was on the wire ride together
+
+At most one report is on the wire at a time, and everything that landed
+meanwhile goes in the next one: a pull never waits on its reports, and the
+reports' rate follows the server's answers. A busy server (a thousand relays
+reporting at once) answers slower, so each relay sends fewer, larger reports
+instead of a queue of small ones; an idle one still hears within one round
+trip of the puller's report period. The last report carries ``complete``, so
+a relay's version costs its announce and its reports, no message more.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+
+class Reporter(Protocol):
+    """Where the reports go (``Holdings``)."""
+
+    def announce(self, pub: object) -> None: ...
+
+    def landed(self, pub: object, chunks: list[int], complete: bool = False) -> None: ...
+
+
+class LandedReports:
+    """Reports of one serving pull, on a thread of their own (see the module
+    docstring). ``submit`` never blocks on the server; ``finish`` sends what
+    is left as the complete report and raises what a report raised;
+    ``abandon`` lets the report on the wire end and drops the rest."""
+
+    def __init__(self, reporter: Reporter, publication: object) -> None:
+        self._reporter, self._publication = reporter, publication
+        self._wake = threading.Condition()
+        self._pending: list[int] = []
+        self._finishing = self._dropped = False
+        self._error: BaseException | None = None
+        self.reports = 0  # sent after the announce, the complete one included
+        self._thread = threading.Thread(target=self._send, name="tensorhub-landed", daemon=True)
+        self._thread.start()
+
+    def submit(self, chunks: list[int]) -> None:
+        with self._wake:
+            self._pending.extend(chunks)
+            self._wake.notify()
+
+    def finish(self) -> None:
+        """Send what landed since the last report, with ``complete``; wait for it."""
+        with self._wake:
+            self._finishing = True
+            self._wake.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self) -> None:
+        """The pull failed: the report on the wire ends (before the replica is withdrawn), the rest is dropped."""
+        with self._wake:
+            self._dropped = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _send(self) -> None:
+        try:
+            self._reporter.announce(self._publication)
+            while True:
+                with self._wake:
+                    while not (self._pending or self._finishing or self._dropped):
+                        self._wake.wait()
+                    if self._dropped:
+                        return
+                    chunks, self._pending = self._pending, []
+                    last = self._finishing
+                if chunks or last:
+                    self._reporter.landed(self._publication, chunks, complete=last)
+                    self.reports += 1
+                if last:
+                    return
+        except BaseException as e:  # noqa: BLE001  handed to finish(), which raises it in the pull's thread
+            self._error = e
