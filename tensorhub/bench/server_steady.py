@@ -119,7 +119,7 @@ def run(cfg: SteadyConfig) -> dict:
     from tensorhub.proto import tensorhub_pb2 as pb
     from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
     from tensorhub.proto import wire
-    from tensorhub.testing import ServerProcess
+    from tensorhub.local.serverprocess import ServerProcess
 
     server_cpus, reader_cpus = _placement(cfg.pin)
     manifest = _manifest(pb, cfg.tensors)

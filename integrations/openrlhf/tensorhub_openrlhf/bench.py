@@ -96,7 +96,7 @@ def run(cfg: BenchConfig, json_path: str | None = None) -> int:
     from tensorhub import Hub
     from tensorhub.bench.report import Row, print_table, write_json
     from tensorhub.server import EmbeddedServer
-    from tensorhub.testing import rendezvous
+    from tensorhub.local.ports import rendezvous
 
     ctx = mp.get_context("spawn")
     samples: dict[str, list[float]] = {"tensorhub sync (publish + pull)": [], "tensorhub publish (slowest rank)": [],
