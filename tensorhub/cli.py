@@ -220,7 +220,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from tensorhub.chaos.campaign import ChaosConfig, run
+    from tensorhub.chaos.campaign import run
+    from tensorhub.chaos.config import ChaosConfig
 
     try:
         cfg = ChaosConfig(minutes=args.minutes, seed=args.seed, readers=args.readers)
