@@ -80,15 +80,16 @@ def _bench_pull(args: argparse.Namespace) -> int:
 
 def _bench_pull_moe(args: argparse.Namespace) -> int:
     from tensorhub.bench import moe
+    from tensorhub.bench.moe_layout import MoeBenchConfig
     from tensorhub.bench.payload import parse_size
 
     if args.layout != "moe" or args.reader_slice != "tp8" or args.readers != [1]:
         print("tensorhub bench pull: the moe layout is read as --reader-slice tp8 by one reader "
               "(--layout moe --reader-slice tp8)", file=sys.stderr)
         return 2
-    cfg = moe.MoeBenchConfig(experts=args.experts, publishers=args.publishers or 2, reps=args.reps,
-                             chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
-                             verify=not args.no_verify, versions=args.versions)
+    cfg = MoeBenchConfig(experts=args.experts, publishers=args.publishers or 2, reps=args.reps,
+                         chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
+                         verify=not args.no_verify, versions=args.versions)
     moe.run(cfg, json_path=args.json)
     return 0
 
@@ -224,7 +225,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from tensorhub.chaos.campaign import ChaosConfig, run
+    from tensorhub.chaos.campaign import run
+    from tensorhub.chaos.config import ChaosConfig
 
     try:
         cfg = ChaosConfig(minutes=args.minutes, seed=args.seed, readers=args.readers)

@@ -1,7 +1,7 @@
 """How TensorHub starts the Python processes of its tests, benchmarks and fault
 campaign (hub processes, trainer and rollout roles, chaos workers).
 
-    parent ──(once)──> fork server: imports torch and tensorhub.testing, then waits
+    parent ──(once)──> fork server: imports torch and tensorhub.local.hubprocess, then waits
     parent ──start()──> fork server ──fork──> child: the parent's environment,
                                               sys.path and working directory, then target(*args)
 
@@ -32,7 +32,7 @@ from typing import Any
 
 # Imported by the fork server before it forks anything: what every child needs and
 # nothing that starts a thread (NIXL and gRPC are imported by the children).
-PRELOAD = ["torch", "numpy", "tensorhub.testing"]
+PRELOAD = ["torch", "numpy", "tensorhub.local.hubprocess"]
 
 
 class _AsParentProcess(ForkServerProcess):

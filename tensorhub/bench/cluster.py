@@ -155,7 +155,7 @@ def gloo_row(hosts: netns.Hosts, readers: list[str], size: int, crossed: Callabl
 class Pulled:
     """One version pulled by a group of readers together (``pull_together``)."""
 
-    got: list[dict]  # each reader's pull result (tensorhub.testing._pull)
+    got: list[dict]  # each reader's pull result (tensorhub.local.hubcalls._pull)
     egress: int  # bytes the trainer host sent
     stall: float  # the trainer's unpublish, seconds
     zone_sent: int  # hosts.zone_link_bytes() before the pulls
@@ -200,7 +200,8 @@ def pull_together(hosts: netns.Hosts, trainer: Any, group: list[Any], *, version
 
 
 def run(cfg: ClusterBenchConfig, *, json_path: str | None = None, quiet: bool = False) -> list[Row]:
-    from tensorhub.testing import HubProcess, ServerProcess
+    from tensorhub.local.hubprocess import HubProcess
+    from tensorhub.local.serverprocess import ServerProcess
 
     reason = netns.available()
     if reason is not None:

@@ -312,7 +312,8 @@ def _order(row: Row) -> tuple:
 
 def run(cfg: SweepConfig, *, json_path: str | None = None, plot_to: str | Path | None = None,
         quiet: bool = False) -> list[Row]:
-    from tensorhub.testing import HubProcess, ServerProcess
+    from tensorhub.local.hubprocess import HubProcess
+    from tensorhub.local.serverprocess import ServerProcess
 
     reason = netns.available()
     if reason is not None:

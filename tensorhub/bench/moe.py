@@ -30,50 +30,17 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
 
 from rich.progress import Progress
 
 from tensorhub import processes
 from tensorhub.bench import children
+from tensorhub.bench.moe_layout import MoeBenchConfig, held_rows, holder_offsets, tensors
 from tensorhub.bench.report import Row, print_table, write_json
 
 MODEL = "bench/moe"
 METHODS = ("tensorhub", "tensorhub-exact", "nixl-raw-exact", "nixl-raw-rows", "memcpy")
 _TIMEOUT_S = 120.0  # one raw READ at most: a READ that never completes fails the benchmark, not hangs it
-
-
-@dataclass(kw_only=True, slots=True)
-class MoeBenchConfig:
-    experts: int = 128
-    hidden: int = 2048
-    intermediate: int = 768
-    publishers: int = 2
-    tp: int = 8  # the reader is TP rank 0 of this many
-    reps: int = 5
-    warmup: int = 1
-    chunk_size: int = 32 << 20
-    read_workers: int = 2
-    verify: bool = True
-    # > 1: after the rows above, the publishers step through this many versions
-    # from the same buffers and a fresh reader Hub pulls each: the first is
-    # planned, the rest replay its plans (``client/replay.py``), reported apart.
-    versions: int = 1
-
-    def __post_init__(self) -> None:
-        if self.publishers < 1 or self.intermediate % self.tp or self.hidden % self.publishers:
-            raise ValueError("--publishers must be >= 1 and divide the rows; the TP degree must divide 768")
-
-
-def tensors(cfg: MoeBenchConfig) -> list[tuple[str, tuple[int, int], str]]:
-    """(name, shape, how TP rank 0 reads it): "rows" or "cols", per expert."""
-    out = []
-    for e in range(cfg.experts):
-        base = f"model.layers.0.mlp.experts.{e}"
-        out += [(f"{base}.gate_proj.weight", (cfg.intermediate, cfg.hidden), "rows"),
-                (f"{base}.up_proj.weight", (cfg.intermediate, cfg.hidden), "rows"),
-                (f"{base}.down_proj.weight", (cfg.hidden, cfg.intermediate), "cols")]
-    return out
 
 
 def _full(index: int, shape: tuple[int, int]):
@@ -85,25 +52,11 @@ def _full(index: int, shape: tuple[int, int]):
     return pattern(shape[0] * shape[1] * 2, seed=index + 1).view(torch.bfloat16).view(shape)
 
 
-def _rows(shape: tuple[int, int], rank: int, world: int) -> tuple[int, int]:
-    return shape[0] * rank // world, shape[0] * (rank + 1) // world
-
-
 def _wanted(cfg: MoeBenchConfig, shape: tuple[int, int], how: str):
     from tensorhub import Region
 
     dim = 0 if how == "rows" else 1
     return Region.of(shape, **{how: (0, shape[dim] // cfg.tp)})
-
-
-def holder_offsets(cfg: MoeBenchConfig, rank: int) -> list[int]:
-    """Where each tensor's rows lie in publisher ``rank``'s buffer (bytes), and its size last."""
-    out, at = [], 0
-    for _, shape, _ in tensors(cfg):
-        a, b = _rows(shape, rank, cfg.publishers)
-        out.append(at)
-        at += (b - a) * shape[1] * 2
-    return [*out, at]
 
 
 def _publisher(conn, address: str, cfg: MoeBenchConfig, rank: int) -> None:
@@ -118,7 +71,7 @@ def _publisher(conn, address: str, cfg: MoeBenchConfig, rank: int) -> None:
     buffer = torch.empty(offsets[-1], dtype=torch.uint8)
     held = {}
     for i, (name, shape, _) in enumerate(specs):
-        a, b = _rows(shape, rank, cfg.publishers)
+        a, b = held_rows(shape, rank, cfg.publishers)
         local = buffer[offsets[i]: offsets[i + 1]].view(torch.bfloat16).view(b - a, shape[1])
         local.copy_(_full(i, shape)[a:b])
         held[name] = Shard(local, shape, rows=(a, b))

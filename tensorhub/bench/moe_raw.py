@@ -1,7 +1,8 @@
-"""The raw NIXL rows of ``bench pull --layout moe`` (``bench.moe``): the same
-slice READ with no server, no chunks, no checks and no plans, in the reader
-process. Descriptor lists are built once, before any timing; a READ's own
-setup (``initialize_xfer``), its transfer and the wait are timed.
+"""The raw NIXL rows of ``bench pull --layout moe`` (``bench.moe``; its layer
+is ``bench.moe_layout``): the same slice READ with no server, no chunks, no
+checks and no plans, in the reader process. Descriptor lists are built once,
+before any timing; a READ's own setup (``initialize_xfer``), its transfer and
+the wait are timed.
 
 * ``exact``: a descriptor per run (rows of gate and up are one run per
   publisher; columns of down one per row), one READ per publisher;
@@ -18,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from tensorhub.bench.moe import MoeBenchConfig, _rows, holder_offsets, tensors
+from tensorhub.bench.moe_layout import MoeBenchConfig, held_rows, holder_offsets, tensors
 
 
 class RawReads:
@@ -30,7 +31,7 @@ class RawReads:
         self.agent = new_agent(f"raw-moe-reader-{os.getpid()}")
         specs = tensors(cfg)
         spans = [(b - a) * shape[1] * 2 for _, shape, how in specs if how == "cols"
-                 for a, b in (_rows(shape, r, cfg.publishers) for r in range(cfg.publishers))]
+                 for a, b in (held_rows(shape, r, cfg.publishers) for r in range(cfg.publishers))]
         # The rows' spans of every publisher at once, plus room for ``probe``: touched once, before any timing.
         self.scratch = torch.ones(max(sum(spans), 64 << 20), dtype=torch.uint8)
         self.agent.register_memory([(dest.data_ptr(), dest.numel(), 0, ""),
@@ -48,7 +49,7 @@ class RawReads:
         for i, (_, shape, how) in enumerate(specs):
             row = shape[1] * 2
             for r, base in enumerate(self._bases):
-                a, b = _rows(shape, r, cfg.publishers)
+                a, b = held_rows(shape, r, cfg.publishers)
                 at = base + holder_offsets(cfg, r)[i]
                 el, er, rl, rr = per_rank[r]
                 if how == "rows":  # wanted rows 0:R/tp; this publisher's share of them is one run

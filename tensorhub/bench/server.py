@@ -284,9 +284,9 @@ def _ms(samples: list[float]) -> dict[str, float]:
 
 
 def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
+    from tensorhub.local.serverprocess import ServerProcess
     from tensorhub.proto import tensorhub_pb2 as pb
     from tensorhub.proto import wire
-    from tensorhub.testing import ServerProcess
 
     holders = min(cfg.holders, agents)
     ttl = 10 * cfg.seconds + 60  # nobody expires while the sweep sets up

@@ -116,10 +116,10 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
 def run(cfg: SteadyConfig) -> dict:
     import grpc
 
+    from tensorhub.local.serverprocess import ServerProcess
     from tensorhub.proto import tensorhub_pb2 as pb
     from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
     from tensorhub.proto import wire
-    from tensorhub.testing import ServerProcess
 
     server_cpus, reader_cpus = _placement(cfg.pin)
     manifest = _manifest(pb, cfg.tensors)

@@ -4,19 +4,42 @@ kinds). Each returns the target it hit, or None when no target fits right now
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tensorhub.chaos.schedule import Fault
 
 if TYPE_CHECKING:
-    from tensorhub.chaos.campaign import Campaign
+    from tensorhub.chaos.config import ChaosConfig
+    from tensorhub.chaos.server import Server
+    from tensorhub.chaos.worker import Worker
+    from tensorhub.netns import Hosts
+
+
+@runtime_checkable
+class Cluster(Protocol):
+    """What a fault acts on: the running campaign (``campaign.Campaign``)."""
+
+    cfg: ChaosConfig
+    hosts: Hosts
+    server: Server
+    workers: dict[str, Worker]  # by name, the processes running now
+    trainers: list[str]
+    readers: list[str]
+    impaired: dict[str, tuple[float, Callable[[], None]]]  # host -> (until, undo)
+
+    def kill_and_replace(self, name: str) -> None: ...
+
+    def impair(self, host: str, seconds: float, undo: Callable[[], None]) -> None: ...
+
+    def op_deadline_s(self, op: str) -> float: ...
 
 
 def _pick(candidates: list[str], fault: Fault) -> str | None:
     return sorted(candidates)[fault.pick % len(candidates)] if candidates else None
 
 
-def holder_kill(c: Campaign, fault: Fault) -> str | None:
+def holder_kill(c: Cluster, fault: Fault) -> str | None:
     """SIGKILL a reader or a trainer rank (whatever it is doing), start a new one on its host."""
     starting = sum(not w.ready for w in c.workers.values())
     if starting >= 2:  # spawning is seconds of CPU each on 2 cores: keep the cluster mostly up
@@ -27,7 +50,7 @@ def holder_kill(c: Campaign, fault: Fault) -> str | None:
     return name
 
 
-def link_cut(c: Campaign, fault: Fault) -> str | None:
+def link_cut(c: Cluster, fault: Fault) -> str | None:
     """Take a host's switch port down (peers' packets vanish, nothing errors) until restored."""
     name = _pick([n for n in c.hosts.names if n not in c.impaired], fault)
     if name is not None:
@@ -36,7 +59,7 @@ def link_cut(c: Campaign, fault: Fault) -> str | None:
     return name
 
 
-def server_restart(c: Campaign, fault: Fault) -> str | None:
+def server_restart(c: Cluster, fault: Fault) -> str | None:
     """SIGKILL the reference server and start a new one on the same port."""
     if not c.server.ready():
         return None
@@ -44,7 +67,7 @@ def server_restart(c: Campaign, fault: Fault) -> str | None:
     return "server"
 
 
-def slow_reader(c: Campaign, fault: Fault) -> str | None:
+def slow_reader(c: Cluster, fault: Fault) -> str | None:
     """Cap a reader's link at ``slow_rate`` for a while (its pulls and the relays from it slow down)."""
     name = _pick([n for n in c.readers if n not in c.impaired], fault)
     if name is not None:
@@ -53,7 +76,7 @@ def slow_reader(c: Campaign, fault: Fault) -> str | None:
     return name
 
 
-def unpublish_mid_pull(c: Campaign, fault: Fault) -> str | None:
+def unpublish_mid_pull(c: Cluster, fault: Fault) -> str | None:
     """Every idle trainer rank unpublishes its newest version now, while readers may be pulling it."""
     ranks = [w for n, w in c.workers.items() if n in c.trainers and w.ready and w.op is None]
     if not ranks or not any(c.workers[n].op == "pull" for n in c.readers if n in c.workers):

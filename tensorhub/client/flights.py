@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensorhub.client.leases import PullLeases
-from tensorhub.client.readlayout import Transfer
 from tensorhub.client.rpc import RemoteReplica
+from tensorhub.client.transfer import Transfer
 from tensorhub.errors import TensorHubError
 from tensorhub.transport import TransferFailed
 

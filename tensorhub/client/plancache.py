@@ -38,8 +38,9 @@ from typing import TypeVar
 import numpy as np
 
 from tensorhub.client.lru import Lru
-from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
+from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.rpc import RemoteReplica
+from tensorhub.client.transfer import Transfer
 
 V = TypeVar("V")
 

@@ -42,9 +42,10 @@ import numpy as np
 from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.plancache import LayoutPlans
-from tensorhub.client.readlayout import HolderMap, ReadLayout, Transfer
+from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
 from tensorhub.client.rpc import RemoteReplica, Resolved
+from tensorhub.client.transfer import Transfer
 from tensorhub.client.verify import ChunkVerifier, Mismatch
 from tensorhub.client.wideread import WideReads
 from tensorhub.errors import (

@@ -24,18 +24,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tensorhub.client.boxsegments import Boxes, box_segments, columns
 from tensorhub.client.rpc import RemoteReplica
+from tensorhub.client.transfer import Transfer
 from tensorhub.manifest import Manifest, itemsize
 from tensorhub.regions import Region, Runs, describe_elements, overlap
 from tensorhub.transport.memory import MemoryRegion
-
-if TYPE_CHECKING:
-    from tensorhub.client.wideread import WidePlan
 
 # Columns of a segment table; the first four move together when a segment is cut.
 _SHIFTING = ("r_off", "h_off", "local", "remote")
@@ -60,21 +57,6 @@ class ReadPart:
 
     def element_runs(self) -> Runs:
         return self.runs if self.runs is not None else self.region.runs(self.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One READ: ``local`` and ``remote`` are N x 3 descriptor arrays (addr, bytes, device)
-    of the exact segments it fills, in reader order: what checks and accounting see."""
-
-    replica_id: str
-    local: np.ndarray
-    remote: np.ndarray
-    nbytes: int
-    h_off: np.ndarray | None = None  # per descriptor: its offset in the holder's own bytes (checksums)
-    # How the segments move when some groups of them are read wide and cut
-    # locally (``wideread``); None: as they are, one descriptor each.
-    wide: WidePlan | None = None
 
 
 class HolderMap:

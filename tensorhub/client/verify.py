@@ -54,8 +54,9 @@ import numpy as np
 from isal.isal_zlib import crc32_combine  # the CRC of a + b from those of a and b, in O(log |b|)
 
 from tensorhub.client.inorder import InOrderWorker, Job
-from tensorhub.client.readlayout import ReadLayout, Transfer, split
+from tensorhub.client.readlayout import ReadLayout, split
 from tensorhub.client.rpc import RemoteReplica
+from tensorhub.client.transfer import Transfer
 from tensorhub.integrity import crc32
 
 log = logging.getLogger(__name__)

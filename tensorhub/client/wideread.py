@@ -29,14 +29,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from tensorhub.client.readlayout import Transfer
 from tensorhub.client.scratch import ScratchPool, Slot
+from tensorhub.client.transfer import Transfer, WidePlan
 from tensorhub.transport.cost import LinkCost
 
 if TYPE_CHECKING:
@@ -48,28 +47,6 @@ if TYPE_CHECKING:
 # per READ, are never looked at).
 _WORTH_S = 50e-6
 _ALIGN = 64  # scratch offsets of wide spans: cache lines, so cuts start aligned
-
-
-@dataclass(frozen=True, slots=True)
-class WidePlan:
-    """How a Transfer's segments move when some go wide.
-
-    ``local`` and ``remote``: the descriptors to post (N x 3: addr, bytes,
-    device); rows ``in_scratch`` hold an offset into the scratch slot, bound at
-    post time. ``cuts``: per wide group (scratch offset, runs, run bytes,
-    stride in scratch, destination address, stride in the destination)."""
-
-    local: np.ndarray
-    remote: np.ndarray
-    in_scratch: np.ndarray
-    cuts: np.ndarray
-    read_bytes: int
-
-    def bound(self, slot: Slot) -> np.ndarray:
-        local = self.local.copy()
-        local[self.in_scratch, 0] += np.uint64(slot.addr)
-        local[self.in_scratch, 2] = np.uint64(slot.device)
-        return local
 
 
 def widen(t: Transfer, held_ends: np.ndarray, cost: LinkCost, slot_bytes: int) -> list[Transfer]:

@@ -25,6 +25,7 @@ import torch
 
 from tensorhub.errors import TransportUnavailable
 from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of, storages_of
+from tensorhub.transport.pending import PendingRead, TransferFailed
 from tensorhub.transport.push import PushService, PushTicket
 from tensorhub.transport.transfermode import PUSH_ENGINE_CONFIG, resolve_transfer
 
@@ -131,25 +132,6 @@ def new_agent(name: str, engine_config: str = ""):  # type: ignore[no-untyped-de
             raise TransportUnavailable(name, f"{type(e).__name__}: {e}") from e
         finally:
             bindings.nixlAgentConfig = base
-
-
-class TransferFailed(Exception):
-    """A READ (or push) failed or stalled. ``stalled`` tells a deadline from a NIXL error."""
-
-    def __init__(self, remote: str, detail: str, *, stalled: bool = False, op: str = "READ") -> None:
-        super().__init__(f"{op} from {remote} {'stalled' if stalled else 'failed'}: {detail}")
-        self.remote = remote
-        self.stalled = stalled
-
-
-@dataclass(slots=True)
-class PendingRead:
-    """A READ in flight: poll it until done, then release it."""
-
-    remote: str
-    handle: object
-    done: bool = False
-    failed: TransferFailed | None = None  # once failed, failed for good (see poll)
 
 
 @dataclass(slots=True)

@@ -27,15 +27,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from tensorhub.transport import pushwire
 from tensorhub.transport.memory import MemoryKind
-
-if TYPE_CHECKING:
-    from tensorhub.transport.nixl import NixlAgent, PendingRead
+from tensorhub.transport.pending import PendingRead
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +43,28 @@ _BUSY_POLL_S = 0.0005  # notification polling while requests are out or being se
 _IDLE_POLL_S = 0.002  # ... and while none are: ~500 cheap calls a second
 _BUSY_FOR_S = 0.05  # how long after the last activity the thread keeps polling fast
 _AFTER_ERROR_S = 0.1
+
+
+@runtime_checkable
+class PushAgent(Protocol):
+    """What the push service needs of its process's NIXL agent (``nixl.NixlAgent``)."""
+
+    name: str
+
+    def local_metadata(self) -> bytes: ...
+
+    def notify(self, remote: str, message: bytes) -> None: ...
+
+    def notifications(self) -> dict[str, list[bytes]]: ...
+
+    def write(self, reader: str, metadata: bytes, local: np.ndarray, local_kind: MemoryKind,
+              remote_descs: np.ndarray, remote_kind: MemoryKind, notif: bytes) -> PendingRead: ...
+
+    def poll(self, pending: PendingRead) -> bool: ...
+
+    def release(self, pending: PendingRead) -> None: ...
+
+    def forget_agent(self, name: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +106,7 @@ class _Metadata:
 class PushService:
     """The push requests and answers of one NIXL agent, served by one thread."""
 
-    def __init__(self, nixl: NixlAgent) -> None:
+    def __init__(self, nixl: PushAgent) -> None:
         self._nixl = nixl
         self._lock = threading.Lock()  # guards _waits
         self._waits: dict[bytes, _Wait] = {}

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tensorhub import netns
-from tensorhub.chaos import payload
-from tensorhub.chaos.campaign import Campaign, ChaosConfig, run
+from tensorhub.chaos import faults, payload
+from tensorhub.chaos.campaign import Campaign, run
+from tensorhub.chaos.config import ChaosConfig
 from tensorhub.chaos.schedule import KINDS, schedule
 from tensorhub.chaos.server import Server
 from tensorhub.chaos.tally import Tally
@@ -29,6 +30,13 @@ def test_schedule_is_seeded_and_has_every_kind():
     assert all(3.0 < f.at_s < 120 for f in a) and [f.at_s for f in a] == sorted(f.at_s for f in a)
     with pytest.raises(ValueError, match="fault kinds"):
         schedule(1, 10, kinds=("meteor",))
+
+
+def test_the_campaign_is_what_faults_act_on(tmp_path):
+    """faults.py types its target as a protocol (it does not import the campaign): the campaign must fit it."""
+    campaign = Campaign(ChaosConfig(minutes=1), hosts=None, server=None, dump_dir=str(tmp_path))
+    assert isinstance(campaign, faults.Cluster)
+    assert set(faults.APPLY) == set(KINDS)
 
 
 def test_the_checker_can_fail():

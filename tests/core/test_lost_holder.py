@@ -496,7 +496,7 @@ def _read_in_halves(weights: torch.Tensor, dest: torch.Tensor, checksummed: dict
     the version's checksums); every holder is cut like the reader."""
     import dataclasses
 
-    from tensorhub.client.readlayout import Transfer
+    from tensorhub.client.transfer import Transfer
     from tensorhub.client.verify import ChunkVerifier
     from tensorhub.integrity import chunk_checksums
 
@@ -567,7 +567,7 @@ def test_a_holder_chunk_read_from_two_holders_cut_unlike_the_reader_is_checked_f
     failure is final."""
     import dataclasses
 
-    from tensorhub.client.readlayout import Transfer
+    from tensorhub.client.transfer import Transfer
     from tensorhub.client.verify import ChunkVerifier
     from tensorhub.integrity import chunk_checksums
 

@@ -31,6 +31,11 @@ def pair(monkeypatch):
         holder.close()
 
 
+def test_the_nixl_agent_is_what_the_push_service_drives(pair):
+    """push.py types its agent as a protocol (it does not import nixl): the agent must fit it."""
+    assert all(isinstance(agent, push.PushAgent) for agent in pair)
+
+
 def test_holder_writes_what_the_reader_asks_and_refuses_what_it_does_not_hold(pair):
     holder, reader = pair
     assert holder.transfer == reader.transfer == "push"  # auto, with UCX_TLS=tcp

@@ -19,9 +19,10 @@ import torch
 from test_regions import FakeControlPlane  # the fake control plane of the pull tests
 
 from tensorhub.client.puller import PullJob
-from tensorhub.client.readlayout import ReadLayout, ReadPart, Transfer
+from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.scratch import ScratchPool
+from tensorhub.client.transfer import Transfer
 from tensorhub.client.wideread import WideReads, widen
 from tensorhub.integrity import chunk_checksums
 from tensorhub.manifest import Manifest, itemsize

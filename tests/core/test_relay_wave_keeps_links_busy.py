@@ -25,8 +25,9 @@ import time
 import numpy as np
 
 from tensorhub.client.puller import PullJob
-from tensorhub.client.readlayout import ReadLayout, ReadPart, Transfer
+from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
+from tensorhub.client.transfer import Transfer
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.planner import Source
 from tensorhub.regions import Region

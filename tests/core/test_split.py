@@ -7,7 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.client.readlayout import Transfer, split
+from tensorhub.client.readlayout import split
+from tensorhub.client.transfer import Transfer
 
 
 def _bytes(t: Transfer) -> list[tuple[int, int, int, int, int]]:

@@ -95,8 +95,8 @@ def _rank(rank: int, cfg: BenchConfig, dist_env: dict[str, str], address: str, q
 def run(cfg: BenchConfig, json_path: str | None = None) -> int:
     from tensorhub import Hub
     from tensorhub.bench.report import Row, print_table, write_json
+    from tensorhub.local.ports import rendezvous
     from tensorhub.server import EmbeddedServer
-    from tensorhub.testing import rendezvous
 
     ctx = mp.get_context("spawn")
     samples: dict[str, list[float]] = {"tensorhub sync (publish + pull)": [], "tensorhub publish (slowest rank)": [],

@@ -109,7 +109,7 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
     from safetensors.torch import load_file
     from vllm import LLM
 
-    from tensorhub.testing import ServerProcess
+    from tensorhub.local.serverprocess import ServerProcess
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         # The server process starts (~1.3 s: a Python importing gRPC) while the

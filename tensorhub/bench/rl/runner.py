@@ -131,7 +131,8 @@ def _counters(hosts: Any) -> dict[str, int]:
 def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedule: Schedule,
                tracker: Tracker) -> tuple[list[dict], dict[str, int]]:
     """The method's events, and what its links carried between the start and the trainer's last step."""
-    from tensorhub.testing import ServerProcess, free_port
+    from tensorhub.local.ports import free_port
+    from tensorhub.local.serverprocess import ServerProcess
 
     slots = [f"r{i}" for i in range(cfg.rollouts)]
     run = _Run(cfg, method, where, tracker)

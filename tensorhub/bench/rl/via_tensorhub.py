@@ -212,7 +212,8 @@ def lone_copy_s(cfg: Any, where: dict, reps: int = 3) -> float:
     """What one joiner alone takes to pull a version on the same hosts: the
     trainer's host publishes it, rollout slot r0's host pulls it, nothing else
     runs (the elastic scenario's joins are compared with it). Median of ``reps``."""
-    from tensorhub.testing import HubProcess, ServerProcess
+    from tensorhub.local.hubprocess import HubProcess
+    from tensorhub.local.serverprocess import ServerProcess
 
     server_place, trainer_place, joiner_place = where["server"], where["trainer"], where["r0"]
     specs = [("w", "uint8", (cfg.size,))]

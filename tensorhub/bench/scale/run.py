@@ -55,12 +55,12 @@ from rich.table import Table
 
 from tensorhub.bench.scale import cuts, links
 from tensorhub.bench.scale.models import MODELS, Config, manifest, parameters, tensors
+from tensorhub.local.serverprocess import ServerProcess
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
 from tensorhub.regiontable import shapes_of
 from tensorhub.server.state import held_bytes
-from tensorhub.testing import ServerProcess
 from tensorhub.transport.cost import BACKENDS
 
 NIXL_METADATA = b"\0" * 2048  # what a real agent's partial metadata is about (a placeholder: no bytes move)
