@@ -34,6 +34,30 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
+def pull_failures(error: str | None) -> list[str]:
+    """What every worker of this engine says went wrong with its pull of the
+    version (each passes its own ``error``, None where it pulled its part
+    whole); empty only if every worker pulled. The workers of one engine (TP x
+    PP) all call this once per update, in the same order, so it is a gather over
+    their CPU process groups; a worker outside vLLM's parallel state speaks for
+    itself. Only if all pulled may any apply: a worker that loaded the new
+    version beside one that kept the old would serve a model that is half one,
+    half the other, and vLLM's reload all-reduces per-tensor and row-parallel
+    FP8 scales across TP while it rebuilds each layer, where a worker that does
+    not reload would hang its peers."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return [error] if error else []
+    said = [f"worker {torch.distributed.get_rank()}: {error}"] if error else []
+    for group in (get_tp_group(), get_pp_group()):  # over TP, then PP: every rank gets every rank's
+        if group.world_size > 1:
+            gathered: list = [None] * group.world_size
+            torch.distributed.all_gather_object(gathered, said, group=group.cpu_group)
+            said = [e for part in gathered for e in part]
+    return said
+
+
 class WorkerUpdater:
     """One worker's side of TensorHub: a receiver plus the model it loads into."""
 
@@ -68,8 +92,20 @@ class WorkerUpdater:
         """Pull ``version`` (int or ``"latest"``) and load it; returns the version
         now served. On any error the model keeps its previous weights."""
         start = time.perf_counter()
-        result = self.receiver.receive(version)
+        try:
+            result = self.receiver.receive(version)
+        except BaseException as e:
+            pull_failures(f"{type(e).__name__}: {e}")  # the other workers wait for this before they touch a weight
+            self.receiver.done()
+            raise
         self.pull_s = time.perf_counter() - start
+        failures = pull_failures(None)
+        if failures:
+            self.receiver.done()
+            raise RuntimeError(
+                f"tensorhub: version {result.version} of {self.receiver.info.model!r} was not applied: not every "
+                f"worker of this engine pulled its part ({'; '.join(failures)}); every worker keeps the weights "
+                "it had")
         try:
             apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(self.receiver.staged, self.device))
         finally:
