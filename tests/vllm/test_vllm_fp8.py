@@ -245,10 +245,10 @@ def test_a_corrupted_version_leaves_the_old_weights_serving(fp8_engine, small_ch
     with pytest.raises(Exception, match="checksum") as failed:
         update(a, v + 1, str(v + 1))
     # At TP=2 only worker 1 reads that row: worker 0 pulled its part whole and
-    # must not apply it (vLLM raises one worker's error, either worker 1's
-    # IntegrityError or worker 0's "not every worker ... pulled its part",
-    # which quotes it). Without that, worker 0's reload waits in a scale
+    # must not apply it. Without that, worker 0's reload waits in a scale
     # all-reduce worker 1 never joins: this update hangs instead of failing.
+    # The snapshot below is itself a collective_rpc: one that found a response
+    # of this failed update still queued by a worker would raise its error.
     assert name in str(failed.value)
     after = snapshot(a)
     scales_set(after[1])

@@ -58,6 +58,27 @@ def pull_failures(error: str | None) -> list[str]:
     return said
 
 
+class NotApplied(Exception):
+    """An update another worker of the engine reports as failed
+    (``reports_failures``): this worker applied nothing, and its caller returns
+    instead of raising."""
+
+    def __init__(self, version: int | str, failures: list[str]) -> None:
+        super().__init__(f"version {version!r} not applied: {'; '.join(failures)}")
+
+
+def reports_failures() -> bool:
+    """Whether this worker raises an update's failure for its engine: its last
+    (the last TP rank of the last PP stage, whose response vLLM reads last),
+    or a worker outside vLLM's parallel state."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return True
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
+
+
 class WorkerUpdater:
     """One worker's side of TensorHub: a receiver plus the model it loads into."""
 
@@ -90,20 +111,34 @@ class WorkerUpdater:
 
     def update(self, version: int | str) -> int:
         """Pull ``version`` (int or ``"latest"``) and load it; returns the version
-        now served. On any error the model keeps its previous weights."""
+        now served. If any worker of the engine failed to pull its part, none
+        loads it and the engine's last worker raises (``reports_failures``): its
+        own error where it alone failed, else a RuntimeError quoting each
+        worker's; the others raise ``NotApplied``, which their callers turn into
+        a return. Every model keeps its previous weights."""
         start = time.perf_counter()
         try:
-            result = self.receiver.receive(version)
-        except BaseException as e:
-            pull_failures(f"{type(e).__name__}: {e}")  # the other workers wait for this before they touch a weight
+            result, error = self.receiver.receive(version), None
+        except Exception as e:  # noqa: BLE001  (every worker must hear how this pull went, then it is raised)
+            result, error = None, e
             self.receiver.done()
-            raise
         self.pull_s = time.perf_counter() - start
-        failures = pull_failures(None)
+        failures = pull_failures(None if error is None else f"{type(error).__name__}: {error}")
         if failures:
             self.receiver.done()
+            if not reports_failures():
+                # vLLM 0.32's multiprocess executor raises at the first failed
+                # worker's response and leaves the later workers' responses in
+                # their queues, where the next collective_rpc reads them (it
+                # did: the next apply_model raised this update's error). So
+                # only the engine's last worker raises out of the RPC; this
+                # one's caller (backend, extension) returns.
+                log.warning("tensorhub: version %r not applied: %s", version, "; ".join(failures))
+                raise NotApplied(version, failures)
+            if error is not None and len(failures) == 1:
+                raise error
             raise RuntimeError(
-                f"tensorhub: version {result.version} of {self.receiver.info.model!r} was not applied: not every "
+                f"tensorhub: version {version!r} of {self.receiver.info.model!r} was not applied: not every "
                 f"worker of this engine pulled its part ({'; '.join(failures)}); every worker keeps the weights "
                 "it had")
         try:
