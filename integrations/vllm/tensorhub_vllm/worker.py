@@ -113,9 +113,9 @@ class WorkerUpdater:
         """Pull ``version`` (int or ``"latest"``) and load it; returns the version
         now served. If any worker of the engine failed to pull its part, none
         loads it and the engine's last worker raises (``reports_failures``): its
-        own error where it alone failed, else a RuntimeError quoting each
-        worker's; the others raise ``NotApplied``, which their callers turn into
-        a return. Every model keeps its previous weights."""
+        own error where it failed too, else a RuntimeError quoting the others';
+        the others raise ``NotApplied``, which their callers turn into a
+        return. Every model keeps its previous weights."""
         start = time.perf_counter()
         try:
             result, error = self.receiver.receive(version), None
@@ -135,7 +135,7 @@ class WorkerUpdater:
                 # one's caller (backend, extension) returns.
                 log.warning("tensorhub: version %r not applied: %s", version, "; ".join(failures))
                 raise NotApplied(version, failures)
-            if error is not None and len(failures) == 1:
+            if error is not None:  # typed (VersionNotFound, ...), as where every worker failed alike
                 raise error
             raise RuntimeError(
                 f"tensorhub: version {version!r} of {self.receiver.info.model!r} was not applied: not every "
