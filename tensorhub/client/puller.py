@@ -114,6 +114,12 @@ _RESETTLE_S = 5.0
 _RESETTLE_POLL_S = 0.1
 
 
+def _names(tensors: list[str], limit: int = 4) -> str:
+    """Tensor names for a message: the first ``limit``, then how many more."""
+    more = len(tensors) - limit
+    return ", ".join(tensors[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
 @dataclass(kw_only=True, slots=True)
 class PullStats:
     nbytes: int = 0
@@ -214,7 +220,8 @@ class PullJob:
         except SourceLost as e:
             if not self._checks.mismatches or isinstance(e, IntegrityError):
                 raise
-            bad = ", ".join(f"{m.replica.source.agent_name} chunk {m.chunk}" for m in self._checks.mismatches[:4])
+            bad = ", ".join(f"{m.replica.source.agent_name} chunk {m.chunk} ({_names(self._checks.tensors(m))})"
+                            for m in self._checks.mismatches[:4])
             raise IntegrityError(res.model, res.version, stats.corrupt_sources,
                                  f"bytes read from {bad} did not match their checksums, and no other "
                                  f"holder has them ({e})") from None

@@ -398,6 +398,27 @@ class ChunkVerifier:
             self._running[key] = self._executor().submit(_join, parts)
         return sorted(rest)
 
+    def tensors(self, m: Mismatch) -> list[str]:
+        """The reader's tensors that bytes of mismatch ``m`` landed in, in the
+        reader's order: exactly those of its holder chunk, or, for a check of
+        the reader's memory (``whole``), those of the reader chunks it spans."""
+        layout = self._layout
+        if layout is None or not layout.parts:
+            return []
+        holder = self._holders.get(m.replica.source.replica_id)
+        if holder is not None and not m.whole:
+            rows = holder.table["h_off"] // holder.chunk_size == m.chunk
+            starts = holder.table["r_off"][rows].tolist()
+            ends = (holder.table["r_off"][rows] + holder.table["length"][rows]).tolist()
+        else:
+            starts = [c * layout.chunk_size for c in sorted(m.rereads)]
+            ends = [a + layout.chunk_bytes(c) for a, c in zip(starts, sorted(m.rereads))]
+        names: dict[str, None] = {}
+        for a, b in sorted(zip(starts, ends)):
+            for p in range(layout._part(a), layout._part(b - 1) + 1):
+                names[layout.parts[p].name] = None
+        return list(names)
+
     @property
     def running(self) -> bool:
         return bool(self._running or self._whole)

@@ -138,6 +138,7 @@ def test_only_a_corrupted_holder_fails_typed_and_serves_nothing(server, hubs):
         reader.call("pull", model="m", version=1, specs=SPECS, serve=True, timeout=30)
     assert err.value.type_name == "IntegrityError"
     assert "bad" in err.value.message and "did not match their checksums" in err.value.message
+    assert BAD_TENSOR in err.value.message  # names the tensor its bad bytes belong to
     assert time.monotonic() - start < 30
     # The reader's partial replica was withdrawn: no one can read its chunks. (The
     # bad holder was dropped when reported; its next heartbeat announces it again.)

@@ -44,6 +44,9 @@ def test_settings_from_the_environment():
     assert (s.address, s.model, s.serve, s.hub) == ("10.0.0.5:50051", "policy", False, {"chunk_size": 1024})
     assert TensorHubSettings.from_env(s.to_env()) == s
     assert s.hub_config("x").chunk_size == 1024
+    assert s.vllm_quantization is None and s.vllm_engine_args() == {}
+    q = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_VLLM_QUANTIZATION": "fp8_per_channel"})
+    assert q.vllm_engine_args() == {"quantization": "fp8_per_channel"} and TensorHubSettings.from_env(q.to_env()) == q
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -71,6 +74,34 @@ def test_recipe_renders_variables_and_stock_flags():
     assert "--actor.adam.betas 0.9 0.95" in joined
     assert "--data.apply_chat_template --" in joined  # a switch, no value
     assert "--ckpt.output_dir" not in joined  # null: left out
+
+
+def test_fp8_recipe_reaches_the_engine_arguments(tiny_model):
+    """ppo_ray_fp8: OpenRLHF has no quantization flag, so the recipe's
+    ``tensorhub.vllm_quantization`` becomes TENSORHUB_VLLM_QUANTIZATION, which
+    every engine (``TensorHubRolloutRayActor``, through ``engine_args``) adds to
+    the arguments OpenRLHF hands vLLM; vLLM builds its engine config from them
+    and takes the method on this platform."""
+    from tensorhub_openrlhf.engines import WORKER_EXTENSION, engine_args
+    from vllm import AsyncEngineArgs
+
+    env, argv = render(compose(str(RECIPES), "ppo_ray_fp8", [
+        "openrlhf.actor.model_name_or_path=/models/p", "openrlhf.data.prompt_dataset=/data/d",
+        "openrlhf.reward.model_name_or_path=/rm"]))
+    assert env["TENSORHUB_VLLM_QUANTIZATION"] == "fp8_per_channel"
+    assert "--ds.zero_stage 3" in " ".join(argv)  # the rest of ppo_ray, unchanged
+    # what OpenRLHF's create_vllm_engines gives the actor (a few of them), then ours
+    stock = {"model": str(tiny_model), "dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True}
+    args = engine_args(stock, TensorHubSettings.from_env(env))
+    assert args == {**stock, "worker_extension_cls": WORKER_EXTENSION, "quantization": "fp8_per_channel"}
+    config = AsyncEngineArgs(**args).create_engine_config()
+    assert config.model_config.quantization == "fp8_per_channel"
+    assert type(config.quant_config).__name__ == "OnlineQuantizationConfig"
+    # the plain recipe leaves vLLM's quantization alone
+    plain, _ = render(compose(str(RECIPES), "ppo_ray", [
+        "openrlhf.actor.model_name_or_path=/models/p", "openrlhf.data.prompt_dataset=/data/d",
+        "openrlhf.reward.model_name_or_path=/rm"]))
+    assert plain["TENSORHUB_VLLM_QUANTIZATION"] == "" and TensorHubSettings.from_env(plain).vllm_engine_args() == {}
 
 
 def test_recipe_mistakes_are_caught_before_launch():

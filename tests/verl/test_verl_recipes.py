@@ -50,6 +50,23 @@ def test_separate_async_recipe_yields_the_tensorhub_engine(server):
         built.shutdown()
 
 
+def test_fp8_recipe_turns_on_verls_fp8_rollout():
+    """tensorhub_separate_async_fp8: verl's own rollout switch (``quantization:
+    fp8``, which verl's vLLM server turns into vLLM's ``quantization`` and a
+    block-FP8 ``quantization_config``) on top of the TensorHub recipe, whose
+    checkpoint engine is unchanged: it moves bf16 steps, verl quantizes them."""
+    from verl.workers.config import RolloutConfig
+
+    cfg, engine = compose_engine(RECIPES, "tensorhub_separate_async_fp8", [])
+    assert (engine.backend, engine.custom_backend_module) == ("tensorhub", "tensorhub_verl.engine")
+    assert cfg.trainer.v1.trainer_mode == "separate_async"
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # verl's checks of the rollout config
+    assert isinstance(rollout, RolloutConfig) and rollout.name == "vllm"
+    assert rollout.quantization == "fp8"
+    plain, _ = compose_engine(RECIPES, "tensorhub_separate_async", [])
+    assert plain.actor_rollout_ref.rollout.quantization is None
+
+
 @pytest.mark.parametrize("trainer", sorted(EXPERIMENTAL))
 def test_engine_group_switches_the_experimental_trainers(trainer):
     _, engine = compose_engine(EXPERIMENTAL[trainer], trainer, [

@@ -57,12 +57,19 @@ class Trainer:
         assert line == reply, f"trainer said {line!r}, expected {reply!r}"
 
     def publish(self, version: int, kind: str, model_dir: Path | None = None, delta_from: int | None = None) -> None:
-        """``kind`` original|perturbed|sparse|wrong-vocab, or hf with the ``model_dir`` to load;
+        """``kind`` original|perturbed|sparse|wrong-vocab|missing, or hf with the ``model_dir`` to load;
         ``delta_from``: with its delta from that version (still published)."""
         extra = ("" if model_dir is None else f" {model_dir}") + ("" if delta_from is None else f" delta-from {delta_from}")
         self.proc.stdin.write(f"publish {version} {kind}{extra}\n")
         self.proc.stdin.flush()
         self._expect(f"published {version}")
+
+    def corrupt(self, version: int, name: str, index: int) -> None:
+        """Change element ``index`` of ``name`` in version ``version``'s published
+        memory: readers' checks against the publisher's checksums fail."""
+        self.proc.stdin.write(f"corrupt {version} {name} {index}\n")
+        self.proc.stdin.flush()
+        self._expect(f"corrupted {version}")
 
     def unpublish(self, version: int) -> None:
         self.proc.stdin.write(f"unpublish {version}\n")

@@ -1,7 +1,7 @@
-"""FP8 rollouts from a bf16 trainer: a TP=2 engine started with an online FP8
-quantization (``quantization="fp8_per_channel"``) pulls bf16 versions through
-the tensorhub backend, and vLLM's layer-wise reload, which our apply runs,
-re-quantizes them.
+"""FP8 rollouts from a bf16 trainer: an engine (TP=1 and TP=2) started with an
+online FP8 quantization (``quantization="fp8_per_channel"``) pulls bf16
+versions through the tensorhub backend, and vLLM's layer-wise reload, which our
+apply runs, re-quantizes them.
 
 Engine B starts (fresh) on the perturbed weights, then engine A on the
 original ones; what each generates and holds at start is the reference. A updated to
@@ -12,17 +12,25 @@ Row-parallel per-channel quantization all-reduces its amax across the TP group
 while each layer is rebuilt, so a worker that rebuilt layers in another order
 than its peer would hang here rather than pass.
 
+The same engine A then takes versions it must refuse: bytes that fail their
+publisher's checksum (in a row only TP worker 1 reads), a missing tensor, a
+tensor of another shape. Each update fails naming the tensor, before vLLM's
+reload touches a weight: every worker keeps A's FP8 weights and scales bit for
+bit, none of them NaN, and A generates A's tokens.
+
 The other online methods run where vLLM has their kernels; on a CPU without
 AMX they skip, naming vLLM's own reason."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
 
 import pytest
 import torch
-from conftest import greedy_many, perturbed_copy, tp_engine, update
+from conftest import Trainer, greedy_many, perturbed_copy, tp_engine, update
 
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
 METHODS = ["fp8_per_channel", "fp8_per_tensor", "fp8_per_block"]
@@ -89,53 +97,177 @@ def functions_to_workers():
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = old
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_bf16_versions_requantize_as_a_fresh_engine(method, tp_env, functions_to_workers, tiny_model,
-                                                    perturbed_model, hub_server, trainer):
+CASES = [("fp8_per_channel", 1), ("fp8_per_channel", 2), ("fp8_per_tensor", 2), ("fp8_per_block", 2)]
+
+
+@contextlib.contextmanager
+def cores_for(tp: int):
+    """Engines started inside run their workers in processes of their own (the
+    suite's session ``engine`` turns that off for the processes after it; a
+    TP=1 engine here would otherwise share this one), with the workers' OpenMP
+    threads bound for ``tp``: TP=2 one core each (``tp_env`` checked there are
+    two), TP=1 every core to its one worker (vLLM's automatic binding wants a
+    NUMA node per worker)."""
+    import vllm.envs
+
+    cores = sorted(os.sched_getaffinity(0))
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)) if tp == 1 else f"{cores[0]}|{cores[1]}"}
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        vllm.envs.disable_envs_cache()
+
+
+@dataclasses.dataclass
+class Fp8Engine:
+    llm: object  # engine A, started on the original weights
+    method: str
+    tp: int
+    fresh_original: tuple  # A's snapshot at start
+    fresh_perturbed: tuple  # a fresh engine B's on the perturbed weights
+    base: int  # this case's versions are base + 1, base + 2, ... (each case publishes its own)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-tp{tp}" for m, tp in CASES])
+def fp8_engine(request, functions_to_workers, tiny_model, perturbed_model, hub_server):
+    """Engine A with ``quantization=method`` at TP ``tp``, and what a fresh
+    engine B on the perturbed weights generated and held (B is stopped before
+    A starts). The tests of one case share A: its engine starts are most of
+    this module's time."""
+    method, tp = request.param
     reason = unsupported(method)
     if reason:
         pytest.skip(reason)
+    if tp == 2:
+        request.getfixturevalue("tp_env")
     # One engine at a time: a second engine's workers spinning beside the first's
     # starved the reference server on two cores (a worker's registration missed
     # its deadline). B's part is its fresh state, taken before A starts.
-    b = tp_engine(perturbed_model, hub_server.address, quantization=method)
+    with cores_for(tp):
+        b = tp_engine(perturbed_model, hub_server.address, tp=tp, quantization=method)
+        try:
+            fresh_perturbed = snapshot(b)
+        finally:
+            stop(b)
+        a = tp_engine(tiny_model, hub_server.address, tp=tp, quantization=method)
     try:
-        fresh_perturbed = snapshot(b)
-    finally:
-        stop(b)
-    a = tp_engine(tiny_model, hub_server.address, quantization=method)
-    try:
-        fresh_original = snapshot(a)
-        tokens, states = fresh_original
-        assert len(states) == 2
-        for state, other in zip(states, fresh_perturbed[1]):  # A's and B's worker k
-            # the engine really serves FP8: a check that could pass on bf16 would prove nothing
-            fp8 = [n for n, (dtype, *_) in state.items() if dtype == "torch.float8_e4m3fn"]
-            assert any(n.endswith("mlp.down_proj.weight") for n in fp8), sorted(state)
-            scales = [n for n in state if "scale" in n.rsplit(".", 1)[-1]]
-            assert scales and all(state[n][3] for n in scales), scales  # set, and no NaN/inf
-            # the two versions differ in tokens and in every quantized weight, so the equalities below mean something
-            assert all(state[n][2] != other[n][2] for n in fp8)
-        assert tokens != fresh_perturbed[0]
-
-        trainer.publish(71, "perturbed")  # bf16, as the trainer holds it
-        update(a, 71, "71")
-        updated_tokens, updated_states = snapshot(a)
-        assert updated_tokens == fresh_perturbed[0]  # token for token
-        for rank, (got, want) in enumerate(zip(updated_states, fresh_perturbed[1])):
-            differ = sorted(n for n in want if got.get(n) != want[n])
-            assert not differ and got.keys() == want.keys(), (rank, differ[:8])
-        trainer.unpublish(71)
-
-        trainer.publish(72, "original")
-        update(a, 72, "72")
-        assert snapshot(a) == fresh_original  # A -> B -> A: exactly A, tokens, weights and scales
-        trainer.unpublish(72)
+        yield Fp8Engine(a, method, tp, snapshot(a), fresh_perturbed, base=100 * (CASES.index((method, tp)) + 1))
     finally:
         stop(a)
+
+
+def test_bf16_versions_requantize_as_a_fresh_engine(fp8_engine, trainer):
+    a = fp8_engine.llm
+    tokens, states = fresh_original = fp8_engine.fresh_original
+    fresh_perturbed = fp8_engine.fresh_perturbed
+    assert len(states) == fp8_engine.tp
+    for state, other in zip(states, fresh_perturbed[1]):  # A's and B's worker k
+        # the engine really serves FP8: a check that could pass on bf16 would prove nothing
+        fp8 = [n for n, (dtype, *_) in state.items() if dtype == "torch.float8_e4m3fn"]
+        assert any(n.endswith("mlp.down_proj.weight") for n in fp8), sorted(state)
+        scales = [n for n in state if "scale" in n.rsplit(".", 1)[-1]]
+        assert scales and all(state[n][3] for n in scales), scales  # set, and no NaN/inf
+        # the two versions differ in tokens and in every quantized weight, so the equalities below mean something
+        assert all(state[n][2] != other[n][2] for n in fp8)
+    assert tokens != fresh_perturbed[0]
+
+    v = fp8_engine.base
+    trainer.publish(v + 1, "perturbed")  # bf16, as the trainer holds it
+    update(a, v + 1, str(v + 1))
+    updated_tokens, updated_states = snapshot(a)
+    assert updated_tokens == fresh_perturbed[0]  # token for token
+    for rank, (got, want) in enumerate(zip(updated_states, fresh_perturbed[1])):
+        differ = sorted(n for n in want if got.get(n) != want[n])
+        assert not differ and got.keys() == want.keys(), (rank, differ[:8])
+    trainer.unpublish(v + 1)
+
+    trainer.publish(v + 2, "original")
+    update(a, v + 2, str(v + 2))
+    assert snapshot(a) == fresh_original  # A -> B -> A: exactly A, tokens, weights and scales
+    trainer.unpublish(v + 2)
 
 
 def stop(llm) -> None:
     """Shut an engine down now (its worker processes too), not when it is collected."""
     llm.shutdown_weight_transfer_engine()
     llm.llm_engine.engine_core.shutdown()
+
+
+CORRUPT = ("model.embed_tokens.weight", 384 * 128 + 5)  # a row of the vocabulary's second half: TP worker 1's slice
+
+
+@pytest.fixture(scope="module")
+def small_chunk_trainer(hub_server, tiny_model):
+    """A trainer publishing in 4 KiB chunks: a reader checks a chunk against
+    its publisher's checksum only where it reads the chunk whole, and at TP=2
+    each worker reads only its slices (the 1 MiB default makes the tiny model one
+    chunk, which no worker reads whole)."""
+    t = Trainer(hub_server.address, tiny_model, chunk_size=4 << 10)
+    yield t
+    t.close()
+
+
+def scales_set(states: list[dict]) -> None:
+    """Every scale parameter of every worker holds finite numbers (a scale left
+    ``torch.empty`` or NaN by a half-done reload fails this)."""
+    for rank, state in enumerate(states):
+        scales = [n for n in state if "scale" in n.rsplit(".", 1)[-1]]
+        assert scales, (rank, sorted(state))
+        bad = [n for n in scales if not state[n][3]]
+        assert not bad, (rank, bad)
+
+
+def test_a_corrupted_version_leaves_the_old_weights_serving(fp8_engine, small_chunk_trainer, trainer):
+    """Never serve a half-quantized model: a version whose bytes fail their
+    checksum, lack a layer's tensor or have a tensor of another shape fails the
+    update before vLLM's reload touches a weight. Every worker keeps the old
+    FP8 weights and scales bit for bit (no scale left unset or NaN), the engine
+    generates the old tokens, and the error names the tensor."""
+    from vllm_trainer import MISSING
+
+    a, good_trainer, trainer = fp8_engine.llm, trainer, small_chunk_trainer
+    before = snapshot(a)
+    scales_set(before[1])
+    name, index = CORRUPT
+
+    v = fp8_engine.base + 10
+    trainer.publish(v + 1, "perturbed")
+    trainer.corrupt(v + 1, name, index)
+    with pytest.raises(Exception, match="checksum") as failed:
+        update(a, v + 1, str(v + 1))
+    # At TP=2 only worker 1 reads that row: worker 0 pulled its part whole and
+    # must not apply it. Without that, worker 0's reload waits in a scale
+    # all-reduce worker 1 never joins: this update hangs instead of failing.
+    # The snapshot below is itself a collective_rpc: one that found a response
+    # of this failed update still queued by a worker would raise its error.
+    assert name in str(failed.value)
+    after = snapshot(a)
+    scales_set(after[1])
+    assert after == before  # tokens, and every worker's weights and scales bit for bit
+    trainer.unpublish(v + 1)
+
+    for version, kind, tensor in [(v + 2, "missing", MISSING), (v + 3, "wrong-vocab", "model.embed_tokens.weight")]:
+        trainer.publish(version, kind)
+        with pytest.raises(Exception, match=tensor.replace(".", r"\.")):
+            update(a, version, str(version))
+        after = snapshot(a)
+        scales_set(after[1])
+        assert after == before, kind
+        trainer.unpublish(version)
+
+    # the engine still takes a good version. From the other trainer: a reader
+    # reported the corrupting one, and the server drops a reported holder until
+    # its next heartbeat announces it again (a pull right after found no holder).
+    good_trainer.publish(v + 4, "perturbed")
+    update(a, v + 4, str(v + 4))
+    assert snapshot(a) == fp8_engine.fresh_perturbed
+    good_trainer.unpublish(v + 4)

@@ -2,8 +2,11 @@
 versions of the tiny model on command. One command per stdin line, one reply
 per stdout line:
 
-    publish VERSION original|perturbed|sparse|wrong-vocab [delta-from U]  -> "published VERSION"
+    publish VERSION original|perturbed|sparse|wrong-vocab|missing [delta-from U]  -> "published VERSION"
         (delta-from: with its delta from version U, which it still publishes)
+    corrupt VERSION NAME INDEX                      -> "corrupted VERSION"
+        (adds 1 to element INDEX of tensor NAME in the published memory, which
+        the publisher's checksums no longer match)
     publish VERSION hf DIR                          -> "published VERSION"
         (the transformers model in DIR, as its own state_dict(): MoE experts fused)
     unpublish VERSION                               -> "unpublished VERSION"
@@ -18,6 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from tensorhub import Hub
+
+MISSING = "model.layers.1.mlp.down_proj.weight"  # what the "missing" kind leaves out
 
 
 def weights(model_dir: Path, kind: str) -> dict[str, torch.Tensor]:
@@ -37,6 +42,8 @@ def weights(model_dir: Path, kind: str) -> dict[str, torch.Tensor]:
     if kind == "wrong-vocab":  # a trainer whose tokenizer grew: the manifest no longer matches the engine
         embed = original["model.embed_tokens.weight"]
         return {**original, "model.embed_tokens.weight": torch.cat([embed, embed[:8]])}
+    if kind == "missing":  # a version that lacks one layer's tensor
+        return {n: t for n, t in original.items() if n != MISSING}
     raise ValueError(kind)
 
 
@@ -51,6 +58,7 @@ def hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def main(hub_address: str, model_dir: str, model: str, chunk_size: int) -> None:
     hub = Hub.connect(hub_address, name="trainer", chunk_size=chunk_size)
     pubs = {}
+    held = {}  # version -> the tensors it was published from (publish reads them in place)
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, version, *rest = line.split()
@@ -59,11 +67,15 @@ def main(hub_address: str, model_dir: str, model: str, chunk_size: int) -> None:
             print(f"published {version}", flush=True)
         elif cmd == "publish":
             delta_from = int(rest[2]) if rest[1:2] == ["delta-from"] else None
-            pubs[int(version)] = hub.publish(model, int(version), weights(Path(model_dir), rest[0]),
-                                             delta_from=delta_from)
+            held[int(version)] = weights(Path(model_dir), rest[0])
+            pubs[int(version)] = hub.publish(model, int(version), held[int(version)], delta_from=delta_from)
             print(f"published {version}", flush=True)
+        elif cmd == "corrupt":
+            held[int(version)][rest[0]].view(-1)[int(rest[1])] += 1
+            print(f"corrupted {version}", flush=True)
         elif cmd == "unpublish":
             pubs.pop(int(version)).unpublish(timeout=30)
+            held.pop(int(version), None)
             print(f"unpublished {version}", flush=True)
     hub.close()
 

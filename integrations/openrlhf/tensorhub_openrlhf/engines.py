@@ -7,7 +7,8 @@ inside that function, so swapping the class is the one seam). Each engine,
 when it starts:
 
 * passes TensorHub's worker extension to vLLM (``TensorHubWorkerWrap``, which
-  keeps OpenRLHF's ``WorkerWrap`` methods);
+  keeps OpenRLHF's ``WorkerWrap`` methods), and ``TENSORHUB_VLLM_QUANTIZATION``
+  as vLLM's ``quantization`` where it is set (OpenRLHF has no flag for it);
 * connects its workers to the hub, settings from ``TENSORHUB_*``;
 * loads the newest version if there is one: an engine added or restarted
   between steps catches up by itself, with no group to rebuild.
@@ -36,13 +37,19 @@ WORKER_EXTENSION = "tensorhub_openrlhf.worker.TensorHubWorkerWrap"
 _STOCK_CREATE = vllm_engine.create_vllm_engines
 
 
+def engine_args(kwargs: dict[str, Any], settings: TensorHubSettings) -> dict[str, Any]:
+    """The keyword arguments of OpenRLHF's engine actor, which it hands to
+    ``vllm.AsyncEngineArgs``, with ours: the worker extension, and vLLM's
+    ``quantization`` where ``TENSORHUB_VLLM_QUANTIZATION`` sets it."""
+    return {**kwargs, "worker_extension_cls": WORKER_EXTENSION, **settings.vllm_engine_args()}
+
+
 class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__):
     """OpenRLHF's engine actor, whose workers pull versions from TensorHub."""
 
     async def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
-        await super().__init__(*args, **kwargs)
         settings = TensorHubSettings.from_env()
+        await super().__init__(*args, **engine_args(kwargs, settings))
         from tensorhub.server.ray_actor import resolve_address
 
         info = settings.engine_init_info(f"openrlhf-engine-{uuid.uuid4().hex[:8]}")

@@ -28,6 +28,7 @@ VARIABLES = {
     "TENSORHUB_UNPUBLISH_TIMEOUT_S": "unpublish_timeout_s",
     "TENSORHUB_HUB_CONFIG": "hub",
     "TENSORHUB_DELTA": "delta",
+    "TENSORHUB_VLLM_QUANTIZATION": "vllm_quantization",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -52,6 +53,10 @@ class TensorHubSettings:
     # "copy": keep it and publish each step with its delta from the last one
     # (engines holding that step pull only the delta). "off": no delta.
     delta: str = "off"
+    # Engines: vLLM's ``quantization`` (OpenRLHF has no flag for it). An online
+    # FP8 method (fp8_per_channel, fp8_per_tensor, fp8_per_block) serves FP8 and
+    # re-quantizes each bf16 version as it loads; None: the checkpoint's dtype.
+    vllm_quantization: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TensorHubSettings:
@@ -77,6 +82,8 @@ class TensorHubSettings:
             values["delta"] = env["TENSORHUB_DELTA"].strip().lower()
             if values["delta"] not in ("off", "copy"):
                 raise ValueError(f"TENSORHUB_DELTA must be 'off' or 'copy', not {env['TENSORHUB_DELTA']!r}")
+        if env.get("TENSORHUB_VLLM_QUANTIZATION", "").strip():
+            values["vllm_quantization"] = env["TENSORHUB_VLLM_QUANTIZATION"].strip()
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
@@ -89,7 +96,12 @@ class TensorHubSettings:
             "TENSORHUB_UNPUBLISH_TIMEOUT_S": repr(self.unpublish_timeout_s),
             "TENSORHUB_HUB_CONFIG": json.dumps(self.hub, sort_keys=True),
             "TENSORHUB_DELTA": self.delta,
+            "TENSORHUB_VLLM_QUANTIZATION": self.vllm_quantization or "",
         }
+
+    def vllm_engine_args(self) -> dict[str, Any]:
+        """vLLM engine arguments these settings add to OpenRLHF's (``quantization``)."""
+        return {} if self.vllm_quantization is None else {"quantization": self.vllm_quantization}
 
     def hub_config(self, name: str) -> HubConfig:
         """The Hub client's settings; ``name`` shows in the server's plans and messages."""

@@ -16,7 +16,8 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from tensorhub_vllm.config import TensorHubInitInfo, TensorHubUpdateInfo
-from tensorhub_vllm.worker import WorkerUpdater
+from tensorhub_vllm.vllm_internals import end_weight_update_session
+from tensorhub_vllm.worker import NotApplied, WorkerUpdater
 
 
 class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
@@ -45,7 +46,13 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises
         # on CPU; apply_checkpoint synchronizes where there is an accelerator.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except NotApplied:
+            # Another worker raises the failure out of this RPC; this one ends
+            # its update session as vLLM does when a backend raises.
+            if not end_weight_update_session(self):
+                raise
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
         if self._updater is None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from tensorhub_vllm.adapters import WorkerAdapters
 from tensorhub_vllm.config import TensorHubAdapterInfo, TensorHubInitInfo, TensorHubUpdateInfo
-from tensorhub_vllm.worker import WorkerUpdater
+from tensorhub_vllm.worker import NotApplied, WorkerUpdater
 
 
 class TensorHubWorkerExtension:
@@ -42,7 +42,10 @@ class TensorHubWorkerExtension:
         """Pull and load ``version``; returns the version this worker now serves."""
         if self._tensorhub is None:
             raise RuntimeError("tensorhub: call collective_rpc('tensorhub_init', args=({...},)) first")
-        return self._tensorhub.update(TensorHubUpdateInfo.from_dict({"version": version}).version)
+        try:
+            return self._tensorhub.update(TensorHubUpdateInfo.from_dict({"version": version}).version)
+        except NotApplied:  # the engine's last worker raises the failure out of this RPC
+            return self._tensorhub.version
 
     def tensorhub_version(self) -> int | None:
         return None if self._tensorhub is None else self._tensorhub.version

@@ -40,6 +40,14 @@
   (``tensorhub://model@version``) to that builder, on this worker's manager
   instance only. Anything else still loads from disk as before.
 
+* ``end_weight_update_session``: when one worker's pull fails, every worker
+  of the engine abandons the update, but only the last one raises
+  (``worker.reports_failures``: vLLM 0.32's multiprocess executor stops
+  reading responses at the first failed one and leaves the rest queued for the
+  next RPC). vLLM's ``Worker.update_weights`` closes a worker's update session
+  only when the backend raises; the others close theirs here, with the same two
+  steps, on the worker found as the caller of the backend's ``update_weights``.
+
 When vLLM changes these internals, this module is what to update.
 """
 
@@ -258,3 +266,23 @@ def serve_adapters_from(manager: WorkerLoRAManager, scheme: str,
         return build(request) if request.lora_path.startswith(scheme) else disk(request)
 
     manager._load_adapter = load
+
+
+def end_weight_update_session(engine: Any) -> bool:
+    """Close the weight-update session of the worker that called ``engine``'s
+    ``update_weights`` as vLLM's ``Worker.update_weights`` does when the
+    backend raises (``_weight_update_active = False``, then
+    ``reset_weight_update_target``), for a backend that returns instead.
+    False where no such worker is found among the callers (the caller raises then)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if getattr(owner, "weight_transfer_engine", None) is engine and hasattr(owner, "_weight_update_active"):
+            owner._weight_update_active = False
+            engine.reset_weight_update_target()
+            return True
+        frame = frame.f_back
+    return False
+

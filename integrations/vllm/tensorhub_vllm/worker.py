@@ -34,6 +34,51 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
+def pull_failures(error: str | None) -> list[str]:
+    """What every worker of this engine says went wrong with its pull of the
+    version (each passes its own ``error``, None where it pulled its part
+    whole); empty only if every worker pulled. The workers of one engine (TP x
+    PP) all call this once per update, in the same order, so it is a gather over
+    their CPU process groups; a worker outside vLLM's parallel state speaks for
+    itself. Only if all pulled may any apply: a worker that loaded the new
+    version beside one that kept the old would serve a model that is half one,
+    half the other, and vLLM's reload all-reduces per-tensor and row-parallel
+    FP8 scales across TP while it rebuilds each layer, where a worker that does
+    not reload would hang its peers."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return [error] if error else []
+    said = [f"worker {torch.distributed.get_rank()}: {error}"] if error else []
+    for group in (get_tp_group(), get_pp_group()):  # over TP, then PP: every rank gets every rank's
+        if group.world_size > 1:
+            gathered: list = [None] * group.world_size
+            torch.distributed.all_gather_object(gathered, said, group=group.cpu_group)
+            said = [e for part in gathered for e in part]
+    return said
+
+
+class NotApplied(Exception):
+    """An update another worker of the engine reports as failed
+    (``reports_failures``): this worker applied nothing, and its caller returns
+    instead of raising."""
+
+    def __init__(self, version: int | str, failures: list[str]) -> None:
+        super().__init__(f"version {version!r} not applied: {'; '.join(failures)}")
+
+
+def reports_failures() -> bool:
+    """Whether this worker raises an update's failure for its engine: its last
+    (the last TP rank of the last PP stage, whose response vLLM reads last),
+    or a worker outside vLLM's parallel state."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return True
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
+
+
 class WorkerUpdater:
     """One worker's side of TensorHub: a receiver plus the model it loads into."""
 
@@ -66,10 +111,36 @@ class WorkerUpdater:
 
     def update(self, version: int | str) -> int:
         """Pull ``version`` (int or ``"latest"``) and load it; returns the version
-        now served. On any error the model keeps its previous weights."""
+        now served. If any worker of the engine failed to pull its part, none
+        loads it and the engine's last worker raises (``reports_failures``): its
+        own error where it failed too, else a RuntimeError quoting the others';
+        the others raise ``NotApplied``, which their callers turn into a
+        return. Every model keeps its previous weights."""
         start = time.perf_counter()
-        result = self.receiver.receive(version)
+        try:
+            result, error = self.receiver.receive(version), None
+        except Exception as e:  # noqa: BLE001  (every worker must hear how this pull went, then it is raised)
+            result, error = None, e
+            self.receiver.done()
         self.pull_s = time.perf_counter() - start
+        failures = pull_failures(None if error is None else f"{type(error).__name__}: {error}")
+        if failures:
+            self.receiver.done()
+            if not reports_failures():
+                # vLLM 0.32's multiprocess executor raises at the first failed
+                # worker's response and leaves the later workers' responses in
+                # their queues, where the next collective_rpc reads them (it
+                # did: the next apply_model raised this update's error). So
+                # only the engine's last worker raises out of the RPC; this
+                # one's caller (backend, extension) returns.
+                log.warning("tensorhub: version %r not applied: %s", version, "; ".join(failures))
+                raise NotApplied(version, failures)
+            if error is not None:  # typed (VersionNotFound, ...), as where every worker failed alike
+                raise error
+            raise RuntimeError(
+                f"tensorhub: version {version!r} of {self.receiver.info.model!r} was not applied: not every "
+                f"worker of this engine pulled its part ({'; '.join(failures)}); every worker keeps the weights "
+                "it had")
         try:
             apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(self.receiver.staged, self.device))
         finally:
