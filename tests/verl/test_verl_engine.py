@@ -216,3 +216,65 @@ def test_a_layout_change_publishes_no_delta(engines):
     assert metrics["tensorhub/rank0/delta_mb"] == 0
     assert_identical(receive(rollout, 2), grown)
     assert rollout.last_pull.delta_from is None
+
+
+def _tp_reader_pull(hub, step, weights, *, serve):
+    """A TP reader (worker 0 of 2: rows of even-numbered tensors, columns of
+    odd-numbered ones), as a vLLM TP worker reads, checked byte-exact."""
+    from tensorhub import Shard
+    from tensorhub.testing import read_region, take
+
+    regions = {name: read_region(tuple(t.shape), i, "tp", 0, 2) for i, (name, t) in enumerate(weights.items())}
+    into = {name: Shard(torch.zeros(regions[name].numel(tuple(t.shape)), dtype=t.dtype), tuple(t.shape),
+                        box=regions[name].box, flat=regions[name].flat) for name, t in weights.items()}
+    result = hub.pull("tiny/policy", step, into=into, serve=serve)
+    for name, t in weights.items():
+        got = into[name].tensor.reshape(-1).view(torch.uint8)
+        assert torch.equal(got, take(t, regions[name]).reshape(-1).view(torch.uint8)), name
+    return result
+
+
+def test_the_readers_cut_reaches_the_publish(engines, server):
+    """``cut: readers``: the trainer's publish gathers over its torch.distributed
+    world (here one gloo rank) and, once a reader with a partial read set
+    serves the step before, publishes that read set as a trainer-cut replica
+    beside its shard; a reader of the same read set then reads exactly its
+    bytes. The first step has no readers' cut yet."""
+    import torch.distributed as dist
+
+    from tensorhub.client.rpc import ReferenceClient
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = engines(is_master=True, cut="readers", cut_gather_bytes=1 << 20)
+        tp0, tp0_next = engines(), engines()
+        first = send(trainer, 1)
+        assert trainer.publication.cut is None and first["tensorhub/rank0/cut_mb"] == 0
+        from_shards = _tp_reader_pull(tp0.hub, 1, make_weights(1), serve=True)  # its read set, with the server
+        assert from_shards.read_bytes > from_shards.nbytes  # columns from row shards: whole rows
+
+        second = send(trainer, 2)
+        cut = trainer.publication.cut
+        assert cut is not None and trainer.publication.cut_report.read_sets == 1
+        assert second["tensorhub/rank0/cut_mb"] * 2**20 == from_shards.nbytes  # one rank: all of the read set
+        assert 0 < second["tensorhub/rank0/cut_peak_gather_mb"] * 2**20 <= 1 << 20
+        rpc = ReferenceClient(server.address)
+        try:
+            (v2,) = [v for m in rpc.describe("tiny/policy").models for v in m.versions if v.version == 2]
+        finally:
+            rpc.close()
+        assert sorted(r.trainer_cut for r in v2.replicas if r.origin) == [False, True]
+        from_cut = _tp_reader_pull(tp0_next.hub, 2, make_weights(2), serve=False)
+        assert from_cut.read_bytes == from_cut.nbytes == from_shards.nbytes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bad_cut_setting_names_the_field():
+    with pytest.raises(ValueError, match=r"TensorHubEngineConfig\.cut must be 'readers' or null, not 'reader'.*"
+                                         r"engine_kwargs\.tensorhub\.cut"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", cut="reader")
+    with pytest.raises(ValueError, match=r"TensorHubEngineConfig\.cut_gather_bytes must be a positive"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", cut="readers", cut_gather_bytes=0)
+    with pytest.raises(ValueError, match=r"cut_gather_bytes only means something with cut: readers"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", cut_gather_bytes=1 << 20)
