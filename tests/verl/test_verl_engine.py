@@ -288,56 +288,62 @@ def test_two_trainer_ranks_publish_the_readers_cut(engines, server):
     it. Step 2: the ranks gather and publish those read sets beside their
     shards (a trainer-cut replica each), and new TP readers read exactly their
     bytes, byte-exact."""
-    import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from tensorhub.client.rpc import ReferenceClient
     from tensorhub.testing import rendezvous
 
     script = Path(__file__).with_name("verl_cut_rank.py")
-    with rendezvous(2) as dist_env:
+    with rendezvous(2) as dist_env:  # the ranks' store lives as long as their group
         env = {**os.environ, **dist_env, "OMP_NUM_THREADS": "1"}
         ranks = [subprocess.Popen([sys.executable, str(script), server.address, str(r), "2"], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        def result(proc):
-            for line in proc.stdout:
-                if line.startswith("result "):
-                    return line.removeprefix("result ").strip()
-            raise AssertionError(f"trainer rank exited with {proc.wait()}")
-
-        def step(n):
-            for proc in ranks:
-                proc.stdin.write(f"{n}\n")
-                proc.stdin.flush()
-            return [json.loads(result(proc)) for proc in ranks]
-
-        assert [result(proc) for proc in ranks] == ["ready", "ready"]
-        first = step(1)
-        assert [m[f"tensorhub/rank{r}/cut_mb"] for r, m in enumerate(first)] == [0, 0]  # no readers yet
-        readers = [engines(), engines()]
-        from_shards = [_tp_reader_pull(h.hub, 1, make_weights(1), serve=True, worker=w) for w, h in enumerate(readers)]
-
-        second = step(2)
-        cut_bytes = [m[f"tensorhub/rank{r}/cut_mb"] * 2**20 for r, m in enumerate(second)]
-        assert all(b > 0 for b in cut_bytes), cut_bytes  # a share for each rank
-        rpc = ReferenceClient(server.address)
         try:
-            (v2,) = [v for m in rpc.describe("tiny/policy").models for v in m.versions if v.version == 2]
+            _two_ranks_cut(ranks, engines, server)
         finally:
-            rpc.close()
-        assert sorted(r.trainer_cut for r in v2.replicas if r.origin) == [False, False, True, True]
-        for w, p1 in enumerate(from_shards):
-            got = _tp_reader_pull(engines().hub, 2, make_weights(2), serve=False, worker=w)
-            assert got.read_bytes == got.nbytes == p1.nbytes, (w, got.read_bytes, got.nbytes)
-            # from the shards: whole rows, or a READ per row, of the column tensors
-            assert got.read_bytes < p1.read_bytes or got.descriptors < p1.descriptors, (w, got, p1)
+            for proc in ranks:
+                proc.kill()
+
+
+def _two_ranks_cut(ranks, engines, server):
+    import json
+
+    from tensorhub.client.rpc import ReferenceClient
+
+    def result(proc):
+        for line in proc.stdout:
+            if line.startswith("result "):
+                return line.removeprefix("result ").strip()
+        raise AssertionError(f"trainer rank exited with {proc.wait()}")
+
+    def step(n):
         for proc in ranks:
-            proc.stdin.close()
-        assert [proc.wait(timeout=120) for proc in ranks] == [0, 0]
+            proc.stdin.write(f"{n}\n")
+            proc.stdin.flush()
+        return [json.loads(result(proc)) for proc in ranks]
+
+    assert [result(proc) for proc in ranks] == ["ready", "ready"]
+    first = step(1)
+    assert [m[f"tensorhub/rank{r}/cut_mb"] for r, m in enumerate(first)] == [0, 0]  # no readers yet
+    readers = [engines(), engines()]
+    from_shards = [_tp_reader_pull(h.hub, 1, make_weights(1), serve=True, worker=w) for w, h in enumerate(readers)]
+
+    second = step(2)
+    cut_bytes = [m[f"tensorhub/rank{r}/cut_mb"] * 2**20 for r, m in enumerate(second)]
+    assert all(b > 0 for b in cut_bytes), cut_bytes  # a share for each rank
+    rpc = ReferenceClient(server.address)
+    try:
+        (v2,) = [v for m in rpc.describe("tiny/policy").models for v in m.versions if v.version == 2]
     finally:
-        for proc in ranks:
-            proc.kill()
+        rpc.close()
+    assert sorted(r.trainer_cut for r in v2.replicas if r.origin) == [False, False, True, True]
+    for w, p1 in enumerate(from_shards):
+        got = _tp_reader_pull(engines().hub, 2, make_weights(2), serve=False, worker=w)
+        assert got.read_bytes == got.nbytes == p1.nbytes, (w, got.read_bytes, got.nbytes)
+        # from the shards: whole rows, or a READ per row, of the column tensors
+        assert got.read_bytes < p1.read_bytes or got.descriptors < p1.descriptors, (w, got, p1)
+    for proc in ranks:
+        proc.stdin.close()
+    assert [proc.wait(timeout=120) for proc in ranks] == [0, 0]
