@@ -49,7 +49,7 @@ def test_fsdp_trainer_with_the_readers_cut(server, hub_server, tiny_model, tmp_p
     """``TensorHubTrainerInitInfo(cut="readers")``: the 2 FSDP2 ranks send 2
     versions to the serving TP=2 server. The first has no readers yet and goes
     as row shards: a TP worker reads whole rows of the row-parallel tensors
-    (more bytes than its read set). From the second the ranks also publish the
+    (more bytes than its read set) or a READ per row. From the second the ranks also publish the
     workers' read sets, gathered over gloo (still no ``full_tensor()``), and
     each worker reads its read set's bytes and no more; the server then runs
     the weights of its files exactly. A model key of its own: no reader of it
@@ -73,7 +73,7 @@ def test_fsdp_trainer_with_the_readers_cut(server, hub_server, tiny_model, tmp_p
         assert w1["nbytes"] == w2["nbytes"] == w2["read_set_nbytes"]
         # From the shards a worker's columns cost whole rows or a READ per row; from the cut neither.
         assert w2["read_bytes"] <= 1.05 * w2["nbytes"], w2
-        assert w2["read_bytes"] <= w1["read_bytes"] and w2["descriptors"] <= w1["descriptors"], (w1, w2)
+        assert w2["read_bytes"] <= w1["read_bytes"], (w1, w2)
         assert w2["read_bytes"] < w1["read_bytes"] or w2["descriptors"] < w1["descriptors"], (w1, w2)
         assert sum(w2["bytes_by_source"].values()) == w2["nbytes"]
     assert server.get("/weight_info") == {"weight_version": "2"}
