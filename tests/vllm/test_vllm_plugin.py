@@ -112,6 +112,35 @@ def test_trainer_side_registers_with_vllms_trainer_factory():
         WeightTransferTrainerFactory.trainer_init(info, client=None, source=None)
 
 
+@pytest.mark.parametrize(("values", "message"), [
+    ({"cut": "reader"}, r"TensorHubTrainerInitInfo\.cut: must be 'readers' or None, not 'reader'"),
+    ({"cut": "readers", "cut_gather_bytes": 0}, r"TensorHubTrainerInitInfo\.cut_gather_bytes: must be a positive"),
+    ({"cut": "readers", "cut_gather_bytes": True}, r"TensorHubTrainerInitInfo\.cut_gather_bytes: must be a positive"),
+    ({"cut_gather_bytes": 1 << 20}, r"TensorHubTrainerInitInfo\.cut_gather_bytes: only means something with cut"),
+])
+def test_bad_trainer_cut_settings_name_the_field(values, message):
+    from tensorhub_vllm.trainer import TensorHubTrainerInitInfo
+
+    assert TensorHubTrainerInitInfo(hub="h:1", model="m", rank=0).cut is None  # off by default
+    with pytest.raises(ValueError, match=message):
+        TensorHubTrainerInitInfo(hub="h:1", model="m", rank=0, **values)
+
+
+def test_the_trainer_cut_needs_a_process_group():
+    """``cut="readers"`` gathers over the default process group: without one,
+    trainer_init refuses (naming the field) before it connects anywhere."""
+    import torch.distributed as dist
+    from tensorhub_vllm.trainer import TensorHubTrainerInitInfo
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"TensorHubTrainerInitInfo\.cut: 'readers' gathers over the default"):
+        WeightTransferTrainerFactory.trainer_init(
+            TensorHubTrainerInitInfo(hub="127.0.0.1:1", model="m", rank=0, cut="readers"), client=None,
+            source=ModuleSource(torch.nn.Linear(2, 2)))
+
+
 def test_moe_updates_with_eplb_are_refused_at_init():
     """EPLB moves experts between workers at run time: the read set of init would
     go stale. Stand-ins for the layer and the config, because vLLM builds MoE

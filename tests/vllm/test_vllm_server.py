@@ -45,6 +45,41 @@ def test_fsdp_trainer_sends_through_vllms_trainer_api(server, hub_server, tiny_m
     assert server.complete(PROMPT) == server.base
 
 
+def test_fsdp_trainer_with_the_readers_cut(server, hub_server, tiny_model, tmp_path):
+    """``TensorHubTrainerInitInfo(cut="readers")``: the 2 FSDP2 ranks send 2
+    versions to the serving TP=2 server. The first has no readers yet and goes
+    as row shards: a TP worker reads whole rows of the row-parallel tensors
+    (more bytes than its read set) or a READ per row. From the second the ranks also publish the
+    workers' read sets, gathered over gloo (still no ``full_tensor()``), and
+    each worker reads its read set's bytes and no more; the server then runs
+    the weights of its files exactly. A model key of its own: no reader of it
+    before the first version. Before the replica test below: its failed
+    update would answer the next collective_rpc with a stale error."""
+    if server.tp == 1:
+        pytest.skip("one core: the server runs TP=1, whose read set is every tensor whole (nothing to cut)")
+    key = MODEL_KEY + "-cut"
+    reports = fsdp_trainer_send(hub_server.address, server, tiny_model, key, 1, tmp_path, versions=2, cut="readers")
+    for got in reports:
+        assert [s["version"] for s in got["sent"]] == [1, 2]
+        first, second = got["sent"]
+        assert first["cut_bytes"] == 0 < second["cut_bytes"], got["sent"]  # a share of the cut for each rank
+    # the cut holds no element twice: at most the model (the ranks' shards together)
+    assert sum(r["sent"][1]["cut_bytes"] for r in reports) <= sum(r["sent"][1]["published_bytes"] for r in reports)
+    first, second = reports[0]["sent"][0]["workers"], reports[0]["sent"][1]["workers"]
+    assert len(first) == len(second) == server.tp
+    for w, (w1, w2) in enumerate(zip(first, second)):
+        print(f"worker {w}: read {w1['read_bytes']} B in {w1['descriptors']} READs for {w1['nbytes']} B from the "
+              f"shards, {w2['read_bytes']} B in {w2['descriptors']} READs for {w2['nbytes']} B with the cut")
+        assert w1["nbytes"] == w2["nbytes"] == w2["read_set_nbytes"]
+        # From the shards a worker's columns cost whole rows or a READ per row; from the cut neither.
+        assert w2["read_bytes"] <= 1.05 * w2["nbytes"], w2
+        assert w2["read_bytes"] <= w1["read_bytes"], (w1, w2)
+        assert w2["read_bytes"] < w1["read_bytes"] or w2["descriptors"] < w1["descriptors"], (w1, w2)
+        assert sum(w2["bytes_by_source"].values()) == w2["nbytes"]
+    assert server.get("/weight_info") == {"weight_version": "2"}
+    assert server.complete(PROMPT) == server.base
+
+
 def test_server_updates_from_another_engines_replica(server, engine, trainer, hub_server):
     server.post("/init_weight_transfer_engine", {"init_info": {"hub": hub_server.address, "model": MODEL_KEY,
                                                                  "hub_config": HUB_CONFIG}})
@@ -88,3 +123,4 @@ def _greedy_params():
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=16)
+

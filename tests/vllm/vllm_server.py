@@ -32,7 +32,9 @@ class Server:
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
              "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--tensor-parallel-size", str(tp),
-             "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
+             "--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
+             # its workers' tensorhub_stats, through the dev route /collective_rpc
+             "--worker-extension-cls", "tensorhub_vllm.extension.TensorHubWorkerExtension"],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
         while True:
@@ -79,15 +81,17 @@ class Server:
 
 
 def fsdp_trainer_send(hub_address: str, server: Server, model_dir: Path, model_key: str, version: int,
-                      out_dir: Path) -> list[dict]:
+                      out_dir: Path, versions: int = 1, cut: str | None = None) -> list[dict]:
     """2 FSDP2 ranks (gloo) loading ``model_dir`` send it to ``server`` as
-    ``version`` through vLLM's WeightTransferTrainerFactory; each rank's report
+    ``version`` (and the next ``versions - 1``, with ``cut`` the trainer's cut
+    setting) through vLLM's WeightTransferTrainerFactory; each rank's report
     (what it published)."""
     with rendezvous(2) as dist_env:
         env = {**os.environ, **dist_env, "OMP_NUM_THREADS": "1"}
         ranks = [subprocess.Popen([sys.executable, str(HERE / "vllm_fsdp_trainer.py"), hub_address, server.url,
                                    str(model_dir), model_key, str(rank), "2", str(out_dir / f"{rank}.json"),
-                                   str(version)], env=env) for rank in range(2)]
+                                   str(version), str(versions), *([cut] if cut else [])], env=env)
+                 for rank in range(2)]
         try:
             assert [r.wait(timeout=300) for r in ranks] == [0, 0]
         finally:

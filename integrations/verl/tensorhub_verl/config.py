@@ -34,6 +34,13 @@ class TensorHubEngineConfig:
     # second buffer), and a rollout holding that step pulls only the delta.
     # "off": every step whole.
     delta: str = "auto"
+    # "readers": each trainer rank also publishes its share of the readers' cut
+    # (Hub.publish(cut="readers")): the regions the serving readers of the last
+    # version read, gathered over the trainer's torch.distributed world at most
+    # cut_gather_bytes at a time and laid out back to back, so a reader with a
+    # partial read set (a TP worker) reads contiguous bytes. None (null): off.
+    cut: str | None = None
+    cut_gather_bytes: int | None = None  # per rank; None: HubConfig.cut_gather_bytes
     wait_timeout_s: float = 600.0  # rollout: longest wait for the asked step to be published
     unpublish_timeout_s: float = 120.0  # trainer: longest wait for readers of the previous step to drain
     hub: dict[str, Any] = field(default_factory=dict)  # HubConfig fields: connect_timeout_s, chunk_size, labels, ...
@@ -57,6 +64,16 @@ class TensorHubEngineConfig:
                 f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
         if config.delta not in ("auto", "off"):
             raise ValueError(f"TensorHubEngineConfig.delta must be 'auto' or 'off', not {config.delta!r}")
+        if config.cut not in (None, "readers"):
+            raise ValueError(f"TensorHubEngineConfig.cut must be 'readers' or null, not {config.cut!r} "
+                             f"(under {CONFIG_KEY}.cut)")
+        gather = config.cut_gather_bytes
+        if gather is not None and (isinstance(gather, bool) or not isinstance(gather, int) or gather <= 0):
+            raise ValueError(f"TensorHubEngineConfig.cut_gather_bytes must be a positive number of bytes or null, "
+                             f"not {gather!r} (under {CONFIG_KEY}.cut_gather_bytes)")
+        if gather is not None and config.cut is None:
+            raise ValueError(f"TensorHubEngineConfig.cut_gather_bytes only means something with cut: readers "
+                             f"(under {CONFIG_KEY})")
         config.server_config()  # a bad server dict fails here, not when the server starts
         return config
 

@@ -24,6 +24,12 @@ There is no process group: ``build_topology`` returns nothing to dispatch and
 ``init_process_group`` has nothing to build, so rollouts can join or leave
 between updates. A version stays published after ``finalize``: a rollout that
 starts late or missed steps pulls the newest one whenever it asks.
+
+``cut: readers`` (off by default) makes the publish collective over the
+trainer's torch.distributed world (``cut_group``, default the whole world,
+which is verl's FSDP world): each rank also publishes its share of the
+readers' cut (``Hub.publish(cut="readers")``). Every rank then publishes,
+even one whose split of the stream is empty (refused on every rank at once).
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self._next_version = 0
         # (rank, world) of the trainer's process group; None: ask torch.distributed at the first send
         self.rank_and_world: tuple[int, int] | None = None
+        # cut: readers gathers over this torch.distributed group; None: the default (whole) world
+        self.cut_group: Any = None
         # rollout
         self._received: int | None = None
         self._dest: dict[str, torch.Tensor] | None = None
@@ -138,11 +146,16 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         covered = await self._buffer.fill(weights, rank, world, delta)
         copied = time.perf_counter() - start - blocked
         delta_bytes = 0
+        if self.config.cut is not None:
+            _every_rank_holds_some(bool(self._buffer.shards), self.cut_group)
         if self._buffer.shards:
             kwargs: dict[str, Any] = {}
             if delta is not None and covered:
                 kwargs = {"delta_from": previous, "delta": delta.finish()}
                 delta_bytes = kwargs["delta"].nbytes
+            if self.config.cut is not None:
+                kwargs.update(cut=self.config.cut, cut_group=self.cut_group,
+                              cut_gather_bytes=self.config.cut_gather_bytes)
             self._published = await asyncio.to_thread(self.hub.publish, self.config.model, version,
                                                       self._buffer.shards, manifest=self._buffer.manifest, **kwargs)
         self._next_version = version + 1
@@ -156,6 +169,10 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             f"{mine}/buffer_allocations": float(self._buffer.allocations - allocations),
             f"{mine}/delta_mb": delta_bytes / 2**20,  # its delta from the step before (0: none published)
         }
+        cut = None if self._published is None else self._published.cut_report
+        if cut is not None:  # cut: readers: its share of the readers' cut (0 when none is known yet)
+            metrics.update({f"{mine}/cut_mb": cut.nbytes / 2**20, f"{mine}/cut_s": cut.seconds,
+                            f"{mine}/cut_peak_gather_mb": cut.peak_gather_bytes / 2**20})
         if rank == 0:
             model_bytes = self._buffer.manifest.total_bytes
             metrics.update({
@@ -249,6 +266,26 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         if self.hub is not None:
             self.hub.close(timeout=self.config.unpublish_timeout_s)
             self.hub = None
+
+
+def _every_rank_holds_some(holds: bool, group: Any) -> None:
+    """``cut: readers`` publishes collectively: a rank with nothing to publish
+    could not join and the others would wait for it. Asked of every rank at
+    once, so all refuse together instead."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(f"TensorHubEngineConfig.cut: 'readers' gathers over the trainer's torch.distributed "
+                         f"group, and none is initialized (set {CONFIG_KEY}.cut to null)")
+    world = torch.distributed.get_world_size(group)
+    if world == 1:
+        empty = [] if holds else [0]
+    else:
+        every: list[Any] = [None] * world
+        torch.distributed.all_gather_object(every, holds, group=group)
+        empty = [r for r, h in enumerate(every) if not h]
+    if empty:
+        raise ValueError(f"TensorHubEngineConfig.cut: trainer rank(s) {empty} hold nothing of this step (more "
+                         f"ranks than elements to split?), and the cut's publish needs every rank; set "
+                         f"{CONFIG_KEY}.cut to null")
 
 
 def _rank_and_world() -> tuple[int, int]:

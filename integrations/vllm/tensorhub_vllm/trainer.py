@@ -22,6 +22,17 @@ every rank withdraws its shard (a barrier on the default process group, when
 there is one, keeps the others from withdrawing before the update is over), so
 the optimizer may write the parameters again; engines started with
 ``serve: true`` keep the version pullable for late engines.
+
+``cut="readers"`` (off by default) also publishes, from every rank, its share
+of the readers' cut (``Hub.publish(cut="readers")``): the regions the engines'
+workers read of the last version, gathered on the trainer at most
+``cut_gather_bytes`` at a time and laid out back to back, so a TP worker reads
+contiguous bytes instead of a run per row of each row-parallel tensor. Turn it
+on for TP engines fed by row-sharded (FSDP) trainers; it costs each rank a
+gather of a few layers and its share of the cut in memory. The gather is
+collective over the default process group: every rank of it calls
+``send_weights``, and every rank must hold a part of the model (one that holds
+none is refused on every rank at once, before any gather).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
@@ -57,6 +68,18 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     hub_config: dict[str, Any] = field(default_factory=dict)  # this rank's tensorhub.HubConfig fields
     visible_timeout_s: float = 300.0  # the sender waits this long for every rank's shard
     unpublish_timeout_s: float = 60.0  # each rank waits this long for the engines' reads to drain
+    cut: Literal["readers"] | None = None  # "readers": also publish the readers' cut (collective; see above)
+    cut_gather_bytes: int | None = None  # the cut's gather bound per rank (None: HubConfig.cut_gather_bytes)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.cut not in (None, "readers"):
+            raise ValueError(f"{name}.cut: must be 'readers' or None, not {self.cut!r}")
+        g = self.cut_gather_bytes
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
+            raise ValueError(f"{name}.cut_gather_bytes: must be a positive number of bytes or None, not {g!r}")
+        if g is not None and self.cut is None:
+            raise ValueError(f"{name}.cut_gather_bytes: only means something with cut='readers'")
 
 
 def local_entries(source: WeightSource, *, publish_whole: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -99,7 +122,8 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
     info: TensorHubTrainerInitInfo
     hub: Hub
     version: int
-    published_bytes: int = 0  # by this rank, in the last send_weights
+    published_bytes: int = 0  # by this rank, in the last send_weights (its shards)
+    cut_bytes: int = 0  # of the readers' cut, by this rank, in the last send_weights (its extra memory)
 
     @classmethod
     def trainer_init(cls, init_info: TensorHubTrainerInitInfo, *, client: Any,
@@ -108,6 +132,12 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             raise ValueError("tensorhub: trainer_init needs source= (a WeightSource, e.g. ModuleSource(model))")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
+        if init_info.cut is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("TensorHubTrainerInitInfo.cut: 'readers' gathers over the default torch.distributed "
+                                 "process group: initialize it before trainer_init (or leave cut unset)")
         engine.version = init_info.first_version - 1
         engine.hub = Hub.connect(init_info.hub, config=HubConfig.from_dict(
             {"name": f"vllm-trainer/rank{init_info.rank}", **init_info.hub_config}))
@@ -121,8 +151,15 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         assert self.source is not None
         version = self.version + 1
         entries, manifest = local_entries(self.source, publish_whole=self.is_sender)
-        publication = self.hub.publish(self.info.model, version, entries, manifest=manifest) if entries else None
+        if self.info.cut is None:
+            publication = self.hub.publish(self.info.model, version, entries, manifest=manifest) if entries else None
+        else:
+            _every_rank_holds_some(entries, self.info.rank)
+            publication = self.hub.publish(self.info.model, version, entries, manifest=manifest, cut=self.info.cut,
+                                           cut_gather_bytes=self.info.cut_gather_bytes)
         self.published_bytes = _nbytes(entries)
+        self.cut_bytes = publication.cut_report.nbytes if publication is not None and publication.cut is not None \
+            else 0
         try:
             if self.is_sender:
                 self.hub.wait_for_version(self.info.model, at_least=version, timeout=self.info.visible_timeout_s)
@@ -143,6 +180,22 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
 
 def _nbytes(entries: Mapping[str, Any]) -> int:
     return sum((v.tensor if isinstance(v, Shard) else v).nbytes for v in entries.values())
+
+
+def _every_rank_holds_some(entries: Mapping[str, Any], rank: int) -> None:
+    """The cut's publish is collective: a rank without entries could not join
+    it and the others would wait for it. Asked of every rank at once, so all
+    refuse together instead."""
+    import torch.distributed as dist
+
+    holds = [False] * dist.get_world_size()
+    dist.all_gather_object(holds, bool(entries))
+    empty = [r for r, h in enumerate(holds) if not h]
+    if empty:
+        raise ValueError(f"TensorHubTrainerInitInfo.cut: the trainer rank(s) at default-group position(s) {empty} "
+                         "hold nothing of the model, and the cut's publish needs every rank (a source without a "
+                         "module publishes from the sender only: pass ModuleSource of the sharded model, or leave "
+                         f"cut unset); refused on rank {rank} too")
 
 
 def _barrier() -> None:

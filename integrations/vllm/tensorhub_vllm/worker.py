@@ -104,6 +104,7 @@ class WorkerUpdater:
         self.bytes_by_source: dict[str, int] = {}
         self.delta_from: int | None = None  # the last update patched the staging from this version's deltas
         self.read_bytes = 0
+        self.descriptors = 0  # READ descriptors the last pull posted
 
     @property
     def version(self) -> int | None:
@@ -150,6 +151,7 @@ class WorkerUpdater:
         self.nbytes = result.nbytes
         self.bytes_by_source = result.bytes_by_source
         self.delta_from, self.read_bytes = result.delta_from, result.read_bytes
+        self.descriptors = result.descriptors
         log.info("tensorhub: loaded %r version %d (%d bytes; pull %.3fs, apply %.3fs)", self.receiver.info.model,
                  result.version, result.nbytes, self.pull_s, self.apply_s)
         return result.version
