@@ -162,3 +162,8 @@ class _StateCollector:
             for value, field in counts:
                 family.add_metric([value], getattr(control, field))
             yield family
+        messages = CounterMetricFamily("tensorhub_messages", "Messages (RPCs) the server received, by method, "
+                                       "refused ones too: what the control plane costs", labels=["method"])
+        for method, n in sorted(dict(control.calls).items()):
+            messages.add_metric([method], n)
+        yield messages

@@ -128,6 +128,10 @@ def test_status_shows_versions_holders_and_a_reader_in_flight(server, tmp_path, 
     assert 'tensorhub_pull_paths_total{path="replayed"}' in after
     assert after['tensorhub_resolve_answers_total{how="own"}'] >= 1  # the reader's own Resolve
     assert 'tensorhub_resolve_answers_total{how="shared"}' in after
+    # Every message by method, as the server counted it (the trainer's Publish, the reader's Resolve).
+    for method in ("Publish", "Resolve", "RegisterAgent"):
+        key = f'tensorhub_messages_total{{method="{method}"}}'
+        assert after[key] >= before.get(key, 0) + 1, key
 
 
 def test_status_needs_the_token_and_checks_its_input(server, capsys, monkeypatch):
