@@ -293,16 +293,16 @@ def _tensorhub_row(method: str, moved: Any, size: int, names: list[str]) -> Row:
                   depth=[depth[n] for n in names], parent=[parent[n] for n in names], trainer_share=share)
 
 
-def _steady_row(later: list[tuple[Row, dict[str, float]]], size: int, readers: int) -> Row:
+def _steady_row(later: list[Row], size: int, readers: int) -> Row:
     """The versions after a count's first, as one row: the median time, each
     version's time and messages per reader, how many pulls replayed their plans."""
-    last = later[-1][0].extra
-    return Row.of("tensorhub-steady", readers, size, [r.seconds for r, _ in later],
+    last = later[-1].extra
+    return Row.of("tensorhub-steady", readers, size, [r.seconds for r in later],
                   trainer_egress_bytes=last["trainer_egress_bytes"], trainer_copies=last["trainer_copies"],
-                  cpu_busy=max(r.extra["cpu_busy"] for r, _ in later), depth=last["depth"], parent=last["parent"],
-                  reader_seconds=last["reader_seconds"], messages_per_reader=later[-1][1],
-                  replayed=[r.extra["replayed"] for r, _ in later],
-                  not_replayed=sorted({why for r, _ in later for why in r.extra["not_replayed"]}))
+                  cpu_busy=max(r.extra["cpu_busy"] for r in later), depth=last["depth"], parent=last["parent"],
+                  reader_seconds=last["reader_seconds"], messages_per_reader=last["messages_per_reader"],
+                  replayed=[r.extra["replayed"] for r in later],
+                  not_replayed=sorted({why for r in later for why in r.extra["not_replayed"]}))
 
 
 def _order(row: Row) -> tuple:
@@ -347,7 +347,7 @@ def run(cfg: SweepConfig, *, json_path: str | None = None, plot_to: str | Path |
             for method, n in [("single", 1)] + [("tensorhub", n) for n in counts]:
                 # The first version in fresh buffers, as ever; with --versions, the later ones from the
                 # same buffers into the same destinations (the steady state): one row for them all.
-                steady: list[tuple[Row, dict[str, float]]] = []
+                steady: list[Row] = []
                 for k in range(cfg.versions if method == "tensorhub" else 1):
                     version += 1
                     progress.update(task, description=f"{method}: {n} reader(s)" +
@@ -363,7 +363,7 @@ def run(cfg: SweepConfig, *, json_path: str | None = None, plot_to: str | Path |
                     if k == 0:
                         rows.append(row)
                     else:
-                        steady.append((row, sent))
+                        steady.append(row)
                 if steady:
                     rows.append(_steady_row(steady, size, n))
                 progress.advance(task)

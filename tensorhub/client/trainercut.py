@@ -289,6 +289,18 @@ def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def ranks_holding_nothing(holds: bool, group: Any = None) -> list[int]:
+    """The ranks of ``group`` (default: the whole world) that hold nothing to
+    publish, asked of every rank at once. The cut's publish is collective: a
+    rank that cannot join it would leave the others waiting in its gathers, so
+    a caller refuses on every rank together when this is not empty."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, holds, group=group)
+    return [r for r, h in enumerate(every) if not h]
+
+
 def publish_cut(*, ask: Callable[[], ReaderCuts | None], manifest: Manifest, parts: list[Part], group: Any,
                 gather_bytes: int, publish: Callable[[list[Part]], Any],
                 allocate: Callable[[int, torch.device], torch.Tensor] | None = None) -> tuple[Any, CutReport]:

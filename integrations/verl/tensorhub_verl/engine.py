@@ -46,6 +46,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from tensorhub import Hub, ManifestMismatch, Publication, PullResult, ServerUnavailable, VersionNotFound
+from tensorhub.client.trainercut import ranks_holding_nothing
 from tensorhub.delta.codec import DeltaEncoder
 from tensorhub.server.ray_actor import resolve_address
 from tensorhub_verl import pull_stats
@@ -275,13 +276,7 @@ def _every_rank_holds_some(holds: bool, group: Any) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError(f"TensorHubEngineConfig.cut: 'readers' gathers over the trainer's torch.distributed "
                          f"group, and none is initialized (set {CONFIG_KEY}.cut to null)")
-    world = torch.distributed.get_world_size(group)
-    if world == 1:
-        empty = [] if holds else [0]
-    else:
-        every: list[Any] = [None] * world
-        torch.distributed.all_gather_object(every, holds, group=group)
-        empty = [r for r, h in enumerate(every) if not h]
+    empty = ranks_holding_nothing(holds, group)
     if empty:
         raise ValueError(f"TensorHubEngineConfig.cut: trainer rank(s) {empty} hold nothing of this step (more "
                          f"ranks than elements to split?), and the cut's publish needs every rank; set "

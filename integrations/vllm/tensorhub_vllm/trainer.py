@@ -46,6 +46,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from tensorhub import Hub, HubConfig, Shard
+from tensorhub.client.trainercut import ranks_holding_nothing
 from tensorhub_vllm.plugin import BACKEND, register_trainer
 from tensorhub_vllm.vllm_internals import module_of
 
@@ -186,11 +187,7 @@ def _every_rank_holds_some(entries: Mapping[str, Any], rank: int) -> None:
     """The cut's publish is collective: a rank without entries could not join
     it and the others would wait for it. Asked of every rank at once, so all
     refuse together instead."""
-    import torch.distributed as dist
-
-    holds = [False] * dist.get_world_size()
-    dist.all_gather_object(holds, bool(entries))
-    empty = [r for r, h in enumerate(holds) if not h]
+    empty = ranks_holding_nothing(bool(entries))
     if empty:
         raise ValueError(f"TensorHubTrainerInitInfo.cut: the trainer rank(s) at default-group position(s) {empty} "
                          "hold nothing of the model, and the cut's publish needs every rank (a source without a "

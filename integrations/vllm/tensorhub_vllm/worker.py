@@ -121,8 +121,7 @@ class WorkerUpdater:
         try:
             result, error = self.receiver.receive(version), None
         except Exception as e:  # noqa: BLE001  (every worker must hear how this pull went, then it is raised)
-            result, error = None, e
-            self.receiver.done()
+            result, error = None, e  # a failure of its own is among ``failures`` below: done() there
         self.pull_s = time.perf_counter() - start
         failures = pull_failures(None if error is None else f"{type(error).__name__}: {error}")
         if failures:
