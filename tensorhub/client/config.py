@@ -46,6 +46,10 @@ class HubConfig:
     # whose failure can abort the serving process (tensorhub.transport.transfermode).
     # Empty: $TENSORHUB_TRANSFER, else auto. Every process must resolve the same.
     transfer: str = ""
+    # A serving pull tells the filling peers it knows which chunks it landed
+    # (NIXL notifications, tensorhub.client.peernews), and a pull that hears its
+    # peers asks the server who holds what less often. Off: only the server says.
+    chunk_news: bool = True
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

@@ -35,6 +35,7 @@ from tensorhub.client.destination import Destinations, destination_parts, result
 from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.landed import LandedReports
+from tensorhub.client.peernews import PeerNews
 from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
@@ -100,6 +101,9 @@ class PullResult:
     # Resolves the pull sent after its first answer: asking again who holds what
     # (a round ran out of holders, or took longer than a refresh interval)
     refreshes: int = 0
+    # Peers' chunk news that told the pull of chunks it did not know of yet
+    # (``client/peernews.py``: a relaying peer's notification instead of a resolve)
+    news_heard: int = 0
     # Per chunk of the read set, the agent most of its bytes came from (empty for a delta pull)
     chunk_sources: dict[int, str] = field(default_factory=dict)
     # A pull given ``have=u`` that patched the destination from v's deltas:
@@ -177,6 +181,7 @@ class Hub:
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
         self._destinations = Destinations(self._nixl)
+        self._news = PeerNews(self._nixl) if config.chunk_news else None  # chunk news between relaying peers
         self._plans = PlanCache()  # holder tables and chunk READs, kept while the layouts stay the same
         # Per model, this rank's last trainer-cut buffer and its publication: reused once that is closed
         self._cut_buffers: dict[str, tuple[Any, Publication]] = {}
@@ -499,7 +504,10 @@ class Hub:
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=reports.submit if reports is not None else None,
             failure_detection_s=self._nixl.failure_detection_s, wide=self._wide_reads(registration.kind),
+            news=self._news, news_from=publication.replica_id if publication is not None else "",
         )
+        if reports is not None:
+            reports.tell = job.tell_peers
         try:
             stats = job.run()
             if publication is not None:
@@ -528,7 +536,8 @@ class Hub:
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
                           chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused,
-                          refreshes=stats.refreshes, path=path.path, not_replayed=path.why)
+                          refreshes=stats.refreshes, news_heard=stats.news_heard, path=path.path,
+                          not_replayed=path.why)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:

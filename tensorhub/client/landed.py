@@ -21,7 +21,8 @@ a relay's version costs its announce and its reports, no message more.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 
 class Reporter(Protocol):
@@ -29,7 +30,8 @@ class Reporter(Protocol):
 
     def announce(self, pub: object) -> None: ...
 
-    def landed(self, pub: object, chunks: list[int], complete: bool = False) -> None: ...
+    def landed(self, pub: object, chunks: list[int], complete: bool = False,
+               tell: Callable[[list[int], Any], None] | None = None) -> None: ...
 
 
 class LandedReports:
@@ -40,6 +42,8 @@ class LandedReports:
 
     def __init__(self, reporter: Reporter, publication: object) -> None:
         self._reporter, self._publication = reporter, publication
+        # The pull's chunk news to its peers (``PullJob.tell_peers``), set before it runs
+        self.tell: Callable[[list[int], Any], None] | None = None
         self._wake = threading.Condition()
         self._pending: list[int] = []
         self._finishing = self._dropped = False
@@ -81,7 +85,7 @@ class LandedReports:
                     chunks, self._pending = self._pending, []
                     last = self._finishing
                 if chunks or last:
-                    self._reporter.landed(self._publication, chunks, complete=last)
+                    self._reporter.landed(self._publication, chunks, complete=last, tell=self.tell)
                     self.reports += 1
                 if last:
                     return

@@ -41,6 +41,7 @@ import numpy as np
 
 from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
+from tensorhub.client.peernews import MAX_TOLD, PeerNews, PeerProgress, encode
 from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
@@ -102,6 +103,12 @@ _PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read 
 # hundreds of times a second, and a waiter woken by each would only replan.
 _WAIT_FOR_CHANGE_S = 0.25
 _WAIT_FOR_PEERS_S = 0.01
+# Once its peers' chunk news flows (``peernews``), a pull asks the server who
+# holds the version this often, at most: the news says which chunks the peers
+# it knows landed, the server who joined or left. It waits for news in
+# _NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
+_ASK_WITH_NEWS_S = 0.5
+_NEWS_POLL_S = 0.001
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-3
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
@@ -142,6 +149,7 @@ class PullStats:
     plans_reused: int = 0  # chunk plans an earlier pull into the same layout made (``plancache``)
     plans_made: int = 0  # chunk plans made by this pull (not in the cache)
     refreshes: int = 0  # resolves this pull sent after its first answer (asking again who holds what)
+    news_heard: int = 0  # peers' chunk news that told this pull of chunks it did not know of (``peernews``)
     # Holders a byte was read from, by agent name: whether each came lean (its
     # layout known from an earlier answer: ``replay``)
     lean_sources: dict[str, bool] = field(default_factory=dict)
@@ -175,6 +183,15 @@ class PullJob:
     # What this pull plans from the two sides' layouts alone (holder tables,
     # chunk READs): the Hub's, kept across pulls into the same layout; by default this pull's own.
     plans: LayoutPlans = field(default_factory=LayoutPlans)
+    # Chunk news with the relaying peers (``peernews``); None: only the server
+    # says who has what. ``news_from``: this pull's own replica id, when it serves.
+    news: PeerNews | None = None
+    news_from: str = ""
+    _progress_news: PeerProgress = field(default_factory=PeerProgress)
+    _peers: tuple[tuple[str, bytes], ...] = ()  # the filling peers this pull tells: (replica id, metadata)
+    _untold: set[str] = field(default_factory=set)  # peers a news could not reach: not told again
+    _heard_any: bool = False  # news came: the server is asked less often (_ASK_WITH_NEWS_S)
+    _news_heard: int = 0
     _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
     _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
     # Read leases are kept until the pull ends: a holder that unpublishes
@@ -215,6 +232,8 @@ class PullJob:
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
                                drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s))
+        if self.news is not None:
+            self.news.listen(res.model, res.version)
         try:
             self._rounds(res, stats, needed, maps)
         except SourceLost as e:
@@ -226,6 +245,8 @@ class PullJob:
                                  f"bytes read from {bad} did not match their checksums, and no other "
                                  f"holder has them ({e})") from None
         finally:
+            if self.news is not None:
+                self.news.stop(res.model, res.version)
             self._drop_flights()
             self._checks.close()  # no check reads the destination after this
             self._leases.release_all()
@@ -234,6 +255,7 @@ class PullJob:
             stats.checks_failed = len(self._checks.mismatches)
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
             stats.refreshes = self._server.asked
+            stats.news_heard = self._news_heard
         stats.nbytes = self.layout.total_bytes
         stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
         return stats
@@ -242,10 +264,14 @@ class PullJob:
         """What each holder can give of the read set now; holders of none of it are dropped
         (complete ones: a filling one will hold some)."""
         out = {}
+        peers = []
         for r in replicas:
             rid = r.source.replica_id
             if rid in excluded:
                 continue
+            if not r.source.complete:
+                r = self._progress_news.merged(r)  # what news said of it since (never less)
+                peers.append(r)
             table = self._tables.get(rid)
             if table is None:
                 table = self._tables[rid] = self.plans.table(self.layout, r)
@@ -260,7 +286,68 @@ class PullJob:
                 # holder until every one of them had landed a chunk.
                 if len(m.chunk) or not r.source.complete:
                     out[rid] = m
+        if self.news is not None and self.news_from:
+            self._peers = self._told(peers)
         return out
+
+    def _told(self, peers: list[RemoteReplica]) -> tuple[tuple[str, bytes], ...]:
+        """The filling peers this pull's news goes to: all of them up to
+        ``MAX_TOLD``, else the nearest after it in the ring order."""
+        ring = 1 << 20
+        me = ring_offset(self.agent_id, ring)
+        peers.sort(key=lambda r: (ring_offset(r.agent_id, ring) - me) % ring)
+        peers = [r for r in peers if r.source.replica_id not in self._untold]
+        return tuple((r.source.replica_id, r.metadata) for r in peers[:MAX_TOLD])
+
+    def tell_peers(self, chunks: list[int], crcs: np.ndarray | None) -> None:
+        """Tell the filling peers this pull knows that ``chunks`` (of its own
+        replica) landed; called from the reports' thread (``LandedReports``)."""
+        peers = self._peers
+        if self.news is not None and self.news_from and peers:
+            failed = self.news.tell(peers, encode(self.resolved.model, self.resolved.version, self.news_from,
+                                                  chunks, crcs))
+            if failed:  # not told again by this pull: one failed send to a dead peer is enough
+                self._untold.update(failed)
+                self._peers = tuple(p for p in peers if p[0] not in self._untold)
+
+    def _hear(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
+        """``maps`` with the chunk news that came since: the peers' holder maps
+        as their news says (news of a holder not in ``maps`` is not used)."""
+        if self.news is None:
+            return maps
+        changed: dict[str, HolderMap] | None = None
+        for news in self.news.take(self.resolved.model, self.resolved.version):
+            m = (changed or maps).get(news.replica_id)
+            if m is None:
+                continue
+            r = self._progress_news.heard(news, m.replica)
+            if r is None:
+                continue
+            self._heard_any = True
+            self._news_heard += 1
+            if changed is None:
+                changed = dict(maps)
+            self._checks.refresh(r)
+            changed[news.replica_id] = self.plans.holder_map(self.layout, r, self._tables[news.replica_id])
+        return maps if changed is None else changed
+
+    def _asking_due(self) -> bool:
+        """Whether to ask the server who holds what now: always while no news
+        came (it is how the pull learns of its peers), once it does, every
+        ``_ASK_WITH_NEWS_S`` (joiners, leavers, peers that do not tell it)."""
+        return not self._heard_any or time.monotonic() - self._asked_at >= _ASK_WITH_NEWS_S
+
+    def _await_news(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap] | None:
+        """With nothing to read until peers land more: their news, waited for
+        until the server is due to be asked, patience runs out, or the
+        deadline; None if none came (the server is asked then)."""
+        until = min(self._asked_at + _ASK_WITH_NEWS_S, self._progress_at + _PATIENCE_S, self.deadline)
+        while time.monotonic() < until:
+            heard = self._hear(maps)
+            if heard is not maps:
+                return heard
+            time.sleep(_NEWS_POLL_S)
+        return None
 
     def _offset(self, agent_id: str) -> int:
         """Where an agent's pulls start in the chunk order (the same for every reader)."""
@@ -324,6 +411,7 @@ class PullJob:
                 if settled and self.landed is not None:
                     self.landed(settled)
                 continue
+            maps = self._hear(maps)
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
             in_air = self._flying.chunks()
@@ -332,11 +420,15 @@ class PullJob:
             if not chunks:
                 if self._flying:  # land what flies, then look again
                     self._read_round({}, maps, needed, excluded, stats, carry=True)
-                    maps = self._refresh_quietly(excluded, maps, needed)
+                    if self._asking_due():
+                        maps = self._refresh_quietly(excluded, maps, needed)
                 elif self._serve_checked(needed, excluded, stats):
-                    maps = self._refresh_quietly(excluded, maps, needed)
+                    if self._asking_due():
+                        maps = self._refresh_quietly(excluded, maps, needed)
                 else:  # every chunk left is due from a peer: until one lands it, or patience runs out
-                    maps = self._refresh_quietly(excluded, maps, needed, wait_s=self._wait_for_peers_s())
+                    heard = self._await_news(maps) if not self._asking_due() else None  # peers tell what they land
+                    maps = heard if heard is not None else self._refresh_quietly(
+                        excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
             plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
                                   self.labels, exclude=frozenset(excluded), relayed=self._relayed,
@@ -384,7 +476,7 @@ class PullJob:
             before = len(needed)
             self._read_round(transfers, maps, needed, excluded, stats, carry=len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
-            if needed:  # who holds what now: peers' chunks landed, readers joined
+            if needed and self._asking_due():  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(excluded, maps, needed)
 
     def _planned(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:

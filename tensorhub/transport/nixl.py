@@ -46,6 +46,11 @@ _ENV_DEFAULTS = (("NIXL_LOG_LEVEL", "WARN"), ("UCX_TCP_KEEPIDLE", "1s"), ("UCX_T
 # 0.03 with any delay > 0, where the thread waits for events). On a trainer
 # node that is a core per rank; on a small machine it starves the transfers.
 PROGRESS_DELAY_US = 100
+# The prefix of a chunk-news notification (tensorhub.client.peernews): a relay
+# telling its filling peers what it landed. Apart from the push messages
+# (pushwire's THQ1, THD1, ...), each kind read by its own consumer.
+NEWS_TAG = b"THN1"
+_NEWS_KEPT = 4096  # news not yet read kept, at most (a process whose pulls ended still hears for a while)
 _KEYS_KEPT = 4096  # replica keys remembered (NixlAgent._remotes): two versions of 2,048 holders
 _agent_lock = threading.Lock()
 
@@ -182,6 +187,10 @@ class NixlAgent:
         # reads the other's partial metadata and pushes to its whole one) does
         # not reload one for the other at every request.
         self._admitted: dict[str, bytes] = {}
+        # Notifications, by kind (``notifications``, ``news``)
+        self._inbox_lock = threading.Lock()
+        self._news: list[tuple[str, bytes]] = []
+        self._other: dict[str, list[bytes]] = {}
         # Last: its thread calls back into this agent at once.
         self._push = PushService(self) if self.transfer == "push" else None
 
@@ -364,9 +373,36 @@ class NixlAgent:
         self._agent.send_notif(remote, message)
 
     def notifications(self) -> dict[str, list[bytes]]:
-        """The notifications received since the last call, by sending agent."""
-        got = self._agent.get_new_notifs()
-        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in got.items()}
+        """The notifications received since the last call, by sending agent
+        (the push service's; chunk news set aside for ``news``)."""
+        with self._inbox_lock:
+            self._drain_notifications()
+            out, self._other = self._other, {}
+        return out
+
+    def news(self) -> list[tuple[str, bytes]]:
+        """The chunk news (``NEWS_TAG``) received since the last call, as
+        (sending agent, message): ``client.peernews``."""
+        with self._inbox_lock:
+            self._drain_notifications()
+            out, self._news = self._news, []
+            if self._push is None:
+                self._other = {}  # nobody else reads them: not kept
+        return out
+
+    def _drain_notifications(self) -> None:
+        """NIXL's new notifications into the two inboxes: news and the rest.
+        One agent has one queue, read by two consumers (the push thread, the
+        pulls), so each takes its own kind from here."""
+        for key, messages in self._agent.get_new_notifs().items():
+            sender = key.decode() if isinstance(key, bytes) else key
+            for message in messages:
+                if message.startswith(NEWS_TAG):
+                    self._news.append((sender, message))
+                    if len(self._news) > _NEWS_KEPT:  # no pull of this process listens: news of ended pulls
+                        del self._news[:-_NEWS_KEPT]
+                else:
+                    self._other.setdefault(sender, []).append(message)
 
     def _post(self, op: str, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
               remote_kind: MemoryKind, notif: bytes = b"") -> PendingRead:

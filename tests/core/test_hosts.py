@@ -85,8 +85,10 @@ def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_tra
     assert all(sum(r["sources"].values()) == size for r in results)
     detail = f"the trainer sent {from_trainer / size:.2f} copies; " + "; ".join(
         f"{r['seconds']:.2f} s from {r['sources']}" for r in results)
-    print(detail)
+    print(detail, "; news heard:", [r["news_heard"] for r in results], "resolves:", [r["refreshes"] for r in results])
     assert from_trainer <= 1.5 * size, detail
+    # The relays told each other what they landed (NIXL notifications, client/peernews.py)
+    assert sum(r["news_heard"] for r in results) > 0, [r["news_heard"] for r in results]
 
 
 def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pull(tmp_path):

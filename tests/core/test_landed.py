@@ -23,7 +23,7 @@ class Recorder:
     def announce(self, pub: object) -> None:
         self.calls.append(("announce", [], False))
 
-    def landed(self, pub: object, chunks: list[int], complete: bool = False) -> None:
+    def landed(self, pub: object, chunks: list[int], complete: bool = False, tell: object = None) -> None:
         self.calls.append(("report", list(chunks), complete))
         if self.fail_on is not None and len(self.calls) - 1 == self.fail_on:
             raise RuntimeError("server refused the report")

@@ -1,0 +1,201 @@
+"""Chunk news between relaying readers: a serving pull tells the filling peers
+it knows which chunks it just landed, over NIXL notifications, so that they
+read them at once instead of asking the server who holds what.
+
+    relay A lands chunk c (checked) ─▶ Holdings.landed: its checksum, its bitmap
+                                          ├─▶ news (NIXL notification) ─▶ each filling peer A knows (tell)
+                                          └─▶ ReportChunks ─▶ server: joiners, restarts, the record
+    peer B's PullJob, every round ─▶ PeerNews.take(model, version) ─▶ PeerProgress.heard: A's bitmap
+        and checksums as the news says ─▶ A's holder map again ─▶ chunk c readable, no resolve
+
+Why: a relay wave is a pipeline, and each reader must learn of each chunk its
+peers land. Through the server that was a resolve after every round and a long
+poll woken by every report: at 16 readers ~150 resolves per reader and version,
+about two thirds of all the messages the server received (``tensorhub bench
+cluster --versions 3``, docs/history/cluster.md). A notification goes from peer
+to peer on the connection the READs use; the server hears the reports as before
+and stays the authority on *who* holds the version: a reader still asks it, only
+less often once news flows (``PullJob``), and news of a holder the server did
+not list to this pull is ignored. News only ever adds chunks a relay has checked
+and landed (the same point its report is sent from), with their checksums, so a
+pull reads nothing from news that it would not have read from the next answer.
+
+Pure but for ``PeerNews`` (which calls the process's NIXL agent).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tensorhub.client.rpc import RemoteReplica
+from tensorhub.transport.nixl import NEWS_TAG
+
+log = logging.getLogger(__name__)
+
+# How many filling peers a relay tells of each chunk, at most: every peer of a
+# wave of this size. Beyond it, a relay tells the peers nearest after it in the
+# ring order (the planner's, the readers' common chunk order), and the others
+# learn of its chunks from the server as before. Telling every peer of a wave
+# of 1,024 is a million notifications a version; subscriptions (a reader asks
+# the peers it reads from) would bound it by interest instead: not built.
+MAX_TOLD = 32
+
+_HEAD = struct.Struct("<HHQI?")  # model length, replica id length, version, chunks, checksums follow
+
+
+@dataclass(frozen=True, slots=True)
+class News:
+    """One relay's landed chunks (its own chunk numbers, as in ReportChunks)."""
+
+    model: str
+    version: int
+    replica_id: str
+    chunks: np.ndarray  # int64
+    crcs: np.ndarray | None  # uint32, one per chunk; None: the relay derives none
+
+
+def encode(model: str, version: int, replica_id: str, chunks: Iterable[int], crcs: np.ndarray | None) -> bytes:
+    chunk_arr = np.asarray(list(chunks), dtype="<u4")
+    m, r = model.encode(), replica_id.encode()
+    body = [NEWS_TAG, _HEAD.pack(len(m), len(r), version, len(chunk_arr), crcs is not None), m, r, chunk_arr.tobytes()]
+    if crcs is not None:
+        body.append(np.asarray(crcs, dtype="<u4").tobytes())
+    return b"".join(body)
+
+
+def decode(message: bytes) -> News | None:
+    """The news in ``message``; None if it is not news or not well formed (a
+    notification is never trusted to be either)."""
+    if not message.startswith(NEWS_TAG):
+        return None
+    at = len(NEWS_TAG)
+    try:
+        mlen, rlen, version, n, has_crcs = _HEAD.unpack_from(message, at)
+        at += _HEAD.size
+        model, at = message[at:at + mlen].decode(), at + mlen
+        replica_id, at = message[at:at + rlen].decode(), at + rlen
+        want = at + 4 * n * (2 if has_crcs else 1)
+        if want != len(message):
+            return None
+        chunks = np.frombuffer(message, dtype="<u4", count=n, offset=at).astype(np.int64)
+        crcs = np.frombuffer(message, dtype="<u4", count=n, offset=at + 4 * n).astype(np.uint32) if has_crcs else None
+    except (struct.error, UnicodeDecodeError, ValueError):
+        return None
+    return News(model, version, replica_id, chunks, crcs)
+
+
+class PeerProgress:
+    """What news said of each filling holder of one pull, laid over the
+    server's (older) view of it: an answer that lists fewer chunks than the
+    news did must not take them away again."""
+
+    def __init__(self) -> None:
+        self._heard: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}  # replica id -> (landed bools, crcs)
+
+    def heard(self, news: News, replica: RemoteReplica) -> RemoteReplica | None:
+        """``replica`` with ``news`` applied; None if it adds nothing (or does
+        not fit the replica: chunk numbers past its end)."""
+        own = _own_chunks(replica)
+        if own == 0 or replica.source.complete or (len(news.chunks) and int(news.chunks.max()) >= own):
+            return None
+        landed, crcs = self._heard.get(replica.source.replica_id, (np.zeros(own, bool), None))
+        if news.crcs is not None:
+            if crcs is None:
+                crcs = np.zeros(own, np.uint32)
+            crcs[news.chunks] = news.crcs
+        new = bool(len(news.chunks)) and not landed[news.chunks].all()
+        landed[news.chunks] = True
+        self._heard[replica.source.replica_id] = (landed, crcs)
+        return self.merged(replica) if new else None
+
+    def merged(self, replica: RemoteReplica) -> RemoteReplica:
+        """The server's view of ``replica`` with what news said of it."""
+        got = self._heard.get(replica.source.replica_id)
+        if got is None or replica.source.complete:
+            return replica
+        landed, crcs = got
+        own = len(landed)
+        bits = np.unpackbits(np.frombuffer(replica.bitmap, np.uint8), bitorder="little")[:own] if replica.bitmap \
+            else np.zeros(own, np.uint8)
+        if len(bits) < own:
+            bits = np.concatenate([bits, np.zeros(own - len(bits), np.uint8)])
+        both = bits.astype(bool) | landed
+        out_crcs = replica.chunk_crc32
+        if crcs is not None and out_crcs is not None and len(out_crcs) == own:
+            out_crcs = np.where(landed & ~bits.astype(bool), crcs, out_crcs).astype(np.uint32)
+        elif crcs is not None and out_crcs is None and replica.bitmap == b"":
+            out_crcs = crcs.copy()
+        return replace(replica, bitmap=np.packbits(both, bitorder="little").tobytes(), chunk_crc32=out_crcs)
+
+
+def _own_chunks(replica: RemoteReplica) -> int:
+    """How many chunks of its own a replica has (its bitmap's length in bits)."""
+    size = int(replica.regions[:, 1].sum()) if len(replica.regions) else 0
+    return -(-size // replica.chunk_size) if replica.chunk_size else 0
+
+
+class PeerNews:
+    """One process's chunk news: sends it, and files what arrives by (model,
+    version) for the pulls listening (news of any other is dropped)."""
+
+    def __init__(self, nixl: object) -> None:
+        self._nixl = nixl  # NixlAgent: connect, notify, news
+        self._lock = threading.Lock()
+        self._boxes: dict[tuple[str, int], list[News]] = {}
+        self._listeners: dict[tuple[str, int], int] = {}
+        self.told = 0  # notifications sent
+        self.heard = 0  # news filed for a listening pull
+
+    def listen(self, model: str, version: int) -> None:
+        with self._lock:
+            key = (model, version)
+            self._listeners[key] = self._listeners.get(key, 0) + 1
+            self._boxes.setdefault(key, [])
+
+    def stop(self, model: str, version: int) -> None:
+        with self._lock:
+            key = (model, version)
+            left = self._listeners.get(key, 0) - 1
+            if left > 0:
+                self._listeners[key] = left
+            else:
+                self._listeners.pop(key, None)
+                self._boxes.pop(key, None)
+
+    def take(self, model: str, version: int) -> list[News]:
+        """News of (model, version) since the last take (files the rest)."""
+        with self._lock:
+            for _, message in self._nixl.news():
+                news = decode(message)
+                if news is None:
+                    continue
+                box = self._boxes.get((news.model, news.version))
+                if box is not None:
+                    box.append(news)
+                    self.heard += 1
+            box = self._boxes.get((model, version))
+            if not box:
+                return []
+            self._boxes[(model, version)] = []
+            return box
+
+    def tell(self, peers: Iterable[tuple[str, bytes]], message: bytes) -> list[str]:
+        """Send ``message`` to each peer (replica id, its NIXL metadata); the
+        replica ids of those that could not be reached (gone or closing: their
+        pulls ask the server instead), which the caller stops telling."""
+        failed = []
+        for replica_id, metadata in peers:
+            try:
+                remote = self._nixl.connect(replica_id, metadata)
+                self._nixl.notify(remote, message)
+                self.told += 1
+            except Exception as e:  # noqa: BLE001
+                log.debug("chunk news to %s not sent: %s", replica_id, e)
+                failed.append(replica_id)
+        return failed

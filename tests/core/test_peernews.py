@@ -1,0 +1,121 @@
+"""Chunk news between relaying peers (tensorhub.client.peernews): the message,
+what a pull makes of it beside the server's answers, and the per-process
+mailbox. The whole path between real processes over NIXL is in
+tests/core/test_hosts.py (relays that start together hear each other)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tensorhub.client.peernews import News, PeerNews, PeerProgress, decode, encode
+from tensorhub.client.rpc import RemoteReplica
+from tensorhub.planner import Source
+from tensorhub.regions import Region
+from tensorhub.topology import Labels, Reliability
+from tensorhub.transport import MemoryKind
+from tensorhub.transport.nixl import NEWS_TAG
+
+CHUNK = 4096
+OWN = 20  # chunks of the replica's own bytes
+
+
+def _replica(landed=(), *, complete=False, crcs=None, rid="r1.0"):
+    bits = np.zeros(OWN, np.uint8)
+    bits[list(landed)] = 1
+    source = Source(rid, rid, Labels(rid), origin=False, complete=complete, reliability=Reliability.SPOT)
+    regions = np.array([[0x1000, OWN * CHUNK - 100, 0]], dtype=np.int64)  # the last chunk is short
+    return RemoteReplica(source, rid.rpartition(".")[0], MemoryKind.DRAM, ((0, Region()),), regions, b"meta", CHUNK,
+                         bitmap=b"" if complete else np.packbits(bits, bitorder="little").tobytes(),
+                         chunk_crc32=crcs)
+
+
+def _landed(replica):
+    bits = np.unpackbits(np.frombuffer(replica.bitmap, np.uint8), bitorder="little")[:OWN]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_news_round_trips_with_and_without_checksums():
+    crcs = np.array([7, 0xFFFFFFFF, 3], np.uint32)
+    got = decode(encode("policy/lora/a", 12, "agent-x.3", [4, 0, 19], crcs))
+    assert (got.model, got.version, got.replica_id) == ("policy/lora/a", 12, "agent-x.3")
+    assert got.chunks.tolist() == [4, 0, 19] and got.crcs.tolist() == crcs.tolist()
+    bare = decode(encode("m", 1, "a.0", [2], None))
+    assert bare.chunks.tolist() == [2] and bare.crcs is None
+
+
+def test_anything_else_is_not_news():
+    good = encode("m", 1, "a.0", [2, 3], np.array([1, 2], np.uint32))
+    for message in (b"", b"THQ1 a push request", NEWS_TAG, good[:-1], good + b"x", NEWS_TAG + b"\xff" * 30,
+                    good.replace(b"m", b"\xff", 1)):
+        assert decode(message) is None, message
+
+
+def test_news_adds_chunks_and_their_checksums_to_the_servers_view():
+    progress = PeerProgress()
+    server = _replica({0}, crcs=np.zeros(OWN, np.uint32))
+    heard = progress.heard(News("m", 1, "r1.0", np.array([3, 5]), np.array([33, 55], np.uint32)), server)
+    assert _landed(heard) == {0, 3, 5}
+    assert heard.chunk_crc32[[3, 5]].tolist() == [33, 55]
+    # Nothing new: no new view (the pull keeps its holder map)
+    assert progress.heard(News("m", 1, "r1.0", np.array([3]), np.array([33], np.uint32)), heard) is None
+
+
+def test_an_older_answer_from_the_server_does_not_take_heard_chunks_away():
+    progress = PeerProgress()
+    progress.heard(News("m", 1, "r1.0", np.array([7]), np.array([77], np.uint32)),
+                   _replica(crcs=np.zeros(OWN, np.uint32)))
+    # The server's next answer lists chunk 1 (reported) but not yet 7 (told first)
+    merged = progress.merged(_replica({1}, crcs=np.where(np.arange(OWN) == 1, 11, 0).astype(np.uint32)))
+    assert _landed(merged) == {1, 7}
+    assert merged.chunk_crc32[[1, 7]].tolist() == [11, 77]
+    # A replica nobody told of is the server's view, unchanged
+    other = _replica({2}, rid="r2.0")
+    assert progress.merged(other) is other
+
+
+def test_news_that_does_not_fit_the_holder_is_ignored():
+    progress = PeerProgress()
+    assert progress.heard(News("m", 1, "r1.0", np.array([OWN]), None), _replica()) is None  # past its last chunk
+    complete = _replica(complete=True)
+    assert progress.heard(News("m", 1, "r1.0", np.array([1]), None), complete) is None
+    assert progress.merged(complete) is complete
+
+
+class _Agent:
+    """The NIXL agent's side of PeerNews: a notification queue, sends that may fail."""
+
+    def __init__(self, queue=(), dead=()):
+        self.queue, self.dead, self.sent = list(queue), set(dead), []
+
+    def news(self):
+        out, self.queue = self.queue, []
+        return out
+
+    def connect(self, key, metadata):
+        if key in self.dead:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        return key.rpartition(".")[0]
+
+    def notify(self, remote, message):
+        self.sent.append((remote, message))
+
+
+def test_the_mailbox_files_news_for_the_pulls_listening_and_drops_the_rest():
+    one, two, late = (encode("m", v, "p.0", [v], None) for v in (1, 2, 3))
+    agent = _Agent([("p", one), ("p", two), ("p", late), ("p", b"garbage")])
+    news = PeerNews(agent)
+    news.listen("m", 1)
+    news.listen("m", 2)
+    assert [n.version for n in news.take("m", 1)] == [1]
+    assert [n.version for n in news.take("m", 2)] == [2]  # filed by the first take
+    assert news.take("m", 2) == [] and news.take("m", 3) == []  # nobody listened to version 3
+    news.stop("m", 1)
+    agent.queue = [("p", one)]
+    assert news.take("m", 2) == [] and news.heard == 2
+
+
+def test_a_peer_that_cannot_be_told_is_named():
+    agent = _Agent(dead={"gone.0"})
+    failed = PeerNews(agent).tell([("a.0", b"m"), ("gone.0", b"m"), ("b.0", b"m")], b"THN1 x")
+    assert failed == ["gone.0"]
+    assert [remote for remote, _ in agent.sent] == ["a", "b"]
