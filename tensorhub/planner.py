@@ -11,7 +11,12 @@ A holder ranks before another when it is
   1. nearer: same host, then rack, then zone, then elsewhere;
   2. able to give the whole chunk (one read instead of several);
      among those, the one the schedule picked for the chunk (a chain's
-     upstream peer, ``schedule.chain_owners``) first;
+     upstream peer, ``schedule.chain_owners``) first; but a holder of a part
+     that needs fewer READ descriptors (rule 5's powers of 8) than every whole
+     holder of its tier ranks before them: it gives its part exactly, they the
+     rest (trainer-cut holders that hold a chunk's tensors between them, one
+     run each, before a row shard that holds the chunk as a run per row and
+     would be read wide: more bytes than the reader's);
   3. reliable before spot;
   4. a reader that already holds the chunk before the origin (the trainer), so
      the trainer's link stops being the bottleneck once copies exist;
@@ -122,29 +127,49 @@ def choose_sources(
         if not whole:
             out.unavailable.append(chunk)
             continue
+        tier = {rid: (reader.tier(usable[rid].labels), cap > 0 and usable[rid].active_reads >= cap) for rid in whole}
+        cost = {rid: _layout_cost(runs, chunk, rid) for rid in whole}
+        shape = _shapes(whole, tier, cost)
         ranked = sorted(
             whole,
             key=lambda rid: (
-                reader.tier(usable[rid].labels),
-                cap > 0 and usable[rid].active_reads >= cap,
-                not whole[rid],
+                *tier[rid],
+                shape[rid],
                 prefer.get(chunk, rid) != rid,
                 chunk in relayed and usable[rid].complete,
                 usable[rid].active_reads + assigned[rid] if chunk in relayed else 0,
                 usable[rid].reliability is Reliability.SPOT,
                 usable[rid].origin,
-                _layout_cost(runs, chunk, rid),
+                cost[rid],
                 usable[rid].active_reads,
                 assigned[rid],
                 rid,
             ),
         )
-        # A whole holder serves the chunk alone; otherwise each part-holder
-        # will likely serve a piece of it.
-        for rid in ranked[:1] if whole[ranked[0]] else ranked:
+        # Each holder up to the first whole one will likely serve a piece of
+        # the chunk (a whole holder first serves it alone); none after it.
+        for rid in ranked:
             assigned[rid] += 1
+            if whole[rid]:
+                break
         out.order[chunk] = ranked
     return out
+
+
+def _shapes(whole: Mapping[str, bool], tier: Mapping[str, tuple], cost: Mapping[str, int]) -> dict[str, int]:
+    """Rule 2 for each holder of a chunk: 1 for a holder of the whole chunk; 0
+    for a holder of a part that needs fewer READ descriptors (by a power of 8,
+    ``_layout_cost``) than every whole holder of its tier, so it gives its part
+    exactly before those give the rest; 2 for any other part. (Two trainer-cut
+    holders that each hold one tensor of a chunk, one contiguous run each,
+    beside a row shard that holds the whole chunk as a run per row: ranked
+    first as the whole holder, the shard was read wide, 1.5x the chunk's bytes.)"""
+    least: dict[tuple, int] = {}
+    for rid, full in whole.items():
+        if full:
+            least[tier[rid]] = min(cost[rid], least.get(tier[rid], cost[rid]))
+    return {rid: 1 if full else 0 if cost[rid] < least.get(tier[rid], cost[rid] + 1) else 2
+            for rid, full in whole.items()}
 
 
 def _layout_cost(runs: Mapping[str, Sequence[int]] | None, chunk: int, rid: str) -> int:

@@ -250,3 +250,41 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
             assert got["path"] == "replayed", got["not_replayed"]
             assert got["read_bytes"] == got["nbytes"]  # from the cut: exactly the read set
     assert addrs[3] == addrs[4]  # one buffer per rank, step after step
+
+
+# A chunk of reader 0 that two cut holders share and one row shard holds whole:
+# "a" (replicated: every rank holds it whole) is its first 2,048 B, "b"'s column
+# slice of rows 0-63 (32 B of each 64 B row, rank 0's rows) the next 2,048 B.
+# The cut deals "b" (the larger) to one rank and "a" to the other.
+SMALL = [("a", "float32", (16, 64)), ("b", "float32", (256, 16)), ("c", "float32", (64, 32))]
+SMALL_CHUNK = 4096
+
+
+def test_a_reader_takes_a_chunk_that_two_cut_holders_share_from_them_not_from_the_shard(server, hubs):
+    """Reader 0's first chunk: rank 0's row shard holds all of it ("a" in one
+    run, "b"'s columns in a run per row), the two cut holders a tensor each in
+    one run. The reader reads it from the cuts, exactly its bytes; the shard,
+    ranked first as the one whole holder, was read wide (whole rows of "b")."""
+    ranks = _trainer(hubs)
+
+    def publish(version: int, **kw) -> list[dict]:
+        for r, hub in enumerate(ranks):
+            hub.send("publish_shard", model="m", version=version, specs=SMALL, seed=version, how="rows", rank=r,
+                     world=2, replicated=("a",), chunk_size=SMALL_CHUNK, cut="readers", **kw)
+        return [hub.result() for hub in ranks]
+
+    def pull(name: str, version: int, w: int, **kw) -> dict:
+        got = hubs(name, chunk_size=SMALL_CHUNK).call("pull", model="m", version=version, specs=SMALL,
+                                                      expect_seed=version, read=("tp", w, 2), **kw)
+        assert got["mismatched"] == [], got["mismatched"]
+        return got
+
+    publish(1)
+    first = [pull(f"w{w}", 1, w, serve=True) for w in range(2)]
+    assert first[0]["read_bytes"] > first[0]["nbytes"]  # from the shards: "b"'s columns as whole rows
+    second = publish(2)
+    owners = [{name for name, _ in s["cut_regions"]} for s in second]
+    assert sorted(("a" in o, "b" in o) for o in owners) == [(False, True), (True, False)], owners  # apart
+    for w in range(2):
+        got = pull(f"e1w{w}", 2, w)
+        assert got["read_bytes"] == got["nbytes"] == first[w]["nbytes"], (w, got["read_bytes"], got["nbytes"])

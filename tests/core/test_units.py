@@ -147,8 +147,9 @@ def test_planner_prefers_a_holder_laid_out_like_the_reader_among_equals():
     """Two relays of the same tier: worker k of the engine before (its column
     slice in one contiguous run) ranks before one holding whole rows (a run per
     row), whatever their load; small differences (within a power of 8) leave the
-    load to decide; the origin still ranks after the relays, and whole holders
-    before part holders, however few runs the part holder needs."""
+    load to decide; the origin still ranks after the relays. A part holder laid
+    out like the reader ranks before a whole holder of rows (it gives its part
+    exactly, the rows the rest); a whole holder laid out as well ranks first."""
     like_me, rows = _src("like-me", active_reads=3), _src("rows")
     sources, reader = [like_me, rows], Labels("h0")
     runs = {"like-me": [1] * 4, "rows": [4096] * 4}
@@ -161,7 +162,8 @@ def test_planner_prefers_a_holder_laid_out_like_the_reader_among_equals():
     runs = {"trainer": [1], "rows": [4096]}
     assert choose_sources(_all([0], [trainer, rows]), [trainer, rows], reader, runs=runs).order[0] == ["rows", "trainer"]
     part = {0: {"like-me": False, "rows": True}}
-    assert choose_sources(part, sources, reader, runs={"like-me": [1], "rows": [4096]}).order[0] == ["rows", "like-me"]
+    assert choose_sources(part, sources, reader, runs={"like-me": [1], "rows": [4096]}).order[0] == ["like-me", "rows"]
+    assert choose_sources(part, sources, reader, runs={"like-me": [1], "rows": [7]}).order[0] == ["rows", "like-me"]
 
 
 def test_planner_cap_sends_readers_past_a_busy_holder_but_never_strands_a_chunk():
