@@ -304,11 +304,11 @@ class Holdings:
         pub.derives_crc32 = derive
         return pub
 
-    def landed(self, pub: Publication, chunks: list[int], complete: bool = False,
-               tell: Callable[[list[int], np.ndarray | None], None] | None = None) -> None:
-        """Report chunks of a filling ``pub`` that landed (``complete``: the
-        last report). ``tell``: the pull's chunk news to its peers, sent once the
-        chunks' checksums are known and before the server hears (``peernews``)."""
+    def landed_here(self, pub: Publication, chunks: list[int],
+                    tell: Callable[[list[int], np.ndarray | None], bool] | None = None) -> bool:
+        """Chunks of a filling ``pub`` landed: their checksums, its bitmap, and
+        ``tell`` (the pull's chunk news to its peers, ``peernews``) before the
+        server hears of them (``report_landed``). Whether news reached a peer."""
         crcs = None
         if pub.derives_crc32 and chunks:
             # Before the bitmap: an announce sends the bitmap it read first and
@@ -316,8 +316,11 @@ class Holdings:
             crcs = some_chunk_checksums([p.tensor for p in pub.parts], pub.chunk_size, chunks)
             pub.chunk_crc32[chunks] = crcs
         pub.mark_landed(chunks)
-        if tell is not None and chunks:
-            tell(chunks, crcs)
+        return bool(tell is not None and chunks and tell(chunks, crcs))
+
+    def report_landed(self, pub: Publication, chunks: list[int], complete: bool = False) -> None:
+        """Tell the server of chunks ``landed_here`` marked (``complete``: the last report)."""
+        crcs = pub.chunk_crc32[chunks].tolist() if pub.derives_crc32 and chunks else None
         if complete:
             with pub.lock:
                 if pub.state is PubState.FILLING:

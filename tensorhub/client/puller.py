@@ -299,16 +299,19 @@ class PullJob:
         peers = [r for r in peers if r.source.replica_id not in self._untold]
         return tuple((r.source.replica_id, r.metadata) for r in peers[:MAX_TOLD])
 
-    def tell_peers(self, chunks: list[int], crcs: np.ndarray | None) -> None:
+    def tell_peers(self, chunks: list[int], crcs: np.ndarray | None) -> bool:
         """Tell the filling peers this pull knows that ``chunks`` (of its own
-        replica) landed; called from the reports' thread (``LandedReports``)."""
+        replica) landed; called from the reports' thread (``LandedReports``).
+        Whether a peer was told."""
         peers = self._peers
-        if self.news is not None and self.news_from and peers:
-            failed = self.news.tell(peers, encode(self.resolved.model, self.resolved.version, self.news_from,
-                                                  chunks, crcs))
-            if failed:  # not told again by this pull: one failed send to a dead peer is enough
-                self._untold.update(failed)
-                self._peers = tuple(p for p in peers if p[0] not in self._untold)
+        if self.news is None or not self.news_from or not peers:
+            return False
+        failed = self.news.tell(peers, encode(self.resolved.model, self.resolved.version, self.news_from,
+                                              chunks, crcs))
+        if failed:  # not told again by this pull: one failed send to a dead peer is enough
+            self._untold.update(failed)
+            self._peers = tuple(p for p in peers if p[0] not in self._untold)
+        return len(failed) < len(peers)
 
     def _hear(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
         """``maps`` with the chunk news that came since: the peers' holder maps

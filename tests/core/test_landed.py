@@ -16,6 +16,7 @@ from tensorhub.client.landed import LandedReports
 class Recorder:
     def __init__(self, *, fail_on: int | None = None) -> None:
         self.calls: list[tuple[str, list[int], bool]] = []
+        self.marked: list[list[int]] = []  # chunks marked landed (and told to peers), as they came
         self.gate = threading.Event()  # a report waits for it: the server is slow
         self.gate.set()
         self.fail_on = fail_on
@@ -23,7 +24,11 @@ class Recorder:
     def announce(self, pub: object) -> None:
         self.calls.append(("announce", [], False))
 
-    def landed(self, pub: object, chunks: list[int], complete: bool = False, tell: object = None) -> None:
+    def landed_here(self, pub: object, chunks: list[int], tell=None) -> bool:
+        self.marked.append(list(chunks))
+        return bool(tell is not None and tell(chunks, None))
+
+    def report_landed(self, pub: object, chunks: list[int], complete: bool = False) -> None:
         self.calls.append(("report", list(chunks), complete))
         if self.fail_on is not None and len(self.calls) - 1 == self.fail_on:
             raise RuntimeError("server refused the report")
@@ -86,3 +91,23 @@ def test_an_abandoned_pull_drops_what_was_not_sent():
     reports.abandon()
     releaser.join()
     assert server.calls == [("announce", [], False), ("report", [0], False)]
+
+
+def test_while_news_reaches_peers_the_server_hears_at_its_pace_and_the_peers_at_once():
+    server = Recorder()
+    told: list[list[int]] = []
+    reports = LandedReports(server, publication=object())
+    reports.tell = lambda chunks, crcs: told.append(list(chunks)) or True
+    reports.pace_s = 1.0
+    start = time.monotonic()
+    for chunk in range(10):
+        reports.submit([chunk])
+        _wait_for(lambda n=chunk + 1: sum(map(len, told)) == n)  # told before the next lands
+        time.sleep(0.005)
+    assert time.monotonic() - start < 1.0
+    assert server.calls == [("announce", [], False), ("report", [0], False)]  # the first at once, then paced
+    _wait_for(lambda: len(server.calls) == 3)
+    assert server.calls[2] == ("report", list(range(1, 10)), False)  # the rest together, one pace later
+    reports.finish()
+    assert server.calls[-1] == ("report", [], True)
+    assert [c for chunks in told for c in chunks] == list(range(10))
