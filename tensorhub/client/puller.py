@@ -20,6 +20,9 @@ READ or a fresh list of holders means. The bookkeeping lives beside it:
                            │                         given-up READs polled until they end, the drain
                            ├─▶ refresh.ServerAnswers what the server's answers mid-pull say: its
                            │                         instance, change counter, the resettle window
+                           ├─▶ peernews.PeerNews     relaying peers' chunk news: heard each round
+                           │     + PeerProgress     (and, once it flows, the server asked every
+                           │                         _ASK_WITH_NEWS_S), told as this pull's chunks land
                            ├─▶ leases.PullLeases     which read lease covers which holder
                            ├─▶ verify.ChunkVerifier  chunks checked against their checksums
                            └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
