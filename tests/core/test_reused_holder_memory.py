@@ -30,7 +30,6 @@ OLD = [64, 128 << 10]  # "a" 64 bytes in, "b" at 128 KiB
 NEW = [128 << 10, 0]  # "b" at 0, over the place "a" had
 
 
-@pytest.mark.xfail(strict=True, reason="NIXL keeps a holder's stale descriptors: createXferReq NIXL_ERR_NOT_FOUND")
 @pytest.mark.parametrize("corrupted_between", [True, False], ids=["after-a-failed-integrity-pull", "alone"])
 def test_a_holders_next_version_in_its_reused_memory_is_read_exactly(hubs, corrupted_between):
     good = hubs("good", labels={"host": "far"}, chunk_size=CHUNK)
