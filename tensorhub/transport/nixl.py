@@ -350,7 +350,11 @@ class NixlAgent:
         return self._post("WRITE", reader, local, local_kind, remote_descs, remote_kind, notif)
 
     def _admit_reader(self, reader: str, metadata: bytes) -> None:
-        """Load a requesting reader's metadata, once per digest (as ``connect``)."""
+        """Load a requesting reader's metadata, once per digest (as ``connect``).
+        Its whole metadata: where it changed (the reader registered or let go
+        of memory), what NIXL holds of it may describe memory it freed and
+        reused (see ``_held``), so it is loaded from nothing, unless WRITEs
+        (or READs) to it are still out."""
         digest = hashlib.blake2b(metadata, digest_size=16).digest()
         with self._lock:
             if self._admitted.get(reader) == digest and reader not in self._forgotten:
@@ -359,6 +363,8 @@ class NixlAgent:
                 raise TransferFailed(reader, "its connection is closing: WRITEs to it are still out")
             if reader in self._unloadable:
                 raise TransferFailed(reader, "NIXL can no longer load its metadata in this process")
+            if reader in self._admitted and not self._flights.get(reader):
+                self._drop_agent(reader)
             try:
                 raw = self._agent.add_remote_agent(metadata)
             except Exception as e:  # see connect: a half-failed load is not retried
@@ -369,6 +375,9 @@ class NixlAgent:
             if name != reader:  # a request naming one agent and carrying another's metadata
                 raise TransferFailed(reader, f"its request carries the metadata of agent {name!r}")
             self._admitted[reader] = digest
+            # Its regions are not known here: a replica of it that this process
+            # reads next (a relay pair) loads it from nothing (see connect).
+            self._held.setdefault(name, {})[digest] = None
 
     def _request_push(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
                       remote_kind: MemoryKind) -> PendingRead:

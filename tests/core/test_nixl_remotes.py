@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.nixl import NixlAgent, TransferFailed
@@ -208,3 +209,42 @@ def test_an_agent_whose_memory_was_reused_is_not_reloaded_under_reads_still_out(
     nixl.release(read)
     assert nixl.connect("holder.2", b"holder#2", _regions((0x1800, 0x1000))) == "holder"
     assert rec.calls[-2:] == [("remove", "holder"), ("add", b"holder#2")]
+
+
+def test_a_push_holder_writes_into_a_readers_memory_registered_anew_where_it_had_other_memory():
+    """Push mode's side of the same NIXL habit, with real NIXL agents in this
+    process: a holder loads each requesting reader's whole metadata, and NIXL
+    kept the descriptors of the reader's memory that was freed since. A reader
+    whose next destination reuses that memory, cut otherwise, had every WRITE
+    past the stale descriptor's start refused (createXferReq NIXL_ERR_NOT_FOUND).
+    A reader whose whole metadata changed is loaded from nothing (no WRITE out)."""
+    from tensorhub.testing import finish_transfer
+
+    holder = NixlAgent("push-holder-under-test", "read")  # write() needs no push service
+    reader = NixlAgent("push-reader-under-test", "read")
+    try:
+        arena = torch.zeros(1 << 20, dtype=torch.uint8)
+        source = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)  # 256 KiB of known bytes
+        src = holder.register([source])
+
+        def placed(offset: int, nbytes: int) -> torch.Tensor:
+            return torch.frombuffer(arena.numpy(), dtype=torch.uint8, count=nbytes, offset=offset)
+
+        def write(at: int, nbytes: int) -> None:
+            local = np.array([[source.data_ptr(), nbytes, 0]], dtype=np.uint64)
+            remote = np.array([[arena.data_ptr() + at, nbytes, 0]], dtype=np.uint64)
+            pending = holder.write(reader.name, reader.local_metadata(), local, MemoryKind.DRAM, remote,
+                                   MemoryKind.DRAM, b"")
+            finish_transfer(holder, pending)
+
+        small = reader.register([placed(64, 64)])  # the reader's first destination: 64 bytes in
+        write(64, 64)
+        reader.deregister(small)  # pulled, freed
+        big = reader.register([placed(0, 1 << 16)])  # the next one from 0, over the old place
+        write(4096, 4096)  # past the stale descriptor's start
+        assert torch.equal(arena[4096:8192], source[:4096])
+        reader.deregister(big)
+        holder.deregister(src)
+    finally:
+        holder.close()
+        reader.close()
