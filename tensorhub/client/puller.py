@@ -85,7 +85,7 @@ class Transport(Handles, Protocol):
     """How a pull moves bytes (``NixlAgent``): READs posted, then polled and
     released (``flights.Handles``)."""
 
-    def connect(self, key: str, metadata: bytes) -> str: ...
+    def connect(self, key: str, metadata: bytes, regions: np.ndarray | None = None) -> str: ...
 
     def post(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
              remote_kind: MemoryKind) -> Any: ...
@@ -643,7 +643,7 @@ class PullJob:
                 return
             try:
                 deadline = flying.deadline(transfer.replica_id, time.monotonic())
-                remote = self.nixl.connect(transfer.replica_id, replica.metadata)
+                remote = self.nixl.connect(transfer.replica_id, replica.metadata, replica.regions)
                 local, remote_descs = self.wide.posted(transfer)
                 handle = self.nixl.post(remote, local, self.dest_kind, remote_descs, replica.kind)
             except TransferFailed as e:

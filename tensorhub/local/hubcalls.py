@@ -60,6 +60,27 @@ def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: lis
     return out
 
 
+def _publish_at(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, offsets: list[int],
+                chunk_size: int | None = None) -> dict:
+    """Publish the seeded tensors, each its own storage at byte ``offsets[i]`` of
+    one host buffer this process keeps for its life (the arena): a trainer whose
+    allocator hands a later version memory that earlier versions' tensors held,
+    cut differently. Returns where each tensor lies in the arena."""
+    arena = held.get("arena")
+    need = max(o + t.nbytes for o, t in zip(offsets, make_tensors(specs, seed).values()))
+    if arena is None or arena.numel() < need:
+        arena = held["arena"] = torch.zeros(max(need, 1 << 20), dtype=torch.uint8)
+    buffer = arena.numpy()
+    tensors = {}
+    for offset, (name, tensor) in zip(offsets, make_tensors(specs, seed).items()):
+        placed = torch.frombuffer(buffer, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+        tensors[name] = placed.view(tensor.shape)
+        tensors[name].copy_(tensor)
+    pub = hub.publish(model, version, tensors, chunk_size=chunk_size)
+    held[(model, version)] = pub
+    return {name: t.data_ptr() - arena.data_ptr() for name, t in tensors.items()}
+
+
 def _init_group(hub: Any, held: dict, *, rank: int, world: int, env: dict[str, str]) -> None:
     """Join a gloo process group (``rendezvous``'s variables in ``env``): a trainer rank's, for ``cut=``."""
     from datetime import timedelta
@@ -295,7 +316,7 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
 
 
 HANDLERS = {"resolve_for_group": _resolve_for_group, "release_group_answer": _release_group_answer,
-            "publish": _publish, "publish_shard": _publish_shard, "init_group": _init_group,
+            "publish": _publish, "publish_at": _publish_at, "publish_shard": _publish_shard, "init_group": _init_group,
             "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,
             "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,
             "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,

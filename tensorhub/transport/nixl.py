@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +176,18 @@ class NixlAgent:
         # memory brings the same metadata, and is not loaded again (the steady
         # state costs no metadata parsing, and nothing here grows with versions).
         self._loaded: dict[bytes, str] = {}
+        # What NIXL holds of each remote agent: the metadata loaded into it since
+        # it was last loaded from nothing, by digest, with the memory regions
+        # each describes (None: not told). NIXL adds each load to what it holds
+        # of an agent and never drops a descriptor, not even of memory the
+        # holder has since unregistered and freed; and it finds the descriptor
+        # covering a READ's range by a binary search that looks at one neighbour
+        # only. So a stale descriptor starting inside the memory of a holder's
+        # newer replica hides the newer one, and READs past its start fail
+        # (createXferReq: NIXL_ERR_NOT_FOUND; found in a CI run when a trainer's
+        # next version reused its earlier versions' addresses, cut otherwise).
+        # Metadata whose regions meet an earlier load's is loaded from nothing.
+        self._held: dict[str, dict[bytes, np.ndarray | None]] = {}
         # READs posted and not yet released, per remote agent. A remote is removed
         # from NIXL only when none is out: removing it under a READ still in
         # flight, then polling or releasing that READ, crashed a reader (SIGSEGV
@@ -225,9 +238,13 @@ class NixlAgent:
 
     # ---------------------------------------------------------------- remotes
 
-    def connect(self, key: str, metadata: bytes) -> str:
+    def connect(self, key: str, metadata: bytes, regions: np.ndarray | None = None) -> str:
         """Load a remote agent's metadata once per ``key`` (a replica id);
-        returns the remote agent's name. TransferFailed if it cannot be reached."""
+        returns the remote agent's name. ``regions``: the replica's memory
+        regions (N x 3: addr, nbytes, device), to tell whether what NIXL holds
+        of that agent already may describe memory they reuse (then the agent is
+        loaded again from nothing: see ``_held``); None: assume so. TransferFailed
+        if it cannot be reached, or must be loaded again while READs to it are out."""
         with self._lock:
             name = self._remotes.get(key)
             digest = hashlib.blake2b(metadata, digest_size=16).digest()
@@ -245,6 +262,15 @@ class NixlAgent:
                 if agent in self._unloadable:
                     raise TransferFailed(key, "NIXL can no longer load its process's metadata in this process "
                                               "(a load failed half-way earlier; other holders serve instead)")
+                held = self._held.get(agent)
+                if held and _meet(held.values(), regions):
+                    # Its memory changed under what NIXL holds of it: loaded from nothing.
+                    # Not under READs still out (removing an agent under them crashed
+                    # readers: see _flights); the next pull finds them ended.
+                    if self._flights.get(agent):
+                        raise TransferFailed(key, "its process's memory was reused since its metadata was loaded, "
+                                                  "and READs to it are still out: it is loaded again once they end")
+                    self._drop_agent(agent)
                 try:
                     raw = self._agent.add_remote_agent(metadata)
                 except Exception as e:  # its endpoint is gone (process died, link cut)
@@ -263,8 +289,8 @@ class NixlAgent:
                     raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 self._remotes[key] = name
-                self._loaded = {d: n for d, n in self._loaded.items() if n != name}  # its older metadata is stale
-                self._loaded[digest] = name
+                self._loaded[digest] = name  # earlier loads of it stay: their regions do not meet these
+                self._held.setdefault(name, {})[digest] = None if regions is None else _spans(regions)
                 self._forgotten.discard(name)  # in use again: not to be removed
                 self._trim()
             return name
@@ -304,6 +330,7 @@ class NixlAgent:
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)
         self._loaded = {d: n for d, n in self._loaded.items() if n != name}
+        self._held.pop(name, None)
         self._admitted.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
@@ -332,7 +359,11 @@ class NixlAgent:
         return self._post("WRITE", reader, local, local_kind, remote_descs, remote_kind, notif)
 
     def _admit_reader(self, reader: str, metadata: bytes) -> None:
-        """Load a requesting reader's metadata, once per digest (as ``connect``)."""
+        """Load a requesting reader's metadata, once per digest (as ``connect``).
+        Its whole metadata: where it changed (the reader registered or let go
+        of memory), what NIXL holds of it may describe memory it freed and
+        reused (see ``_held``), so it is loaded from nothing, unless WRITEs
+        (or READs) to it are still out."""
         digest = hashlib.blake2b(metadata, digest_size=16).digest()
         with self._lock:
             if self._admitted.get(reader) == digest and reader not in self._forgotten:
@@ -341,6 +372,8 @@ class NixlAgent:
                 raise TransferFailed(reader, "its connection is closing: WRITEs to it are still out")
             if reader in self._unloadable:
                 raise TransferFailed(reader, "NIXL can no longer load its metadata in this process")
+            if reader in self._admitted and not self._flights.get(reader):
+                self._drop_agent(reader)
             try:
                 raw = self._agent.add_remote_agent(metadata)
             except Exception as e:  # see connect: a half-failed load is not retried
@@ -351,6 +384,9 @@ class NixlAgent:
             if name != reader:  # a request naming one agent and carrying another's metadata
                 raise TransferFailed(reader, f"its request carries the metadata of agent {name!r}")
             self._admitted[reader] = digest
+            # Its regions are not known here: a replica of it that this process
+            # reads next (a relay pair) loads it from nothing (see connect).
+            self._held.setdefault(name, {})[digest] = None
 
     def _request_push(self, remote: str, local: np.ndarray, local_kind: MemoryKind, remote_descs: np.ndarray,
                       remote_kind: MemoryKind) -> PendingRead:
@@ -483,3 +519,28 @@ class NixlAgent:
                 self._remove(name)
             self._remotes.clear()
             self._loaded.clear()
+            self._held.clear()
+
+
+def _spans(regions: np.ndarray) -> np.ndarray:
+    """A replica's memory regions (N x 3: addr, nbytes, device) as [start, end) pairs, empty ones left out."""
+    r = np.asarray(regions, dtype=np.uint64).reshape(-1, 3)
+    r = r[r[:, 1] > 0]
+    return np.stack([r[:, 0], r[:, 0] + r[:, 1]], axis=1)
+
+
+def _meet(loaded: Iterable[np.ndarray | None], regions: np.ndarray | None) -> bool:
+    """Whether ``regions`` (a replica's, N x 3) meet any of the spans ``loaded``
+    (``_spans``; None: not known, so they may). By address alone: regions on two
+    devices that share addresses count as meeting (a load too many, never one too few)."""
+    spans = list(loaded)
+    if regions is None or any(s is None for s in spans):
+        return True
+    new = _spans(regions)
+    old = np.concatenate([s for s in spans if len(s)]) if any(len(s) for s in spans) else np.zeros((0, 2), np.uint64)
+    if not len(new) or not len(old):
+        return False
+    order = np.argsort(old[:, 0], kind="stable")
+    starts, reach = old[order, 0], np.maximum.accumulate(old[order, 1])  # the furthest end of those started so far
+    before = np.searchsorted(starts, new[:, 1], side="left")  # old spans starting before each new one ends
+    return bool(((before > 0) & (reach[np.maximum(before - 1, 0)] > new[:, 0])).any())

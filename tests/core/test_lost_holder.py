@@ -45,7 +45,7 @@ class SlowMemcpy:
     def __init__(self) -> None:
         self.read: dict[str, int] = {}
 
-    def connect(self, key: str, metadata: bytes) -> str:
+    def connect(self, key: str, metadata: bytes, regions: object = None) -> str:
         return key
 
     def post(self, remote, local, local_kind, remote_descs, remote_kind):

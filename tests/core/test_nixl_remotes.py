@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tensorhub.transport import MemoryKind
 from tensorhub.transport.nixl import NixlAgent, TransferFailed
@@ -153,3 +154,97 @@ def test_a_failed_read_stays_failed_at_every_poll():
         with pytest.raises(TransferFailed, match="REMOTE_DISCONNECT"):
             nixl.poll(read)
     nixl.release(read)
+
+
+class Versions(Recorder):
+    """Metadata "<agent>#<what>": each replica of one agent brings its own."""
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.calls.append(("add", metadata))
+        return metadata.split(b"#")[0]
+
+
+def _regions(*spans: tuple[int, int]) -> np.ndarray:
+    return np.array([(addr, nbytes, 0) for addr, nbytes in spans], dtype=np.uint64).reshape(-1, 3)
+
+
+def test_metadata_of_memory_an_earlier_load_described_loads_the_agent_from_nothing():
+    """NIXL adds each load to what it holds of an agent and keeps the
+    descriptors of memory the holder has freed since; its lookup then misses
+    a newer replica's memory that a stale descriptor starts inside
+    (createXferReq: NIXL_ERR_NOT_FOUND, tests/core/test_reused_holder_memory.py).
+    A replica whose regions meet an earlier load's is loaded from nothing:
+    the agent removed first, its earlier keys loaded again when used. One in
+    other memory is added to what NIXL holds, as before (nothing reloaded)."""
+    nixl = NixlAgent("reader-under-test-5", "read")
+    nixl._agent = rec = Versions()
+    assert nixl.connect("holder.1", b"holder#1", _regions((0x1040, 64), (0x20000, 0x10000))) == "holder"
+    assert nixl.connect("holder.2", b"holder#2", _regions((0x40000, 0x1000))) == "holder"  # elsewhere
+    assert rec.calls == [("add", b"holder#1"), ("add", b"holder#2")]
+    assert nixl.connect("holder.3", b"holder#3", _regions((0x20000, 64), (0x1000, 0x10000))) == "holder"
+    assert rec.calls[2:] == [("remove", "holder"), ("add", b"holder#3")]
+    assert nixl.connect("holder.3", b"holder#3", _regions((0x20000, 64), (0x1000, 0x10000))) == "holder"
+    assert nixl.connect("holder.2", b"holder#2", _regions((0x40000, 0x1000))) == "holder"  # dropped with the rest
+    assert rec.calls[4:] == [("add", b"holder#2")]  # and loaded beside #3: they do not meet
+    # Metadata seen before, of memory it still describes, is known by its digest (no load).
+    assert nixl.connect("holder.4", b"holder#2", _regions((0x40000, 0x1000))) == "holder"
+    assert len(rec.calls) == 5
+    # Without regions, what NIXL holds may describe the same memory: from nothing.
+    assert nixl.connect("holder.5", b"holder#5") == "holder"
+    assert rec.calls[5:] == [("remove", "holder"), ("add", b"holder#5")]
+
+
+def test_an_agent_whose_memory_was_reused_is_not_reloaded_under_reads_still_out():
+    """Removing an agent under a READ still in flight crashed readers (the first
+    test above): a replica that needs its agent loaded from nothing fails
+    (another holder serves) until those READs end, then loads."""
+    nixl = NixlAgent("reader-under-test-6", "read")
+    nixl._agent = rec = Versions()
+    descs = np.zeros((1, 3), dtype=np.uint64)
+    name = nixl.connect("holder.1", b"holder#1", _regions((0x1000, 0x1000)))
+    read = nixl.post(name, descs, MemoryKind.DRAM, descs, MemoryKind.DRAM)
+    with pytest.raises(TransferFailed, match="reused"):
+        nixl.connect("holder.2", b"holder#2", _regions((0x1800, 0x1000)))
+    assert not [c for c in rec.calls if c[0] == "remove"]
+    nixl.release(read)
+    assert nixl.connect("holder.2", b"holder#2", _regions((0x1800, 0x1000))) == "holder"
+    assert rec.calls[-2:] == [("remove", "holder"), ("add", b"holder#2")]
+
+
+def test_a_push_holder_writes_into_a_readers_memory_registered_anew_where_it_had_other_memory():
+    """Push mode's side of the same NIXL habit, with real NIXL agents in this
+    process: a holder loads each requesting reader's whole metadata, and NIXL
+    kept the descriptors of the reader's memory that was freed since. A reader
+    whose next destination reuses that memory, cut otherwise, had every WRITE
+    past the stale descriptor's start refused (createXferReq NIXL_ERR_NOT_FOUND).
+    A reader whose whole metadata changed is loaded from nothing (no WRITE out)."""
+    from tensorhub.testing import finish_transfer
+
+    holder = NixlAgent("push-holder-under-test", "read")  # write() needs no push service
+    reader = NixlAgent("push-reader-under-test", "read")
+    try:
+        arena = torch.zeros(1 << 20, dtype=torch.uint8)
+        source = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)  # 256 KiB of known bytes
+        src = holder.register([source])
+
+        def placed(offset: int, nbytes: int) -> torch.Tensor:
+            return torch.frombuffer(arena.numpy(), dtype=torch.uint8, count=nbytes, offset=offset)
+
+        def write(at: int, nbytes: int) -> None:
+            local = np.array([[source.data_ptr(), nbytes, 0]], dtype=np.uint64)
+            remote = np.array([[arena.data_ptr() + at, nbytes, 0]], dtype=np.uint64)
+            pending = holder.write(reader.name, reader.local_metadata(), local, MemoryKind.DRAM, remote,
+                                   MemoryKind.DRAM, b"")
+            finish_transfer(holder, pending)
+
+        small = reader.register([placed(64, 64)])  # the reader's first destination: 64 bytes in
+        write(64, 64)
+        reader.deregister(small)  # pulled, freed
+        big = reader.register([placed(0, 1 << 16)])  # the next one from 0, over the old place
+        write(4096, 4096)  # past the stale descriptor's start
+        assert torch.equal(arena[4096:8192], source[:4096])
+        reader.deregister(big)
+        holder.deregister(src)
+    finally:
+        holder.close()
+        reader.close()

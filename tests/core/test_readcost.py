@@ -227,7 +227,7 @@ class MemcpyTransport:
         self.fail_wide = 0
         self.wide_bytes = 1 << 62
 
-    def connect(self, key: str, metadata: bytes) -> str:
+    def connect(self, key: str, metadata: bytes, regions: object = None) -> str:
         return key
 
     def post(self, remote, local, local_kind, remote_descs, remote_kind):

@@ -135,7 +135,7 @@ class MemcpyTransport:
         self.reads: list[tuple[str, int]] = []
         self.released = 0
 
-    def connect(self, key: str, metadata: bytes) -> str:
+    def connect(self, key: str, metadata: bytes, regions: object = None) -> str:
         return key
 
     def post(self, remote, local, local_kind, remote_descs, remote_kind):

@@ -45,7 +45,7 @@ class Memcpy:
     def __init__(self, base: int) -> None:
         self.base, self.landed_at = base, {}
 
-    connect = staticmethod(lambda key, metadata: key)
+    connect = staticmethod(lambda key, metadata, regions=None: key)
     poll = staticmethod(lambda pending: True)  # done when posted
     release = forget = staticmethod(lambda _: None)
 

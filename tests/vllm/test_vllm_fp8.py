@@ -265,15 +265,13 @@ def test_a_corrupted_version_leaves_the_old_weights_serving(fp8_engine, small_ch
         trainer.unpublish(version)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known, not understood yet: in one full-suite CI run (12-06) TP worker 1, after its failed integrity pull, "
-    "could not read the next good version from the other trainer (NIXL createXferReq: 'no specified or potential "
-    "backend had the required registrations', NIXL_ERR_NOT_FOUND); the module alone passes (4 runs)"))
 def test_after_a_corrupted_version_the_engine_takes_a_good_one(fp8_engine, trainer):
     """The engine still takes a good version after the corrupted ones above.
     From the other trainer: a reader reported the corrupting one, and the
     server drops a reported holder until its next heartbeat announces it again
-    (a pull right after found no holder)."""
+    (a pull right after found no holder). A CI run once failed here: that
+    trainer's version reused memory its earlier ones held, and NIXL's stale
+    descriptors hid it from TP worker 1 (tests/core/test_reused_holder_memory.py)."""
     a, good_trainer, v = fp8_engine.llm, trainer, fp8_engine.base + 10
     good_trainer.publish(v + 4, "perturbed")
     try:
