@@ -35,7 +35,7 @@ from tensorhub.client.destination import Destinations, destination_parts, result
 from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.landed import LandedReports
-from tensorhub.client.peernews import PeerNews
+from tensorhub.client.peernews import PeerNews, PullNews
 from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
@@ -504,10 +504,12 @@ class Hub:
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=reports.submit if reports is not None else None,
             failure_detection_s=self._nixl.failure_detection_s, wide=self._wide_reads(registration.kind),
-            news=self._news, news_from=publication.replica_id if publication is not None else "",
+            news=PullNews(self._news, model=model, version=resolved.version, me=self.agent_id,
+                          replica_id=publication.replica_id if publication is not None else "")
+            if self._news is not None else None,
         )
-        if reports is not None:
-            reports.tell = job.tell_peers
+        if reports is not None and job.news is not None:
+            reports.tell = job.news.tell
         try:
             stats = job.run()
             if publication is not None:

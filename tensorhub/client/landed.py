@@ -18,7 +18,7 @@ trip of the puller's report period. The last report carries ``complete``, so
 a relay's version costs its announce and its reports, no message more.
 
 Each landing is first marked here (checksums, bitmap) and told to the pull's
-filling peers (``PullJob.tell_peers``, ``peernews``) at once. While that news
+filling peers (``PullNews.tell``, ``peernews``) at once. While that news
 reaches peers, the server's record can lag: reports then go every
 ``REPORT_WITH_NEWS_S`` at most, carrying everything that landed since (at 16
 relays a report per landing was a quarter of the server's messages).
@@ -56,7 +56,7 @@ class LandedReports:
 
     def __init__(self, reporter: Reporter, publication: object) -> None:
         self._reporter, self._publication = reporter, publication
-        # The pull's chunk news to its peers (``PullJob.tell_peers``), set before it runs
+        # The pull's chunk news to its peers (``PullNews.tell``), set before it runs
         self.tell: Callable[[list[int], Any], bool] | None = None
         # While news reaches peers, the server hears at most this often (its
         # record, for joiners and pulls no peer tells); 0: at once, as before.

@@ -20,7 +20,8 @@ not list to this pull is ignored. News only ever adds chunks a relay has checked
 and landed (the same point its report is sent from), with their checksums, so a
 pull reads nothing from news that it would not have read from the next answer.
 
-Pure but for ``PeerNews`` (which calls the process's NIXL agent).
+``PeerNews`` is the process's (it calls the NIXL agent); ``PullNews`` one
+pull's side of it; the message and ``PeerProgress`` are pure.
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tensorhub.client.rpc import RemoteReplica
+from tensorhub.planner import ring_offset
 from tensorhub.transport.nixl import NEWS_TAG
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -185,17 +192,84 @@ class PeerNews:
             self._boxes[(model, version)] = []
             return box
 
-    def tell(self, peers: Iterable[tuple[str, bytes]], message: bytes) -> list[str]:
-        """Send ``message`` to each peer (replica id, its NIXL metadata); the
+    def tell(self, peers: Iterable[tuple[str, bytes, np.ndarray]], message: bytes) -> list[str]:
+        """Send ``message`` to each peer (replica id, its NIXL metadata, its
+        memory regions: ``NixlAgent.connect``, as a READ of it would); the
         replica ids of those that could not be reached (gone or closing: their
         pulls ask the server instead), which the caller stops telling."""
         failed = []
-        for replica_id, metadata in peers:
+        for replica_id, metadata, regions in peers:
             try:
-                remote = self._nixl.connect(replica_id, metadata)
+                remote = self._nixl.connect(replica_id, metadata, regions)
                 self._nixl.notify(remote, message)
                 self.told += 1
             except Exception as e:  # noqa: BLE001
                 log.debug("chunk news to %s not sent: %s", replica_id, e)
                 failed.append(replica_id)
         return failed
+
+
+class PullNews:
+    """One pull's side of the news (``PullJob``): the filling peers it tells
+    and what it heard of each. ``tell`` runs on the pull's reports thread
+    (``LandedReports``), the rest on the pull's own. A context: listening while
+    the pull runs."""
+
+    def __init__(self, news: PeerNews, *, model: str, version: int, me: str, replica_id: str = "") -> None:
+        self._news, self.model, self.version = news, model, version
+        self._me = me  # this pull's agent id: where it stands in the ring order
+        self._replica_id = replica_id  # its own replica, when it serves (what its news names); "" tells nobody
+        self._progress = PeerProgress()
+        self._peers: tuple[tuple[str, bytes, np.ndarray], ...] = ()  # (replica id, metadata, regions)
+        self._untold: set[str] = set()  # peers a news could not reach: not told again
+        self.heard = 0  # news that told this pull of chunks it did not know of
+
+    def __enter__(self) -> Self:
+        self._news.listen(self.model, self.version)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._news.stop(self.model, self.version)
+
+    def merged(self, replica: RemoteReplica) -> RemoteReplica:
+        """The server's view of a filling holder with what news said of it since (never less)."""
+        return self._progress.merged(replica)
+
+    def know(self, filling: list[RemoteReplica]) -> None:
+        """The filling peers of the server's latest answer: this pull tells all
+        of them up to ``MAX_TOLD``, else the nearest after it in the ring order."""
+        if not self._replica_id:
+            return
+        ring = 1 << 20
+        me = ring_offset(self._me, ring)
+        peers = sorted((r for r in filling if r.source.replica_id not in self._untold),
+                       key=lambda r: (ring_offset(r.agent_id, ring) - me) % ring)
+        self._peers = tuple((r.source.replica_id, r.metadata, r.regions) for r in peers[:MAX_TOLD])
+
+    def tell(self, chunks: list[int], crcs: np.ndarray | None) -> bool:
+        """Tell the peers that ``chunks`` of this pull's replica landed (with
+        their checksums); whether one was told. A peer a news cannot reach is
+        not told again by this pull."""
+        peers = self._peers
+        if not peers:
+            return False
+        failed = self._news.tell(peers, encode(self.model, self.version, self._replica_id, chunks, crcs))
+        if failed:
+            self._untold.update(failed)
+            self._peers = tuple(p for p in peers if p[0] not in self._untold)
+        return len(failed) < len(peers)
+
+    def updates(self, replicas: Mapping[str, RemoteReplica]) -> dict[str, RemoteReplica]:
+        """Of ``replicas`` (the holders the pull knows, by replica id), those
+        whose news since the last call told of chunks not known: their new views.
+        News of a holder not in ``replicas`` is not used."""
+        out: dict[str, RemoteReplica] = {}
+        for news in self._news.take(self.model, self.version):
+            replica = out.get(news.replica_id) or replicas.get(news.replica_id)
+            if replica is None:
+                continue
+            new = self._progress.heard(news, replica)
+            if new is not None:
+                out[news.replica_id] = new
+                self.heard += 1
+        return out

@@ -20,8 +20,8 @@ READ or a fresh list of holders means. The bookkeeping lives beside it:
                            │                         given-up READs polled until they end, the drain
                            ├─▶ refresh.ServerAnswers what the server's answers mid-pull say: its
                            │                         instance, change counter, the resettle window
-                           ├─▶ peernews.PeerNews     relaying peers' chunk news: heard each round
-                           │     + PeerProgress     (and, once it flows, the server asked every
+                           ├─▶ peernews.PullNews     relaying peers' chunk news: heard each round
+                           │                         (once it flows, the server is asked every
                            │                         _ASK_WITH_NEWS_S), told as this pull's chunks land
                            ├─▶ leases.PullLeases     which read lease covers which holder
                            ├─▶ verify.ChunkVerifier  chunks checked against their checksums
@@ -34,6 +34,7 @@ tests drive the failover logic with fakes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ import numpy as np
 
 from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
-from tensorhub.client.peernews import MAX_TOLD, PeerNews, PeerProgress, encode
+from tensorhub.client.peernews import PullNews
 from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
@@ -186,15 +187,8 @@ class PullJob:
     # What this pull plans from the two sides' layouts alone (holder tables,
     # chunk READs): the Hub's, kept across pulls into the same layout; by default this pull's own.
     plans: LayoutPlans = field(default_factory=LayoutPlans)
-    # Chunk news with the relaying peers (``peernews``); None: only the server
-    # says who has what. ``news_from``: this pull's own replica id, when it serves.
-    news: PeerNews | None = None
-    news_from: str = ""
-    _progress_news: PeerProgress = field(default_factory=PeerProgress)
-    _peers: tuple[tuple[str, bytes], ...] = ()  # the filling peers this pull tells: (replica id, metadata)
-    _untold: set[str] = field(default_factory=set)  # peers a news could not reach: not told again
-    _heard_any: bool = False  # news came: the server is asked less often (_ASK_WITH_NEWS_S)
-    _news_heard: int = 0
+    # Chunk news with the relaying peers (``peernews``); None: only the server says who has what
+    news: PullNews | None = None
     _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
     _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
     # Read leases are kept until the pull ends: a holder that unpublishes
@@ -235,10 +229,10 @@ class PullJob:
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
                                drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s))
-        if self.news is not None:
-            self.news.listen(res.model, res.version)
+        listening = self.news if self.news is not None else contextlib.nullcontext()
         try:
-            self._rounds(res, stats, needed, maps)
+            with listening:
+                self._rounds(res, stats, needed, maps)
         except SourceLost as e:
             if not self._checks.mismatches or isinstance(e, IntegrityError):
                 raise
@@ -248,8 +242,6 @@ class PullJob:
                                  f"bytes read from {bad} did not match their checksums, and no other "
                                  f"holder has them ({e})") from None
         finally:
-            if self.news is not None:
-                self.news.stop(res.model, res.version)
             self._drop_flights()
             self._checks.close()  # no check reads the destination after this
             self._leases.release_all()
@@ -258,7 +250,7 @@ class PullJob:
             stats.checks_failed = len(self._checks.mismatches)
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
             stats.refreshes = self._server.asked
-            stats.news_heard = self._news_heard
+            stats.news_heard = self.news.heard if self.news is not None else 0
         stats.nbytes = self.layout.total_bytes
         stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
         return stats
@@ -267,14 +259,14 @@ class PullJob:
         """What each holder can give of the read set now; holders of none of it are dropped
         (complete ones: a filling one will hold some)."""
         out = {}
-        peers = []
+        filling = []
         for r in replicas:
             rid = r.source.replica_id
             if rid in excluded:
                 continue
-            if not r.source.complete:
-                r = self._progress_news.merged(r)  # what news said of it since (never less)
-                peers.append(r)
+            if not r.source.complete and self.news is not None:
+                r = self.news.merged(r)  # what news said of it since (never less)
+                filling.append(r)
             table = self._tables.get(rid)
             if table is None:
                 table = self._tables[rid] = self.plans.table(self.layout, r)
@@ -289,59 +281,29 @@ class PullJob:
                 # holder until every one of them had landed a chunk.
                 if len(m.chunk) or not r.source.complete:
                     out[rid] = m
-        if self.news is not None and self.news_from:
-            self._peers = self._told(peers)
+        if self.news is not None:
+            self.news.know(filling)
         return out
-
-    def _told(self, peers: list[RemoteReplica]) -> tuple[tuple[str, bytes], ...]:
-        """The filling peers this pull's news goes to: all of them up to
-        ``MAX_TOLD``, else the nearest after it in the ring order."""
-        ring = 1 << 20
-        me = ring_offset(self.agent_id, ring)
-        peers.sort(key=lambda r: (ring_offset(r.agent_id, ring) - me) % ring)
-        peers = [r for r in peers if r.source.replica_id not in self._untold]
-        return tuple((r.source.replica_id, r.metadata) for r in peers[:MAX_TOLD])
-
-    def tell_peers(self, chunks: list[int], crcs: np.ndarray | None) -> bool:
-        """Tell the filling peers this pull knows that ``chunks`` (of its own
-        replica) landed; called from the reports' thread (``LandedReports``).
-        Whether a peer was told."""
-        peers = self._peers
-        if self.news is None or not self.news_from or not peers:
-            return False
-        failed = self.news.tell(peers, encode(self.resolved.model, self.resolved.version, self.news_from,
-                                              chunks, crcs))
-        if failed:  # not told again by this pull: one failed send to a dead peer is enough
-            self._untold.update(failed)
-            self._peers = tuple(p for p in peers if p[0] not in self._untold)
-        return len(failed) < len(peers)
 
     def _hear(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
         """``maps`` with the chunk news that came since: the peers' holder maps
-        as their news says (news of a holder not in ``maps`` is not used)."""
+        as their news says."""
         if self.news is None:
             return maps
-        changed: dict[str, HolderMap] | None = None
-        for news in self.news.take(self.resolved.model, self.resolved.version):
-            m = (changed or maps).get(news.replica_id)
-            if m is None:
-                continue
-            r = self._progress_news.heard(news, m.replica)
-            if r is None:
-                continue
-            self._heard_any = True
-            self._news_heard += 1
-            if changed is None:
-                changed = dict(maps)
-            self._checks.refresh(r)
-            changed[news.replica_id] = self.plans.holder_map(self.layout, r, self._tables[news.replica_id])
-        return maps if changed is None else changed
+        updates = self.news.updates({rid: m.replica for rid, m in maps.items()})
+        if not updates:
+            return maps
+        maps = dict(maps)
+        for rid, replica in updates.items():
+            self._checks.refresh(replica)
+            maps[rid] = self.plans.holder_map(self.layout, replica, self._tables[rid])
+        return maps
 
     def _asking_due(self) -> bool:
         """Whether to ask the server who holds what now: always while no news
         came (it is how the pull learns of its peers), once it does, every
         ``_ASK_WITH_NEWS_S`` (joiners, leavers, peers that do not tell it)."""
-        return not self._heard_any or time.monotonic() - self._asked_at >= _ASK_WITH_NEWS_S
+        return self.news is None or not self.news.heard or time.monotonic() - self._asked_at >= _ASK_WITH_NEWS_S
 
     def _await_news(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap] | None:
         """With nothing to read until peers land more: their news, waited for

@@ -91,7 +91,7 @@ class _Agent:
         out, self.queue = self.queue, []
         return out
 
-    def connect(self, key, metadata):
+    def connect(self, key, metadata, regions=None):
         if key in self.dead:
             raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
         return key.rpartition(".")[0]
@@ -116,6 +116,7 @@ def test_the_mailbox_files_news_for_the_pulls_listening_and_drops_the_rest():
 
 def test_a_peer_that_cannot_be_told_is_named():
     agent = _Agent(dead={"gone.0"})
-    failed = PeerNews(agent).tell([("a.0", b"m"), ("gone.0", b"m"), ("b.0", b"m")], b"THN1 x")
+    regions = np.zeros((1, 3), np.int64)
+    failed = PeerNews(agent).tell([(rid, b"m", regions) for rid in ("a.0", "gone.0", "b.0")], b"THN1 x")
     assert failed == ["gone.0"]
     assert [remote for remote, _ in agent.sent] == ["a", "b"]
