@@ -5,7 +5,9 @@ gRPC server):
 
 * a reader whose bytes the survivors still hold (the other rank's row shards
   and its share of the cut, or a relay of the version) fails over to them and
-  reads them byte-exact, whether the rank died before its pull or during it;
+  reads them byte-exact, whether the rank died before its pull or during it
+  (during it: whether the reader still lacked any of the dead rank's share is
+  a race the test does not fix; the bytes are exact either way);
 * a reader mid-pull whose bytes only the dead rank held fails with SourceLost
   naming it, never with wrong or missing bytes;
 * once the server drops the dead rank's replicas, the version has a hole: a
@@ -97,10 +99,13 @@ def test_a_rank_killed_mid_pull_its_readers_fail_over_or_name_the_lost_source(hu
     for mark in marks:
         wait_for_progress(mark)
     ranks[0].kill()
-    # Reader 1: what it still lacked of rank 0's cut comes from rank 1's shards, byte-exact.
+    # Reader 1: byte-exact. What it still lacked of rank 0's cut when rank 0
+    # died (if anything: its READs of it may all have landed by then) came
+    # from rank 1's shards.
     one = readers[1].result(timeout=60)
-    assert one["mismatched"] == [] and one["lost"] == ["rank0"], (one["mismatched"], one["lost"])
-    assert one["sources"].get("rank1", 0) > 0 and sum(one["sources"].values()) == one["nbytes"]
+    assert one["mismatched"] == [] and set(one["lost"]) <= {"rank0"}, (one["mismatched"], one["lost"])
+    assert set(one["sources"]) <= {"rank0", "rank1"} and one["sources"].get("rank1", 0) > 0
+    assert sum(one["sources"].values()) == one["nbytes"]
     # Reader 0: rank 0's rows had no other holder.
     with pytest.raises(RemoteError) as err:
         readers[0].result(timeout=60)
