@@ -90,6 +90,15 @@ def _bench_pull_moe(args: argparse.Namespace) -> int:
     cfg = MoeBenchConfig(experts=args.experts, publishers=args.publishers or 2, reps=args.reps,
                          chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers,
                          verify=not args.no_verify, versions=args.versions)
+    if args.trainer_cut:
+        from tensorhub.bench import moe_cut
+
+        if args.versions != 1 or cfg.publishers < 2:
+            print("tensorhub bench pull: --trainer-cut publishes versions 1 and 2 itself (no --versions) from "
+                  ">= 2 trainer ranks (--publishers)", file=sys.stderr)
+            return 2
+        moe_cut.run(cfg, json_path=args.json)
+        return 0
     moe.run(cfg, json_path=args.json)
     return 0
 
@@ -333,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--versions", type=int, default=1,
                       help="moe layout: then step the publishers through this many versions from the same buffers, "
                            "a fresh reader pulling each: the first (planned) and the replayed rest reported apart")
+    pull.add_argument("--trainer-cut", action="store_true",
+                      help="moe layout: the publishers are trainer ranks (gloo) that also publish the reader's cut "
+                           "(Hub.publish(cut='readers')): version 1 without it, read by a relay, then version 2 with "
+                           "it; the reader's pull beside a raw contiguous NIXL READ of the cut, and the cut's cost")
     pull.add_argument("--chunk-size", default="32MiB", help="TensorHub chunk size (default 32MiB)")
     pull.add_argument("--read-workers", type=int, default=2, help="READs in flight per reader: twice this")
     pull.add_argument("--no-verify", action="store_true",
