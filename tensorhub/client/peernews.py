@@ -152,7 +152,7 @@ class PeerNews:
     version) for the pulls listening (news of any other is dropped)."""
 
     def __init__(self, nixl: object) -> None:
-        self._nixl = nixl  # NixlAgent: connect, notify, news
+        self._nixl = nixl  # NixlAgent: reach, notify, news
         self._lock = threading.Lock()
         self._boxes: dict[tuple[str, int], list[News]] = {}
         self._listeners: dict[tuple[str, int], int] = {}
@@ -194,13 +194,13 @@ class PeerNews:
 
     def tell(self, peers: Iterable[tuple[str, bytes, np.ndarray]], message: bytes) -> list[str]:
         """Send ``message`` to each peer (replica id, its NIXL metadata, its
-        memory regions: ``NixlAgent.connect``, as a READ of it would); the
+        memory regions: ``NixlAgent.reach``); the
         replica ids of those that could not be reached (gone or closing: their
         pulls ask the server instead), which the caller stops telling."""
         failed = []
         for replica_id, metadata, regions in peers:
             try:
-                remote = self._nixl.connect(replica_id, metadata, regions)
+                remote = self._nixl.reach(replica_id, metadata, regions)
                 self._nixl.notify(remote, message)
                 self.told += 1
             except Exception as e:  # noqa: BLE001

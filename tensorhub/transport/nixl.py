@@ -327,6 +327,19 @@ class NixlAgent:
         else:
             self._remove(name)
 
+    def reach(self, key: str, metadata: bytes, regions: np.ndarray | None = None) -> str:
+        """The remote agent of replica ``key``, to notify (``client.peernews``):
+        an agent loaded here already, in any form (a replica's metadata, or a
+        push reader's whole one), is used as it is: a notification needs only
+        its connection, and loading another form of its metadata could load it
+        again from nothing (see ``_held``), between the push service's loads,
+        at every news. Else ``connect``."""
+        agent = key.rpartition(".")[0]
+        with self._lock:
+            if agent in self._held and agent not in self._forgotten and agent not in self._unloadable:
+                return agent
+        return self.connect(key, metadata, regions)
+
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)
         self._loaded = {d: n for d, n in self._loaded.items() if n != name}

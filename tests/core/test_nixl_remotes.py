@@ -211,6 +211,21 @@ def test_an_agent_whose_memory_was_reused_is_not_reloaded_under_reads_still_out(
     assert rec.calls[-2:] == [("remove", "holder"), ("add", b"holder#2")]
 
 
+def test_chunk_news_reaches_an_agent_loaded_in_any_form_without_loading_it_again():
+    """A relay tells its peers what it landed (client/peernews.py) over the
+    connection it has to them: a peer loaded already, from a replica's metadata
+    or as a push reader, is notified as it is. Loading the replica's metadata
+    for the news would load the agent again from nothing (its regions may meet
+    what NIXL holds of it), between the push service's loads, at every chunk."""
+    nixl = NixlAgent("relay-under-test", "read")
+    nixl._agent = rec = Versions()
+    assert nixl.connect("peer.1", b"peer#1", _regions((0x1000, 0x1000))) == "peer"
+    assert nixl.reach("peer.2", b"peer#2", _regions((0x1000, 0x1000))) == "peer"  # its next replica, same memory
+    assert rec.calls == [("add", b"peer#1")]
+    assert nixl.reach("other.1", b"other#1", _regions((0x1000, 0x1000))) == "other"  # not loaded yet: connect
+    assert rec.calls[1:] == [("add", b"other#1")]
+
+
 def test_a_push_holder_writes_into_a_readers_memory_registered_anew_where_it_had_other_memory():
     """Push mode's side of the same NIXL habit, with real NIXL agents in this
     process: a holder loads each requesting reader's whole metadata, and NIXL

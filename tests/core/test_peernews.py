@@ -91,7 +91,7 @@ class _Agent:
         out, self.queue = self.queue, []
         return out
 
-    def connect(self, key, metadata, regions=None):
+    def reach(self, key, metadata, regions=None):
         if key in self.dead:
             raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
         return key.rpartition(".")[0]
