@@ -94,9 +94,10 @@ class Transport(Handles, Protocol):
     def forget(self, key: str) -> None: ...
 
 
-# A round posts READs this long, then the pull asks again who holds what; a
-# serving pull reports its landed chunks this often. How soon relaying readers
-# see each other's chunks: 0.2 s / 50 ms took 1.16x a lag-free raw relay,
+# A round posts READs this long, then the pull asks again who holds what (until
+# peers' news flows: _ASK_WITH_NEWS_S); a serving pull hands its landed chunks
+# to its reports this often. How soon relaying readers see each other's chunks
+# through the server: 0.2 s / 50 ms took 1.16x a lag-free raw relay,
 # 0.05 s / 20 ms 1.05x (``tensorhub bench cluster --readers 3``, docs/history/cluster.md).
 _REPORT_PERIOD_S = 0.02
 _REFRESH_IDLE_S = 0.05
