@@ -59,13 +59,13 @@ def _wanted(cfg: MoeBenchConfig, shape: tuple[int, int], how: str):
     return Region.of(shape, **{how: (0, shape[dim] // cfg.tp)})
 
 
-def _publisher(conn, address: str, cfg: MoeBenchConfig, rank: int) -> None:
+def rank_shards(cfg: MoeBenchConfig, rank: int):
+    """Publisher ``rank``'s row shards of every tensor, back to back in one
+    buffer: (the buffer, the shards by name, the manifest)."""
     import torch
 
-    from tensorhub import Hub, Manifest, Shard
-    from tensorhub.transport.nixl import new_agent
+    from tensorhub import Manifest, Shard
 
-    torch.set_num_threads(1)
     specs = tensors(cfg)
     offsets = holder_offsets(cfg, rank)
     buffer = torch.empty(offsets[-1], dtype=torch.uint8)
@@ -76,6 +76,17 @@ def _publisher(conn, address: str, cfg: MoeBenchConfig, rank: int) -> None:
         local.copy_(_full(i, shape)[a:b])
         held[name] = Shard(local, shape, rows=(a, b))
     manifest = Manifest.of({name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape, _ in specs})
+    return buffer, held, manifest
+
+
+def _publisher(conn, address: str, cfg: MoeBenchConfig, rank: int) -> None:
+    import torch
+
+    from tensorhub import Hub
+    from tensorhub.transport.nixl import new_agent
+
+    torch.set_num_threads(1)
+    buffer, held, manifest = rank_shards(cfg, rank)
     raw = new_agent(f"raw-moe-pub-{rank}-{os.getpid()}")  # configured as the hub's agents are
     raw.register_memory([(buffer.data_ptr(), buffer.numel(), 0, "")], "DRAM")
     with Hub.connect(address, name=f"publisher-{rank}", chunk_size=cfg.chunk_size, verify_chunks=cfg.verify) as hub:

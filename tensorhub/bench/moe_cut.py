@@ -36,8 +36,8 @@ from rich.progress import Progress
 
 from tensorhub import processes
 from tensorhub.bench import children
-from tensorhub.bench.moe import MODEL, _full, _wanted
-from tensorhub.bench.moe_layout import MoeBenchConfig, held_rows, holder_offsets, tensors
+from tensorhub.bench.moe import MODEL, _full, _wanted, rank_shards
+from tensorhub.bench.moe_layout import MoeBenchConfig, tensors
 from tensorhub.bench.report import Row, print_table, write_json
 
 METHODS = ("tensorhub-cut", "nixl-raw-cut")
@@ -50,22 +50,13 @@ def _rank(conn, address: str, cfg: MoeBenchConfig, rank: int, env: dict[str, str
     import torch
     import torch.distributed as dist
 
-    from tensorhub import Hub, Manifest, Shard
+    from tensorhub import Hub
     from tensorhub.transport.nixl import new_agent
 
     torch.set_num_threads(1)
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(cfg.publishers))
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    specs = tensors(cfg)
-    offsets = holder_offsets(cfg, rank)
-    buffer = torch.empty(offsets[-1], dtype=torch.uint8)
-    held = {}
-    for i, (name, shape, _) in enumerate(specs):
-        a, b = held_rows(shape, rank, cfg.publishers)
-        local = buffer[offsets[i]: offsets[i + 1]].view(torch.bfloat16).view(b - a, shape[1])
-        local.copy_(_full(i, shape)[a:b])
-        held[name] = Shard(local, shape, rows=(a, b))
-    manifest = Manifest.of({name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape, _ in specs})
+    _buffer, held, manifest = rank_shards(cfg, rank)  # the buffer stays alive with the shards' views
     raw = None
     with Hub.connect(address, name=f"rank-{rank}", chunk_size=cfg.chunk_size, verify_chunks=cfg.verify) as hub:
         pub = hub.publish(MODEL, 1, held, manifest=manifest, cut="readers")  # no readers yet: the shards only
@@ -113,16 +104,10 @@ class _RawCut:
             at += nbytes
 
     def read(self) -> None:
-        handles = [self.agent.initialize_xfer("READ", local, remote, peer)
-                   for (local, remote), peer in zip(self.lists, self.peers)]
-        states = [self.agent.transfer(h) for h in handles]
-        deadline = time.monotonic() + self.timeout_s
-        while any(s != "DONE" for s in states):
-            if "ERR" in states or time.monotonic() > deadline:
-                raise RuntimeError(f"raw NIXL READ failed: {states}")
-            states = [s if s == "DONE" else self.agent.check_xfer_state(h) for s, h in zip(states, handles)]
-        for h in handles:
-            self.agent.release_xfer_handle(h)
+        from tensorhub.bench.moe_raw import wait_reads  # torch and numpy only where the bench runs
+
+        wait_reads(self.agent, [self.agent.initialize_xfer("READ", local, remote, peer)
+                                for (local, remote), peer in zip(self.lists, self.peers)], self.timeout_s)
 
     def matches(self, expected, at_of: dict[str, tuple[int, int]]) -> bool:
         """Each cut region's bytes, where the raw READ put them, against the slice's."""

@@ -22,6 +22,19 @@ import torch
 from tensorhub.bench.moe_layout import MoeBenchConfig, held_rows, holder_offsets, tensors
 
 
+def wait_reads(agent, handles: list, timeout_s: float) -> None:
+    """Post every READ of a raw NIXL agent, then wait until each is done (a
+    deadline on the wait), and release them."""
+    states = [agent.transfer(h) for h in handles]
+    deadline = time.monotonic() + timeout_s
+    while any(s != "DONE" for s in states):
+        if "ERR" in states or time.monotonic() > deadline:
+            raise RuntimeError(f"raw NIXL READ failed: {states}")
+        states = [s if s == "DONE" else agent.check_xfer_state(h) for s, h in zip(states, handles)]
+    for h in handles:
+        agent.release_xfer_handle(h)
+
+
 class RawReads:
     def __init__(self, cfg: MoeBenchConfig, dest: torch.Tensor, raw_infos: list, timeout_s: float) -> None:
         from tensorhub.transport.nixl import new_agent
@@ -81,15 +94,7 @@ class RawReads:
                 self.agent.get_xfer_descs(np.array(remote, np.uint64).reshape(-1, 3), "DRAM"))
 
     def _wait(self, handles: list) -> None:
-        """Post every READ, then wait until each is done (a deadline on the wait)."""
-        states = [self.agent.transfer(h) for h in handles]
-        deadline = time.monotonic() + self.timeout_s
-        while any(s != "DONE" for s in states):
-            if "ERR" in states or time.monotonic() > deadline:
-                raise RuntimeError(f"raw NIXL READ failed: {states}")
-            states = [s if s == "DONE" else self.agent.check_xfer_state(h) for s, h in zip(states, handles)]
-        for h in handles:
-            self.agent.release_xfer_handle(h)
+        wait_reads(self.agent, handles, self.timeout_s)
 
     def _read(self, lists: list[tuple]) -> None:
         self._wait([self.agent.initialize_xfer("READ", local, remote, peer)
