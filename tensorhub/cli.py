@@ -220,7 +220,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     cfg = scale.ScaleConfig(models=args.models, engines=args.engines, trainer_ranks=args.trainer_ranks,
-                            nic_gbit=args.nic_gbit, sample=args.sample, layouts=args.layouts)
+                            nic_gbit=args.nic_gbit, sample=args.sample, layouts=args.layouts,
+                            trainer_cut=args.trainer_cut)
     scale.run(cfg, out=args.out)
     return 0
 
@@ -431,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--layouts", type=lambda s: [x for x in s.split(",") if x], default=["tp", "ep"],
                        help="rollout layouts, comma-separated: tp (experts TP-sliced), ep (TP=8 with expert "
                             "parallelism: experts whole per worker); default both")
+    scale.add_argument("--trainer-cut", action="store_true",
+                       help="versions 2 and 3 also published in the readers' cut (Hub.publish(cut='readers')): "
+                            "their messages sent for real, the steady first hop read from the cut")
     scale.add_argument("--out", help="folder for scale.json and scale.png")
     scale.set_defaults(func=_bench_scale)
 

@@ -84,8 +84,12 @@ class Grouping:
 
 
 def region_keys(table: RegionTable, tensors: int) -> np.ndarray:
-    """Per tensor an id of the table's region of it: -1 for none, distinct ids
-    for distinct regions, and an id of its own for a tensor held in several regions."""
+    """Per tensor an id of the table's regions of it: -1 for none, one id per
+    distinct region, and for a tensor held in several regions one id per
+    distinct set of them. A trainer's cut holds each tensor it owns in the
+    readers' boxes (8 for TP=8), alike for every tensor of a shape: keyed one
+    by one, every such tensor would be a group of its own (10^5 groups, each
+    a step of Python in every coverage question)."""
     if table.rule_of is not None:  # chunk rules: one region per tensor, alike per (shape, rule)
         return table.rule_of.astype(np.int64) - 1
     key = np.full(tensors, -1, np.int64)
@@ -96,7 +100,17 @@ def region_keys(table: RegionTable, tensors: int) -> np.ndarray:
     key[table.tensor] = ids
     counts = np.bincount(table.tensor, minlength=tensors)
     several = np.flatnonzero(counts > 1)
-    key[several] = int(ids.max()) + 1 + np.arange(len(several))
+    if len(several):
+        # Each several-region tensor's region ids, sorted, as one row (padded with -1): alike sets, alike rows.
+        mine = np.flatnonzero(counts[table.tensor] > 1)
+        order = mine[np.lexsort((ids[mine], table.tensor[mine]))]
+        tensor_of = table.tensor[order]
+        starts = np.r_[0, np.flatnonzero(tensor_of[1:] != tensor_of[:-1]) + 1]
+        sets = np.full((len(several), int(counts.max())), -1, np.int64)
+        sets[np.repeat(np.arange(len(several)), counts[several]), np.arange(len(order)) - np.repeat(
+            starts, counts[several])] = ids[order]
+        _, set_ids = unique_rows(sets)
+        key[several] = int(ids.max()) + 1 + set_ids
     return key
 
 
@@ -122,7 +136,7 @@ class HolderKeys:
         pos[table.tensor[::-1]] = np.arange(len(table))[::-1]
         self.first = pos[grouping.rep]
         counts = np.bincount(table.tensor, minlength=n)[grouping.rep]
-        self.several = {int(g): np.flatnonzero(table.tensor == grouping.rep[g]) for g in np.flatnonzero(counts > 1)}
+        self.several = _rows_of_reps(table, grouping, np.flatnonzero(counts > 1))
         held = self.first >= 0
         self.lo = np.zeros_like(shapes.dims[grouping.rep])
         self.hi = np.zeros_like(self.lo)  # an empty box where it holds nothing
@@ -145,6 +159,18 @@ class HolderKeys:
         assert t is not None
         at = self.several.get(group, (k,))
         return [np.concatenate([[int(t.flat[j])], t.lo[j], t.hi[j]]).astype(np.int64) for j in at]
+
+
+def _rows_of_reps(table: RegionTable, grouping: Grouping, groups: np.ndarray) -> dict[int, np.ndarray]:
+    """Per group of ``groups``, the table rows of its representative tensor (ascending)."""
+    if not len(groups):
+        return {}
+    group_of = np.full(len(grouping.of), -1, np.int64)
+    group_of[grouping.rep[groups]] = groups
+    rows = np.flatnonzero(group_of[table.tensor] >= 0)
+    rows = rows[np.argsort(group_of[table.tensor[rows]], kind="stable")]
+    split = np.flatnonzero(np.diff(group_of[table.tensor[rows]])) + 1
+    return {int(group_of[table.tensor[part[0]]]): part for part in np.split(rows, split)}
 
 
 class Coverage:

@@ -140,7 +140,8 @@ def test_link_model_adds_up():
 
 def test_bench_scale_runs_through_the_real_server(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "scale", "--models", "qwen3-30b-a3b",
-                          "--engines", "2", "--trainer-ranks", "16", "--sample", "2", "--out", str(tmp_path)],
+                          "--engines", "2", "--trainer-ranks", "16", "--sample", "2", "--trainer-cut",
+                          "--out", str(tmp_path)],
                          check=False, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "scale.json").read_text())
@@ -157,13 +158,20 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # The steady stage: every reader's messages sent for real, every holder lean, small answers.
         # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
         assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
-        # Every message of a steady version, as the server counted them: a publish per trainer rank; per
+        # Every message of a steady version, as the server counted them: per trainer rank a publish of its
+        # shards and one of its share of the readers' cut (--trainer-cut), rank 0's ask for the cut; per
         # relay its announce and one complete report; per engine two Resolves, each lease released.
         engines, ranks = row["engines"], row["trainer_ranks"]
-        assert row["steady_messages_by_method"] == {"Publish": ranks + 8 * engines, "ReportChunks": 8 * engines,
-                                                    "Resolve": 2 * engines, "ReleaseReadLease": 2 * engines}
-        assert row["steady_messages"] == ranks + 16 * engines + 4 * engines
-        assert row["steady_first_predicted_s"] <= row["predicted_s"]
+        assert row["steady_messages_by_method"] == {"Publish": 2 * ranks + 8 * engines, "ReaderCuts": 1,
+                                                    "ReportChunks": 8 * engines, "Resolve": 2 * engines,
+                                                    "ReleaseReadLease": 2 * engines}
+        assert row["steady_messages"] == 2 * ranks + 1 + 16 * engines + 4 * engines
+        # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
+        assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]
+        assert row["cut_gather_s"] > 0 and row["cut_share_bytes_max"] * ranks >= 2 * row["parameters"]  # bf16
+        # Cut holders hold each tensor in its readers' boxes, alike per shape: the server keeps few groups,
+        # so a steady version's publishes and resolves stay cheap (before: a group per tensor, 2 s here).
+        assert row["steady_server_cpu_s"] < 1.0
         assert row["steady_holders_full"] == 0 and row["steady_holders_lean"] > 0
         assert row["steady_answer_bytes_max"] <= 4096 < row["resolve_response_bytes_max"]
         assert row["steady_server_cpu_s"] >= 0 and row["steady_predicted_s"] <= row["predicted_s"]
@@ -171,6 +179,9 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
     assert ep["bytes_per_gpu"] == tp["bytes_per_gpu"]  # 1/8 of every expert's bytes either way
     assert ep["descriptors_per_reader_max"] < tp["descriptors_per_reader_max"]
     assert ep["first_hop_read_bytes"] < tp["first_hop_read_bytes"] and ep["first_hop_s"] < tp["first_hop_s"]
+    # Under TP the cut spares the first hop its whole rows: the steady versions' first hop is shorter.
+    assert tp["steady_first_hop_s"] < tp["first_hop_s"] and tp["cut_descriptors_per_reader"] == tp["tensors"] < \
+        tp["descriptors_exact_runs"]
     assert (tmp_path / "scale.png").stat().st_size > 10_000
 
 

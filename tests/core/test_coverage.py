@@ -124,6 +124,25 @@ def test_alike_tensors_share_a_group_until_a_holder_cuts_them_differently():
     assert grouping.count == 4 and grouping.of[1] != grouping.of[0] == grouping.of[4]
 
 
+def test_tensors_held_in_alike_sets_of_regions_share_a_group():
+    """A trainer's cut holds each tensor it owns in its readers' boxes, the same
+    boxes for every tensor of a shape: one group, not one per tensor."""
+    shapes = Shapes.of(MANIFEST)
+    halves = [Region.of((6, 4), cols=(0, 2)), Region.of((6, 4), cols=(2, 4))]
+    grouping = Grouping(shapes)
+    grouping.refine(check_held(MANIFEST, [(t, r) for t in (0, 1, 4) for r in halves]))
+    assert grouping.count == 3 and len(set(grouping.of[[0, 1, 4]].tolist())) == 1
+    other = [Region.of((6, 4), cols=(0, 1)), Region.of((6, 4), cols=(1, 4))]  # a set of as many regions, not alike
+    grouping.refine(check_held(MANIFEST, [(0, halves[0]), (0, halves[1]), (1, other[0]), (1, other[1]),
+                                          (4, halves[1]), (4, halves[0])]))
+    assert grouping.count == 4 and grouping.of[1] != grouping.of[0] == grouping.of[4]
+    # The cut covers all it holds, group by group.
+    coverage = Coverage(grouping)
+    coverage.add(HolderKeys(check_held(MANIFEST, [(t, r) for t in (0, 1, 4) for r in halves]), grouping))
+    missing, _ = coverage.missing(100)
+    assert {t for t, _ in missing} == {2, 3}
+
+
 def test_a_table_of_rules_for_256_ranks_is_covered_by_all_of_them_and_no_fewer():
     shapes = Shapes.of(Manifest(tuple(TensorSpec(f"w{i}", "bfloat16", (7168 if i % 2 else 576, 64), 0)
                                       for i in range(1000))))

@@ -22,6 +22,7 @@ into one READ per chunk.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -142,3 +143,69 @@ def first_hop(model: list[Tensor], ranks: int, kv_heads: int, worker: int, link:
             desc += count * (1 if wide else n)
             seconds += count * (wide_s if wide else exact_s)
     return FirstHop(wanted, read, exact_desc, desc, seconds)
+
+
+# ---------------------------------------------------------------- the trainer's cut
+# ``Hub.publish(cut="readers")`` (``client/trainercut.py``): from the second
+# version on, every FSDP rank also publishes a share of the readers' cut, each
+# region back to back in its buffer, so a reader's first hop is one contiguous
+# READ per region instead of one per row of a column slice.
+
+
+def read_boxes(t: Tensor, kv_heads: int, ep_experts: int = 0) -> list[Bounds]:
+    """The distinct boxes the 8 workers read of ``t``, in worker order: what
+    the cut holds of it (a box read by several workers, once)."""
+    boxes: list[Bounds] = []
+    for w in range(TP):
+        box = worker_box(t, kv_heads, w, ep_experts)
+        if box is not None and box not in boxes:
+            boxes.append(box)
+    return boxes
+
+
+def cut_owners(model: list[Tensor], ranks: int) -> np.ndarray:
+    """Per tensor, the rank that holds its cut: by bytes, largest first, to the
+    least loaded rank (``trainercut.plan_cut``'s rule)."""
+    nbytes = np.array([math.prod(t.shape) * (4 if t.dtype == "float32" else 2) for t in model], np.int64)
+    owner = np.empty(len(model), np.int64)
+    load = [(0, r) for r in range(ranks)]  # a heap: (bytes dealt, rank)
+    for i in sorted(range(len(model)), key=lambda i: (-nbytes[i], i)):
+        dealt, rank = heapq.heappop(load)
+        owner[i] = rank
+        heapq.heappush(load, (dealt + int(nbytes[i]), rank))
+    return owner
+
+
+@dataclass(frozen=True, slots=True)
+class CutHop:
+    """A worker's first hop from the trainer's cut, and what the cut cost the trainer."""
+
+    wanted_bytes: int
+    descriptors: int  # one per region read: each is contiguous in the cut
+    read_s: float  # cost model: the reader's READs
+    share_bytes_max: int  # the largest rank's share of the cut (its extra memory while published)
+    gather_s: float  # the largest share gathered over the rank's NIC before it is published
+    seconds: float  # gather, then read (the cut is published once built)
+
+
+def cut_hop(model: list[Tensor], ranks: int, kv_heads: int, worker: int, link: LinkCost,
+            ep_experts: int = 0) -> CutHop:
+    """Worker ``worker``'s READs from the cut, and the trainer's gather. A rank
+    gathers each tensor it owns whole from every rank's rows: it receives all
+    but its own rows of its share (full duplex: its sends to the other owners
+    overlap), so the largest share over the NIC bounds the gather."""
+    owner = cut_owners(model, ranks)
+    share = np.zeros(ranks, np.int64)
+    wanted = descriptors = 0
+    for t, rank in zip(model, owner):
+        item = 4 if t.dtype == "float32" else 2
+        boxes = read_boxes(t, kv_heads, ep_experts)
+        share[rank] += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * item
+        box = worker_box(t, kv_heads, worker, ep_experts)
+        if box is not None:
+            wanted += math.prod(hi - lo for lo, hi in box) * item
+            descriptors += 1
+    read_s = float(link.exact_s(descriptors, wanted))
+    biggest = int(share.max())
+    gather_s = biggest * (ranks - 1) / ranks / link.bandwidth
+    return CutHop(wanted, descriptors, read_s, biggest, gather_s, gather_s + read_s)

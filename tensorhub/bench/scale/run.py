@@ -29,7 +29,10 @@ another on its one core.
        of every holder and reader sent for real (lean: layouts named, holders
        sent by number), the server's CPU for all of them -> steady_* figures
        (version 3), steady_first_* (version 2, which still pays once for the
-       groups version 1's relays split)
+       groups version 1's relays split); with ``trainer_cut`` the ranks also
+       publish the readers' cut (rank 0 asks ``ReaderCuts``; in full in version
+       2, by layout after) and the first hop reads it: one contiguous READ per
+       region, after the ranks gathered their shares (``cuts.cut_hop``)
 
 Planning is per reader and in parallel: one reader's. What is not the real code: the holders publish no bytes (their NIXL
 metadata is a placeholder of 2 KB), and planning here intersects boxes per
@@ -59,7 +62,8 @@ from tensorhub.local.serverprocess import ServerProcess
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
-from tensorhub.regiontable import shapes_of
+from tensorhub.regions import Region
+from tensorhub.regiontable import RegionTable, shapes_of
 from tensorhub.server.state import held_bytes
 from tensorhub.transport.cost import BACKENDS
 
@@ -76,6 +80,7 @@ class ScaleConfig:
     sample: int = 8  # readers that resolve for real per stage
     link: str = "rdma"
     layouts: list[str] = field(default_factory=lambda: list(cuts.LAYOUTS))
+    trainer_cut: bool = False  # steady versions also published in the readers' cut (Hub.publish(cut="readers"))
 
     def ranks_for(self, engines: int, i: int) -> int:
         if self.trainer_ranks:
@@ -136,6 +141,24 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         else:
             req.manifest_fingerprint = fingerprint
         return req
+
+    def cut_request(rank: int, version: int) -> pb.PublishRequest:
+        """Rank ``rank``'s share of the readers' cut: the read boxes of the tensors it owns, back to back."""
+        agent = f"rank{rank}"
+        return pb.PublishRequest(agent_id=agent, replica_id=f"{agent}.cut.{version}", model="m", version=version,
+                                 chunk_size=CHUNK, state=pb.REPLICA_STATE_COMPLETE, origin=True, trainer_cut=True,
+                                 held_table=cut_held[rank], manifest_fingerprint=fingerprint,
+                                 memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_VRAM, packed=True,
+                                                         region_gap=[(1 << 42) + (rank << 36)],
+                                                         nixl_metadata=NIXL_METADATA))
+
+    cut_held: list[pb.HeldRegions] = []
+    if cfg.trainer_cut:
+        owner_of = cuts.cut_owners(model, ranks)
+        held: list[list] = [[] for _ in range(ranks)]
+        for index, (t, rank) in enumerate(zip(model, owner_of)):
+            held[rank] += [(index, Region(box=box)) for box in cuts.read_boxes(t, kv_heads, ep_experts)]
+        cut_held = [wire.held_to_wire(RegionTable.from_held(h, shapes), shapes) for h in held]
 
     readers = engines * cuts.TP
     sample = min(cfg.sample, readers)
@@ -205,7 +228,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                                          True, False, version=v),
                     lambda e, w, v=version: publish_request(f"engine{e}.{w}",
                                                             *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41,
-                                                            False, False, version=v))
+                                                            False, False, version=v),
+                    (lambda r, v=version: cut_request(r, v)) if cfg.trainer_cut else None)
             for version in (2, 3))
 
     # 4. the reader's READs and the link model
@@ -254,7 +278,20 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     # (its plans come from the plan cache: nothing to decode or plan).
     steady_control_s = steady["server_cpu_s"] + steady["parse_s"]
     first_steady_control_s = first_steady["server_cpu_s"] + first_steady["parse_s"]
-    ps = predict(steady_control_s)
+    steady_hop: cuts.FirstHop | cuts.CutHop = hop
+    if cfg.trainer_cut:  # the steady versions' first hop: from the cut (the first version had none to read)
+        steady_hop = cuts.cut_hop(model, ranks, kv_heads, 0, link, ep_experts)
+        out.update(trainer_cut=True, cut_descriptors_per_reader=steady_hop.descriptors,
+                   cut_read_s=steady_hop.read_s, cut_gather_s=steady_hop.gather_s,
+                   cut_share_bytes_max=steady_hop.share_bytes_max)
+
+    def predict_steady(control_plane_s: float) -> links.Prediction:
+        return links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
+                             first_hop_s=steady_hop.seconds, first_hop_read_bytes=getattr(
+                                 steady_hop, "read_bytes", steady_hop.wanted_bytes),
+                             chunk=CHUNK, link=link, control_plane_s=control_plane_s)
+
+    ps = predict_steady(steady_control_s)
     out.update(
         steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
         steady_messages=sum(steady["messages"].values()), steady_messages_by_method=steady["messages"],
@@ -269,14 +306,15 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_first_server_cpu_publish_s=first_steady["publish_cpu_s"],
         steady_first_server_cpu_resolve_s=first_steady["resolve_cpu_s"],
         steady_first_resolves=first_steady["resolves"],
-        steady_first_predicted_s=predict(first_steady_control_s).predicted_s,
+        steady_first_predicted_s=predict_steady(first_steady_control_s).predicted_s,
+        steady_first_hop_s=ps.first_hop_s,
     )
     return out
 
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
             numbering: dict[int, str], version: int, relay_chunks: list[int],
-            trainer_request, relay_request) -> dict:
+            trainer_request, relay_request, cut_request=None) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: the trainer's ranks publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
@@ -298,7 +336,14 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         knows[e] |= {info.layout for info in before.replicas}
     calls0 = _calls(stub)
     cpu0 = _cpu(pid)
+    if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
+        stub.ReaderCuts(pb.ReaderCutsRequest(model="m", fingerprint=fingerprint), timeout=120)
     for r in range(ranks):
+        if cut_request is not None:  # as Hub.publish(cut=...): the rank's share of the cut, then its shards;
+            if version > 2:  # in full the first time, then naming its layout
+                _publish_lean(stub, cut_request(r))
+            else:
+                stub.Publish(cut_request(r), timeout=120)
         _publish_lean(stub, trainer_request(r))
     publish_cpu = _cpu(pid) - cpu0
     for stage in range(2):
@@ -312,6 +357,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         for e in range(engines):
             answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests)
             answers.append(answer.ByteSize())
+            knows[e] |= {info.layout for info in answer.replicas if info.layout}  # as a Hub keeps them
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         full += counters.holders_full - counters0.holders_full
