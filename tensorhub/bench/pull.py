@@ -38,6 +38,7 @@ from rich.progress import Progress
 
 from tensorhub import processes
 from tensorhub.bench import children
+from tensorhub.bench.moe_raw import wait_reads
 from tensorhub.bench.report import Row, print_table, write_json
 
 MODEL, SMALL = "bench/model", "bench/small"
@@ -172,15 +173,7 @@ def _reader(conn, address: str, cfg: PullBenchConfig, raw_infos: list, index: in
     exact_raw = len(raw_infos) == 1 and cfg.reader_slice == "whole"  # raw bytes land where tensorhub's do
 
     def finish(handles: list) -> None:
-        """Post raw READs and wait until every one is done (a deadline on the wait)."""
-        states = [raw.transfer(h) for h in handles]
-        deadline = time.monotonic() + 60
-        while any(s != "DONE" for s in states):
-            if "ERR" in states or time.monotonic() > deadline:
-                raise RuntimeError(f"raw NIXL READ failed: {states}")
-            states = [s if s == "DONE" else raw.check_xfer_state(h) for s, h in zip(states, handles)]
-        for h in handles:
-            raw.release_xfer_handle(h)
+        wait_reads(raw, handles, 60)
 
     def raw_read() -> None:
         finish([raw.initialize_xfer("READ", local, remote, peer) for local, remote, peer in reads])

@@ -364,8 +364,10 @@ class State:
             entry.by_agent.setdefault(agent_id, []).append(replica_id)
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
-        _grouping(entry).refine(replica.held)  # its cuts split the groups they differ in
         self._holders_changed += 1
+        if trainer_cut:  # never counted for coverage (``_counts``): no refinement, no refresh
+            return replica
+        _grouping(entry).refine(replica.held)  # its cuts split the groups they differ in
         if complete or existing is not None:  # a replaced replica may have held more
             self._refresh(entry, added=replica if existing is None else None)
         return replica
@@ -431,9 +433,11 @@ class State:
             return False
         if replica.version not in self._retained_versions(replica.model):
             return False
+        if replica.trainer_cut:  # a copy beside the rank's shards: they are what a version keeps
+            return False
         entry = self.models[replica.model][replica.version]
         others = [r for r in entry.replicas.values()
-                  if r is not replica and r.complete and self._live(r) and self._reliable(r)]
+                  if r is not replica and self._counts(r) and self._reliable(r)]
         return _coverage(entry, others).touches_holes(_keys(entry, replica))
 
     def releasable(self, agent_id: str) -> list[str]:
@@ -493,6 +497,16 @@ class State:
     def _live(self, replica: Replica) -> bool:
         return not replica.withdrawn and replica.agent_id in self.agents
 
+    def _counts(self, replica: Replica) -> bool:
+        """Whether the replica counts for coverage (visibility, retention, a
+        resolve's covering search): live and complete, and not a trainer's cut.
+        A cut is the version once more beside the rank's shards, which are
+        published with it and cover the version by themselves; kept out, its
+        regions (each tensor the rank owns, in its readers' boxes) do not split
+        the groups of alike tensors by owner, which at 256 ranks made thousands
+        of groups for every coverage question to walk."""
+        return replica.complete and not replica.trainer_cut and self._live(replica)
+
     def _refresh(self, entry: Version, *, added: Replica | None = None) -> None:
         """Recompute whether the version is visible. ``added``: the only change
         is this replica becoming a complete holder, so a visible version stays
@@ -500,13 +514,22 @@ class State:
         publish costs its own regions, not all the holders' again)."""
         if added is not None and entry.visible:
             return
-        holders = [r for r in entry.replicas.values() if r.complete and self._live(r)]
-        if added is not None and entry.coverage is not None and entry.coverage.epoch == _grouping(entry).epoch:
+        holders = [r for r in entry.replicas.values() if self._counts(r)]
+        grouping = _grouping(entry)
+        if (added is not None and entry.coverage is not None and entry.coverage.grouping is grouping
+                and entry.coverage.epoch == grouping.epoch):
             entry.coverage.add(_keys(entry, added))
         else:
             entry.coverage = _coverage(entry, holders)
+        cuts = [r for r in entry.replicas.values() if r.trainer_cut and r.complete and self._live(r)]
+        if added is None and cuts and not entry.coverage.complete:
+            # Shards withdrawn while cuts stand (not a publish: the version's own
+            # shards may still be on their way): what shards and cuts cover
+            # together, on a grouping of this question's own, so that the
+            # groups the cuts split stay out of the one later versions share.
+            entry.coverage = _coverage_apart(entry, holders + cuts)
         missing, count = entry.coverage.missing(MISSING_SHOWN)
-        visible = count == 0 and bool(holders)
+        visible = count == 0 and bool(holders or cuts)
         entry.missing, entry.missing_count = missing, count
         if visible != entry.visible:
             entry.visible = visible
@@ -636,12 +659,14 @@ class State:
         order = sorted(range(len(live)), key=keys.__getitem__)
         chosen = [live[i] for i in order[:k]]
         grouping = _grouping(entry)
-        base = [_keys(entry, r) for r in chosen if r.complete]
-        rest = [live[i] for i in order[k:] if live[i].complete]
+        base = [_keys(entry, r) for r in chosen if self._counts(r)]
+        rest = [live[i] for i in order[k:] if self._counts(live[i])]
         # The fewest more holders, best first, that make the answer cover the
-        # version (all of them when nothing covers it).
+        # version (all of them when nothing covers it); and every trainer's cut
+        # (out of the search, ``_counts``): the contiguous copy readers prefer.
         extra = covering_prefix(grouping, base, _LazyKeys(entry, rest))
-        return chosen + rest[:len(rest) if extra is None else extra]
+        cuts = [live[i] for i in order[k:] if live[i].trainer_cut and live[i].complete]
+        return chosen + rest[:len(rest) if extra is None else extra] + cuts
 
     def _ranking(self, entry: Version, reader_agent_id: str, k: int, exclude: frozenset[str] = frozenset(),
                  near: str = "", salt: str = "") -> tuple[list[Replica], list[int] | None]:
@@ -909,6 +934,17 @@ class _LazyKeys(Sequence):
         while len(self._keys) <= i:
             self._keys.append(_keys(self._entry, self._holders[len(self._keys)]))
         return self._keys[i]
+
+
+def _coverage_apart(entry: Version, holders: list[Replica]) -> Coverage:
+    """``_coverage`` on a grouping refined by ``holders`` alone, not the version's."""
+    grouping = Grouping(shapes_of(entry.manifest))
+    for r in holders:
+        grouping.refine(r.held)
+    coverage = Coverage(grouping)
+    for r in holders:
+        coverage.add(grouping.keys(r.held))
+    return coverage
 
 
 def _coverage(entry: Version, holders: list[Replica]) -> Coverage:

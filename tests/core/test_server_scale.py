@@ -131,3 +131,42 @@ def test_a_publish_may_name_a_manifest_the_server_holds_by_its_fingerprint(stub)
     stub.Publish(second, timeout=60)
     [summary] = stub.ListVersions(pb.ListVersionsRequest(model="m"), timeout=10).versions
     assert summary.complete_replicas == 2
+
+
+def test_trainer_cuts_beside_their_shards_leave_the_groups_as_the_shards_cut_them():
+    """64 FSDP ranks publish their rows of 512 alike tensors and, beside
+    them, a cut of the tensors dealt to each (every tensor it owns in the 8
+    TP workers' column boxes). Counted for coverage, each cut would split the
+    groups by owner (a group per rank and shape, thousands of groups for every
+    coverage question to walk: the paper-scale simulation's 11.75 s a version);
+    the shards cover the version alone, so cuts stay out of the grouping and
+    are answered beside the covering holders. With the shards withdrawn the
+    cuts still make the version visible."""
+    ranks, tensors, rows, cols = 64, 512, 512, 64
+    manifest = wire.manifest_from_wire(pb.Manifest(tensors=[
+        pb.TensorSpec(name=f"t{i}", dtype="bfloat16", shape=[rows, cols], nbytes=rows * cols * 2)
+        for i in range(tensors)]))
+    state = State()
+    step = rows // ranks
+    boxes = [Region(box=((0, rows), (w * cols // TP, (w + 1) * cols // TP))) for w in range(TP)]
+    for r in range(ranks):
+        state.register_agent(f"rank{r}", f"rank{r}", wire.labels_from_wire(pb.Labels()), wire.reliability_from_wire(0))
+        state.register_agent(f"reader{r}", f"reader{r}", wire.labels_from_wire(pb.Labels()),
+                             wire.reliability_from_wire(0))
+    for r in range(ranks):
+        owned = range(r, tensors, ranks)
+        state.publish(agent_id=f"rank{r}", replica_id=f"rank{r}.cut", model="m", version=1, manifest=manifest,
+                      held=[(t, box) for t in owned for box in boxes], chunk_size=64 << 20, memory=None,
+                      complete=True, bitmap=b"", origin=True, trainer_cut=True)
+        state.publish(agent_id=f"rank{r}", replica_id=f"rank{r}.1", model="m", version=1, manifest=manifest,
+                      held=[(t, Region.of((rows, cols), rows=(r * step, (r + 1) * step))) for t in range(tensors)],
+                      chunk_size=64 << 20, memory=None, complete=True, bitmap=b"", origin=True)
+    entry = state.models["m"][1]
+    assert entry.visible and entry.grouping.count == 1  # one shape, cut alike by every shard
+    answer = state.sources(entry, "reader0", k=4)
+    assert sum(r.trainer_cut for r in answer) == ranks and sum(not r.trainer_cut for r in answer) == ranks
+    for r in range(ranks):
+        state.withdraw(f"rank{r}", f"rank{r}.1")
+    assert entry.visible and entry.grouping.count == 1  # the cuts alone cover it, on a grouping of their own
+    state.withdraw("rank0", "rank0.cut")
+    assert not entry.visible and entry.missing_count == tensors // ranks  # rank 0's tensors: nobody has them

@@ -7,7 +7,10 @@ Engines start together and relay (pipeline replication):
             workers read their cuts out of row-sharded ranks, priced by the cost
             model (exact runs or whole rows cut locally): under TP column slices
             of every expert (the strided hop), under EP whole experts (one run
-            per rank); the layout only changes ``first_hop_*``
+            per rank); the layout only changes ``first_hop_*``; with the trainer's
+            cut (``--trainer-cut``, versions after the first) one contiguous READ
+            per region from the rank that holds it, after the ranks gathered
+            their shares (``cuts.cut_hop``)
     chains: every other engine reads from an engine cut like itself (same box:
             one contiguous READ per chunk), one chain behind each wave-0 engine,
             a chunk behind its upstream; a chain moves no faster than its head
