@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from tensorhub import Hub, HubConfig, Shard
 from tensorhub.client.trainercut import ranks_holding_nothing
+from tensorhub.dtensor import local_part
 from tensorhub_vllm.plugin import BACKEND, register_trainer
 from tensorhub_vllm.vllm_internals import module_of
 
@@ -96,24 +97,10 @@ def local_entries(source: WeightSource, *, publish_whole: bool) -> tuple[dict[st
             held = source.held_names()
             entries = {n: t.detach() for n, t in source if t is not None and (held is None or n in held)}
         return entries, manifest
-    from torch.distributed.tensor import DTensor, Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     for name, param in module.named_parameters():
-        if not isinstance(param, DTensor):
-            entries[name] = param.detach()
-            continue
-        if any(isinstance(p, Partial) for p in param.placements):
-            raise ValueError(f"tensorhub: {name} is a partial sum (placements {param.placements}): nothing to "
-                             "publish in place until it is reduced")
-        local = param.detach().to_local()
-        if local.numel() == 0:
-            continue  # an uneven split left this rank nothing of it
-        if not local.is_contiguous():
-            raise ValueError(f"tensorhub: the local shard of {name} is not contiguous; it cannot be published in place")
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        box = tuple((o, o + s) for o, s in zip(offset, shape))
-        entries[name] = Shard(local, tuple(param.shape), box=box) if box else local
+        part = local_part(name, param)
+        if part is not None:  # None: an uneven split left this rank nothing of it
+            entries[name] = part
     return entries, manifest
 
 
