@@ -152,6 +152,9 @@ def test_lora_ranks_publish_only_the_adapter(cluster, tiny_model):
                 assert got.config.r == 8 and got.config.lora_alpha == 16
                 assert got.result.nbytes == adapter_bytes + got.result.tensors[ADAPTER_CONFIG].numel()
                 assert got.result.nbytes < base_bytes / 4, (got.result.nbytes, base_bytes)
+                print(json.dumps({"version": stats[0]["version"], "adapter_bytes": adapter_bytes,  # docs/history
+                                  "read_bytes": got.result.nbytes, "base_bytes": base_bytes,
+                                  "published_bytes": [s["published_bytes"] for s in stats]}))
                 ray.get([r.train_step.remote() for r in ranks], timeout=300)  # withdraws, then trains the adapter
         finally:
             for r in ranks:

@@ -60,6 +60,9 @@ def test_fsdp2_peft_ranks_publish_only_the_adapter(tiny_model, tmp_path):
                 # each rank its shards (about half), plus the settings tensor each
                 assert sum(s["published_bytes"] for s in sent) == adapter_bytes + 2 * side
                 assert all(abs(s["published_bytes"] - adapter_bytes / 2) < 0.1 * adapter_bytes for s in sent)
+                print(json.dumps({"version": step, "adapter_bytes": adapter_bytes, "read_bytes": got.result.nbytes,
+                                  "base_bytes": sent[0]["base_bytes"],  # docs/history/vllm.md
+                                  "published_bytes": [s["published_bytes"] for s in sent]}))
             _vllm_builds_it(got)
         finally:
             for proc in ranks:

@@ -90,6 +90,8 @@ def _steps(ranks, rollout, tmp_path):
         published = [m[f"tensorhub/rank{r}/published_mb"] * 2**20 for r, m in enumerate(metrics)]
         assert all(0.4 * adapter_bytes < p < 0.6 * adapter_bytes + 4096 for p in published), published
         assert metrics[0]["tensorhub/version"] == step
+        print(json.dumps({"step": step, "adapter_bytes": adapter_bytes, "read_bytes": read,  # docs/history/verl.md
+                          "base_bytes": metrics[0]["base_bytes"], "published_bytes": [round(p) for p in published]}))
         assert metrics[0]["checkpoint_engine/payload_mbytes"] * 2**20 == pytest.approx(read)
         # finalize withdraws the in-place shards (training writes them next); the rollout keeps serving
         assert command("finalize") == [{"published": False}] * 2
