@@ -128,26 +128,42 @@ def test_verl_workers_call_send_weights_where_the_module_is_found():
     assert re.search(r"self\.module(: [\w.]+)? = ", inspect.getsource(transformer_impl.FSDPEngine))
 
 
-def test_the_module_is_taken_from_the_calling_worker():
+def test_the_module_is_taken_from_the_awaiting_worker(engine_kwargs):
+    """As verl's workers call it: a worker coroutine awaits ``send_weights``,
+    and the engine publishes the adapter of ``self.actor.engine.module``."""
+    from peft import LoraConfig, get_peft_model
+
+    class Projections(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(16, 16, bias=False)
+
     class Engine:  # the attribute path of verl's training engines (checked against verl's source above)
         def __init__(self, module):
             self.module = module
 
     class Worker:
-        def __init__(self, module):
+        def __init__(self, module, checkpoint_engine):
             self.actor = type("Actor", (), {})()
             self.actor.engine = Engine(module)
+            self.checkpoint_engine = checkpoint_engine
 
-        def update_weights(self):
-            return find()
+        async def update_weights(self, global_steps):
+            return await self.checkpoint_engine.send_weights(iter([]), global_steps=global_steps)
 
-    def find():
-        return calling_workers_module()
-
-    peftish = torch.nn.Linear(2, 2)
-    assert Worker(peftish).update_weights() is peftish
+    peft = get_peft_model(Projections(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    trainer = TensorHubCheckpointEngine(bucket_size=0, is_master=True, **{**engine_kwargs, "model": KEY, "lora": True})
+    try:
+        metrics = asyncio.run(Worker(peft, trainer).update_weights(7))
+        assert metrics["tensorhub/version"] == 7
+        published = trainer.publication.tensors["base_model.model.q_proj.lora_A.weight"]
+        assert published.data_ptr() == peft.base_model.model.q_proj.lora_A["default"].weight.data_ptr()  # in place
+        trainer.finalize()
+        assert trainer.publication is None
+    finally:
+        trainer.shutdown()
     with pytest.raises(ValueError, match="no verl worker with a training engine"):
-        find()
+        calling_workers_module()
 
 
 def test_lora_without_a_worker_or_module_is_refused(engine_kwargs):
