@@ -26,6 +26,8 @@ import torch
 
 from tensorhub.client.hub import Hub, PullResult
 from tensorhub.client.publication import Publication
+from tensorhub.dtensor import local_part
+from tensorhub.shard import Shard
 
 # Reserved tensor name of the adapter's settings inside the version.
 ADAPTER_CONFIG = "tensorhub.adapter_config"
@@ -93,66 +95,100 @@ def _peft_name(param_name: str, adapter_name: str) -> str:
     return param_name.replace(f".{adapter_name}.", ".").removesuffix(f".{adapter_name}")
 
 
-def adapter_of(model: torch.nn.Module, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], AdapterConfig]:
-    """The LoRA tensors of a PEFT-wrapped module (its live parameters, not
-    copies: published in place) under PEFT's saved names, and its settings
-    (``model.peft_config[adapter_name]``)."""
+def lora_parameters(model: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.nn.Parameter]:
+    """The LoRA parameters of a PEFT-wrapped module (the live ones, DTensors
+    under FSDP2) by PEFT's saved names."""
+    return {_peft_name(n, adapter_name): p for n, p in model.named_parameters()
+            if any(m in n for m in _LORA_MARKS) and f".{adapter_name}" in n}
+
+
+def adapter_config_of(model: torch.nn.Module, adapter_name: str = "default") -> AdapterConfig:
+    """A PEFT module's settings of ``adapter_name`` (``model.peft_config[adapter_name]``)."""
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, Mapping) or adapter_name not in configs:
         raise ValueError(f"the module has no PEFT adapter {adapter_name!r} (no peft_config entry): pass a PEFT "
                          "model, or a dict of LoRA tensors with its AdapterConfig")
     peft_config = configs[adapter_name]
-    values = peft_config.to_dict() if hasattr(peft_config, "to_dict") else vars(peft_config)
-    tensors = {_peft_name(n, adapter_name): p.detach() for n, p in model.named_parameters()
-               if any(m in n for m in _LORA_MARKS) and f".{adapter_name}" in n}
-    return tensors, AdapterConfig.from_dict(values)
+    return AdapterConfig.from_dict(peft_config.to_dict() if hasattr(peft_config, "to_dict") else vars(peft_config))
 
 
-def check_adapter(tensors: Mapping[str, torch.Tensor], config: AdapterConfig) -> None:
+def adapter_of(model: torch.nn.Module, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor | Shard],
+                                                                               AdapterConfig]:
+    """What this process holds of a PEFT-wrapped module's LoRA tensors (its
+    live parameters, not copies: published in place) under PEFT's saved names,
+    and its settings. An FSDP2 (DTensor) parameter gives this rank's local
+    shard as a ``Shard`` of the full matrix, or nothing where it holds none."""
+    config = adapter_config_of(model, adapter_name)
+    parts = {n: local_part(n, p) for n, p in lora_parameters(model, adapter_name).items()}
+    return {n: part for n, part in parts.items() if part is not None}, config
+
+
+def _shape(entry: torch.Tensor | Shard) -> tuple[int, ...]:
+    return tuple(entry.full_shape) if isinstance(entry, Shard) else tuple(entry.shape)
+
+
+def check_adapter(tensors: Mapping[str, torch.Tensor | Shard], config: AdapterConfig) -> None:
     """Raise ValueError (naming the tensor) unless ``tensors`` are LoRA
-    matrices whose A and B come in pairs of ``config``'s rank."""
+    matrices whose A and B come in pairs of ``config``'s rank (a Shard is
+    checked by its full shape; meta tensors do as well as real ones)."""
     if not tensors:
         raise ValueError("the adapter has no tensors")
     if ADAPTER_CONFIG in tensors:
         raise ValueError(f"{ADAPTER_CONFIG!r} is a reserved name (the adapter's settings)")
     for name, t in tensors.items():
+        shape = _shape(t)
         if ".lora_A." in name:
-            partner, rank = name.replace(".lora_A.", ".lora_B."), t.shape[0]
+            partner, rank = name.replace(".lora_A.", ".lora_B."), shape[0]
         elif ".lora_B." in name:
-            partner, rank = name.replace(".lora_B.", ".lora_A."), t.shape[-1]
+            partner, rank = name.replace(".lora_B.", ".lora_A."), shape[-1]
         elif "lora_embedding_" in name:
             continue
         else:
             raise ValueError(f"{name!r} is not a LoRA matrix (no .lora_A. or .lora_B. in its name)")
         if partner not in tensors:
             raise ValueError(f"{name!r} has no partner {partner!r}")
-        if t.dim() != 2:
-            raise ValueError(f"{name!r} has shape {list(t.shape)}, not a matrix")
+        if len(shape) != 2:
+            raise ValueError(f"{name!r} has shape {list(shape)}, not a matrix")
         if not config.rank_pattern and rank != config.r:
             raise ValueError(f"{name!r} has rank {rank}, the config says r={config.r}")
 
 
 def publish_adapter(hub: Hub, model: str, version: int,
-                    adapter: torch.nn.Module | Mapping[str, torch.Tensor], config: AdapterConfig | Mapping | None = None,
-                    *, adapter_name: str = "default", **publish_kwargs: Any) -> Publication:
+                    adapter: torch.nn.Module | Mapping[str, torch.Tensor | Shard],
+                    config: AdapterConfig | Mapping | None = None, *, adapter_name: str = "default",
+                    **publish_kwargs: Any) -> Publication:
     """Publish a LoRA adapter as ``version`` of ``model``, in place: a PEFT
     model's own parameters (its config from ``peft_config``), or a dict of
     PEFT-named tensors with ``config``. Do not modify them until the returned
     publication is unpublished. ``publish_kwargs`` go to ``Hub.publish``
-    (``delta_from``, ``chunk_size``, ...)."""
+    (``delta_from``, ``chunk_size``, ...).
+
+    Sharded trainers: each rank passes what it holds (a module whose LoRA
+    parameters are FSDP2 DTensors publishes its local shards; a dict may hold
+    ``Shard``s) and the version is visible once the ranks cover every matrix.
+    A dict of Shards passes ``manifest=`` (the whole adapter's names and
+    shapes) when a rank may hold none of some matrix; the settings tensor is
+    published whole by every rank."""
     try:
+        manifest = publish_kwargs.pop("manifest", None)
         if isinstance(adapter, torch.nn.Module):
             tensors, own = adapter_of(adapter, adapter_name)
             config = own if config is None else config
+            if manifest is None:  # the whole adapter, also what other ranks hold
+                manifest = {n: torch.empty(p.shape, dtype=p.dtype, device="meta")
+                            for n, p in lora_parameters(adapter, adapter_name).items()}
         else:
             tensors = dict(adapter)
             if config is None:
                 raise ValueError("a dict of LoRA tensors needs its config (AdapterConfig or PEFT's dict)")
         config = config if isinstance(config, AdapterConfig) else AdapterConfig.from_dict(config)
-        check_adapter(tensors, config)
+        check_adapter(tensors if manifest is None else manifest, config)
     except ValueError as e:
         raise ValueError(f"{e}; nothing was published") from None
-    return hub.publish(model, version, {**tensors, ADAPTER_CONFIG: config.to_tensor()}, **publish_kwargs)
+    side = config.to_tensor()
+    if manifest is not None:
+        publish_kwargs["manifest"] = {**manifest, ADAPTER_CONFIG: side}
+    return hub.publish(model, version, {**tensors, ADAPTER_CONFIG: side}, **publish_kwargs)
 
 
 @dataclass(frozen=True)

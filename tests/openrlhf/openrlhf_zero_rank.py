@@ -28,7 +28,8 @@ def digest(t: torch.Tensor) -> str:
 
 
 class ZeroRank:
-    def __init__(self, rank: int, world: int, dist_env: dict[str, str], model_dir: str, engines: list[Any]) -> None:
+    def __init__(self, rank: int, world: int, dist_env: dict[str, str], model_dir: str, engines: list[Any],
+                 lora_rank: int = 0) -> None:
         os.environ.update(dist_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         import deepspeed
         from openrlhf.models import Actor
@@ -44,7 +45,9 @@ class ZeroRank:
         for key, value in list(config["zero_optimization"].items()):
             if value == "auto":  # OpenRLHF's strategy fills these from the model; DeepSpeed's defaults here
                 del config["zero_optimization"][key]
-        self.actor = Actor(model_dir, attn_implementation="eager", param_dtype="bf16", ds_config=config)
+        # lora_rank > 0: OpenRLHF's own PEFT wrapping (--ds.lora.rank), all linear layers
+        self.actor = Actor(model_dir, attn_implementation="eager", param_dtype="bf16", ds_config=config,
+                           lora_rank=lora_rank, lora_alpha=16, target_modules="all-linear")
         optimizer = torch.optim.AdamW(self.actor.model.parameters(), lr=0.05)
         self.actor.model, self.optimizer, _, _ = deepspeed.initialize(model=self.actor.model, optimizer=optimizer,
                                                                       config=config)
@@ -79,6 +82,19 @@ class ZeroRank:
         """Each parameter's ZeRO-3 partition on this rank: (full numel, ds_tensor numel, data_ptr)."""
         return {n: (int(p.ds_numel), p.ds_tensor.numel(), p.ds_tensor.data_ptr())
                 for n, p in self.actor.model.module.named_parameters()}
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """PEFT's own saved state of the adapter (``get_peft_model_state_dict``),
+        gathered by DeepSpeed (all ranks call this together)."""
+        import deepspeed
+        from peft.utils.save_and_load import get_peft_model_state_dict
+
+        model = self.actor.model.module
+        with deepspeed.zero.GatheredParameters([p for n, p in model.named_parameters() if "lora_" in n]):
+            return {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
+
+    def base_bytes(self) -> int:
+        return sum(2 * int(p.ds_numel) for n, p in self.actor.model.module.named_parameters() if "lora_" not in n)
 
     def full_digests(self) -> dict[str, str]:
         """sha256 of every full parameter, gathered by DeepSpeed (all ranks call this together)."""

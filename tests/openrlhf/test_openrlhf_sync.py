@@ -16,6 +16,7 @@ import json
 
 import pytest
 import ray
+import torch
 from conftest import child_pythonpath
 from openrlhf_zero_rank import ZeroRank, digest
 
@@ -122,3 +123,39 @@ def test_zero3_partitions_reach_engines_each_step(cluster, dist_env, tiny_model)
     assert version2 > version1
     assert stats[0]["engines_loaded"] == [0, 2] and list(stats[0]["engines_failed"]) == [1]
     assert_engines_hold(address, ranks, [engines[0], late], version2)
+
+
+def test_lora_ranks_publish_only_the_adapter(cluster, tiny_model):
+    """OpenRLHF's own LoRA (``Actor(lora_rank=8)``, all linear layers) under
+    ZeRO-3 with ``TENSORHUB_LORA=1``: each rank publishes its partitions of the
+    A/B matrices only, and a reader of the adapter version gets PEFT's own
+    state dict (names and bytes) with its settings, reading the adapter's bytes."""
+    from tensorhub import Hub
+    from tensorhub.lora import ADAPTER_CONFIG, pull_adapter
+    from tensorhub.testing import rendezvous
+
+    key = "tiny/lora/default"
+    rank_actor = ray.remote(num_cpus=1)(ZeroRank)
+    with rendezvous(WORLD) as env, Hub.connect(cluster, name="test-reader") as hub:
+        env = {**env, "TENSORHUB_LORA": "1", "TENSORHUB_MODEL": key}
+        ranks = [rank_actor.remote(r, WORLD, env, str(tiny_model), [], lora_rank=8) for r in range(WORLD)]
+        try:
+            base_bytes = ray.get(ranks[0].base_bytes.remote(), timeout=300)
+            for _ in range(2):
+                stats = sync(ranks)
+                peft = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)[0]
+                adapter_bytes = sum(t.numel() * t.element_size() for t in peft.values())
+                assert sum(s["published_bytes"] for s in stats) == adapter_bytes  # partitions, once each
+                got = pull_adapter(hub, key, stats[0]["version"], timeout=120)
+                assert set(got.tensors) == set(peft)  # PEFT's saved names
+                assert all(torch.equal(got.tensors[n], t) for n, t in peft.items())
+                assert got.config.r == 8 and got.config.lora_alpha == 16
+                assert got.result.nbytes == adapter_bytes + got.result.tensors[ADAPTER_CONFIG].numel()
+                assert got.result.nbytes < base_bytes / 4, (got.result.nbytes, base_bytes)
+                print(json.dumps({"version": stats[0]["version"], "adapter_bytes": adapter_bytes,  # docs/history
+                                  "read_bytes": got.result.nbytes, "base_bytes": base_bytes,
+                                  "published_bytes": [s["published_bytes"] for s in stats]}))
+                ray.get([r.train_step.remote() for r in ranks], timeout=300)  # withdraws, then trains the adapter
+        finally:
+            for r in ranks:
+                ray.kill(r)

@@ -49,12 +49,30 @@ def test_settings_from_the_environment():
     assert q.vllm_engine_args() == {"quantization": "fp8_per_channel"} and TensorHubSettings.from_env(q.to_env()) == q
 
 
+def test_lora_recipe_renders_the_setting_and_openrlhfs_lora_flags():
+    env, argv = render(compose(str(RECIPES), "ppo_ray_lora", [
+        "openrlhf.actor.model_name_or_path=/models/p", "openrlhf.data.prompt_dataset=/data/d",
+        "openrlhf.reward.model_name_or_path=/rm"]))
+    settings = TensorHubSettings.from_env(env)
+    assert settings.lora is True and settings.model == "policy/lora/default"
+    joined = " ".join(argv)
+    assert "--ds.lora.rank 32" in joined and "--ds.lora.alpha 32" in joined
+    assert "--ds.lora.target_modules all-linear" in joined and "--ds.zero_stage 3" in joined
+    plain, _ = render(compose(str(RECIPES), "ppo_ray", [
+        "openrlhf.actor.model_name_or_path=/models/p", "openrlhf.data.prompt_dataset=/data/d",
+        "openrlhf.reward.model_name_or_path=/rm"]))
+    assert TensorHubSettings.from_env(plain).lora is False
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({}, "TENSORHUB_ADDRESS is not set"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_MODLE": "x"}, r"unknown TensorHub variable\(s\) \['TENSORHUB_MODLE'\]"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_UPDATE_TIMEOUT_S": "-1"}, "TENSORHUB_UPDATE_TIMEOUT_S must be"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_HUB_CONFIG": "[1]"}, "TENSORHUB_HUB_CONFIG must be a JSON object"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_HUB_CONFIG": '{"chunks": 1}'}, r"HubConfig has no field\(s\)"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "maybe"}, "TENSORHUB_LORA must be one of"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1", "TENSORHUB_DELTA": "copy"},
+     "TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1"),
 ])
 def test_bad_settings_name_the_variable(env, message):
     with pytest.raises(ValueError, match=message):

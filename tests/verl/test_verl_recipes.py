@@ -67,6 +67,22 @@ def test_fp8_recipe_turns_on_verls_fp8_rollout():
     assert plain.actor_rollout_ref.rollout.quantization is None
 
 
+def test_lora_recipe_trains_an_adapter_and_publishes_only_it():
+    """tensorhub_separate_async_lora: verl builds a PEFT model (``lora_rank``,
+    separate adapters), and the engine publishes only the adapter as versions
+    of an adapter model key."""
+    from tensorhub_verl.config import TensorHubEngineConfig
+
+    cfg, engine = compose_engine(RECIPES, "tensorhub_separate_async_lora", [])
+    assert (engine.backend, engine.custom_backend_module) == ("tensorhub", "tensorhub_verl.engine")
+    model = cfg.actor_rollout_ref.model
+    assert model.lora_rank == 32 and model.lora.merge is False
+    settings = TensorHubEngineConfig.from_kwargs(dict(engine.engine_kwargs["tensorhub"]))
+    assert settings.lora is True and settings.model == "policy/lora/default" and settings.cut is None
+    plain, plain_engine = compose_engine(RECIPES, "tensorhub_separate_async", [])
+    assert plain.actor_rollout_ref.model.lora_rank == 0 and plain_engine.engine_kwargs["tensorhub"]["lora"] is False
+
+
 @pytest.mark.parametrize("trainer", sorted(EXPERIMENTAL))
 def test_engine_group_switches_the_experimental_trainers(trainer):
     _, engine = compose_engine(EXPERIMENTAL[trainer], trainer, [

@@ -7,6 +7,10 @@
   rank publishes its partition of each parameter in place (ZeRO-3: its
   ``ds_tensor``; ZeRO-0/1/2: a ``1/world`` flat slice of its replica), then
   rank 0 asks the engines to pull the step. No gather, no copy.
+  ``TENSORHUB_LORA=1`` (OpenRLHF's ``--ds.lora.rank > 0``): only the PEFT
+  adapter's A/B matrices, each rank its partitions, as an adapter version
+  (``tensorhub.lora``); rank 0 waits for it to be visible and asks no engine
+  (OpenRLHF's engines load base weights only).
 
 ``TensorHubPolicyModelActor`` (OpenRLHF's ``PolicyModelActor`` reached through
 ``__ray_actor_class__``, subclassed and made a Ray actor again) builds that
@@ -29,6 +33,7 @@ import ray
 import torch.distributed as dist
 from openrlhf.trainer.ray import ppo_actor
 
+from tensorhub.lora import adapter_config_of, lora_parameters
 from tensorhub_openrlhf.engines import update_engines
 from tensorhub_openrlhf.publisher import WeightPublisher
 from tensorhub_openrlhf.settings import TensorHubSettings
@@ -58,14 +63,22 @@ class TensorHubActorPPOTrainer(ppo_actor.ActorPPOTrainer):
         start = time.perf_counter()
         publisher = self.tensorhub_publisher()
         model = self.actor.model.module
-        # The same parameters OpenRLHF's own sync sends (a VLM's frozen vision tower stays out).
-        params = [(n, p) for n, p in model.named_parameters()
-                  if p.requires_grad or not getattr(self.actor, "is_vlm", False)]
         version = publisher.next_version(getattr(self.actor.model, "global_steps", 0))
-        stats = publisher.publish(version, params)
+        if publisher.settings.lora:  # only the adapter: its A/B matrices under PEFT's saved names
+            stats = publisher.publish(version, lora_parameters(model).items(), adapter=adapter_config_of(model))
+        else:
+            # The same parameters OpenRLHF's own sync sends (a VLM's frozen vision tower stays out).
+            params = [(n, p) for n, p in model.named_parameters()
+                      if p.requires_grad or not getattr(self.actor, "is_vlm", False)]
+            stats = publisher.publish(version, params)
         self.tensorhub_stats = {"version": version, "published_bytes": stats.nbytes,
                                 "withdraw_s": stats.withdraw_s, "publish_s": stats.publish_s}
-        if publisher.rank == 0 and self.vllm_engines:
+        if publisher.settings.lora:
+            # OpenRLHF's engines load base weights only: serving adapter versions
+            # from vLLM is tensorhub_vllm's AdapterVersions, not wired into them.
+            if publisher.rank == 0:
+                publisher.wait_visible(version)
+        elif publisher.rank == 0 and self.vllm_engines:
             publisher.wait_visible(version)  # every rank's partitions are in
             result = update_engines(self.vllm_engines, version, publisher.settings.update_timeout_s)
             self.tensorhub_stats.update(engines_loaded=result["loaded"], engines_failed=result["failed"])

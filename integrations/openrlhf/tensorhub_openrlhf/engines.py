@@ -55,6 +55,9 @@ class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__)
         info = settings.engine_init_info(f"openrlhf-engine-{uuid.uuid4().hex[:8]}")
         info["hub"] = resolve_address(settings.address)
         await self.llm.collective_rpc("tensorhub_init", args=(info,))
+        if settings.lora:  # the model key names adapter versions: not weights of this engine's base
+            self.tensorhub_loaded = None
+            return
         (self.tensorhub_loaded,) = set(await self.llm.collective_rpc("tensorhub_update_if_any"))
         if self.tensorhub_loaded is not None:
             log.info("tensorhub: engine started at version %d", self.tensorhub_loaded)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tensorhub import Hub, Manifest, Publication, Shard
+from tensorhub import Hub, Publication, Shard
+from tensorhub.lora import AdapterConfig, publish_adapter
 from tensorhub.server.ray_actor import resolve_address
 from tensorhub_openrlhf.partitions import is_zero3, replica_region, zero3_region
 from tensorhub_openrlhf.settings import TensorHubSettings
@@ -55,8 +56,9 @@ class WeightPublisher:
         # delta "copy": this rank's partitions of the last version, in host memory
         self._previous: dict[str, Shard] | None = None
 
-    def regions(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> tuple[dict[str, Shard], Manifest]:
-        """This rank's region of each parameter, and the manifest of the whole model."""
+    def regions(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]
+                ) -> tuple[dict[str, Shard], dict[str, torch.Tensor]]:
+        """This rank's region of each parameter, and the whole model's layout (meta tensors)."""
         regions: dict[str, Shard] = {}
         layout: dict[str, torch.Tensor] = {}
         for name, param in named_params:
@@ -70,7 +72,7 @@ class WeightPublisher:
             layout[name] = torch.empty(shape, dtype=param.dtype, device="meta")
             if region is not None:
                 regions[name] = region
-        return regions, Manifest.of(layout)
+        return regions, layout
 
     def next_version(self, step: int) -> int:
         """The version of this sync, the same on every rank: the trainer's step,
@@ -87,13 +89,20 @@ class WeightPublisher:
             dist.broadcast_object_list(mine, src=0)
         return int(mine[0])
 
-    def publish(self, version: int, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> PublishStats:
+    def publish(self, version: int, named_params: Iterable[tuple[str, torch.nn.Parameter]], *,
+                adapter: AdapterConfig | None = None) -> PublishStats:
+        """``adapter``: the parameters are a LoRA adapter's, under PEFT's saved
+        names, published as an adapter version (``tensorhub.lora``) with these
+        settings beside them, whole (no delta)."""
         start = time.perf_counter()
         self.withdraw()
         withdrawn = time.perf_counter()
         regions, manifest = self.regions(named_params)
         delta_bytes = 0
-        if regions:  # a rank can hold nothing (tiny model, many ranks)
+        if adapter is not None:
+            self._published = publish_adapter(self.hub, self.settings.model, version, regions, adapter,
+                                              manifest=manifest)
+        elif regions:  # a rank can hold nothing (tiny model, many ranks)
             kwargs = {}
             if self.settings.delta == "copy" and self.last_version is not None and _same_layout(self._previous,
                                                                                                  regions):

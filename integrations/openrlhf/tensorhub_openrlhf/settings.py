@@ -29,6 +29,7 @@ VARIABLES = {
     "TENSORHUB_HUB_CONFIG": "hub",
     "TENSORHUB_DELTA": "delta",
     "TENSORHUB_VLLM_QUANTIZATION": "vllm_quantization",
+    "TENSORHUB_LORA": "lora",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -57,6 +58,10 @@ class TensorHubSettings:
     # FP8 method (fp8_per_channel, fp8_per_tensor, fp8_per_block) serves FP8 and
     # re-quantizes each bf16 version as it loads; None: the checkpoint's dtype.
     vllm_quantization: str | None = None
+    # Trainer: OpenRLHF trains a LoRA adapter (--ds.lora.rank > 0) and each rank
+    # publishes only the adapter (its partitions of the A/B matrices, in place)
+    # as an adapter version of `model` (tensorhub.lora; name it policy/lora/<name>).
+    lora: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TensorHubSettings:
@@ -82,6 +87,11 @@ class TensorHubSettings:
             values["delta"] = env["TENSORHUB_DELTA"].strip().lower()
             if values["delta"] not in ("off", "copy"):
                 raise ValueError(f"TENSORHUB_DELTA must be 'off' or 'copy', not {env['TENSORHUB_DELTA']!r}")
+        if "TENSORHUB_LORA" in env:
+            values["lora"] = _flag("TENSORHUB_LORA", env["TENSORHUB_LORA"])
+            if values["lora"] and values.get("delta") == "copy":
+                raise ValueError("TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1: an adapter version "
+                                 "is published whole (it is small); set TENSORHUB_DELTA=off")
         if env.get("TENSORHUB_VLLM_QUANTIZATION", "").strip():
             values["vllm_quantization"] = env["TENSORHUB_VLLM_QUANTIZATION"].strip()
         return cls(**values)
@@ -97,6 +107,7 @@ class TensorHubSettings:
             "TENSORHUB_HUB_CONFIG": json.dumps(self.hub, sort_keys=True),
             "TENSORHUB_DELTA": self.delta,
             "TENSORHUB_VLLM_QUANTIZATION": self.vllm_quantization or "",
+            "TENSORHUB_LORA": "1" if self.lora else "0",
         }
 
     def vllm_engine_args(self) -> dict[str, Any]:

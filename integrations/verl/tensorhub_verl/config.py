@@ -41,6 +41,11 @@ class TensorHubEngineConfig:
     # partial read set (a TP worker) reads contiguous bytes. None (null): off.
     cut: str | None = None
     cut_gather_bytes: int | None = None  # per rank; None: HubConfig.cut_gather_bytes
+    # true: verl trains a LoRA adapter (actor_rollout_ref.model.lora_rank > 0) and
+    # each trainer rank publishes only the adapter, its FSDP shards of the A/B
+    # matrices in place, as an adapter version of `model` (tensorhub.lora; name
+    # the key like "policy/lora/<name>"); rollouts pull the adapter version.
+    lora: bool = False
     wait_timeout_s: float = 600.0  # rollout: longest wait for the asked step to be published
     unpublish_timeout_s: float = 120.0  # trainer: longest wait for readers of the previous step to drain
     hub: dict[str, Any] = field(default_factory=dict)  # HubConfig fields: connect_timeout_s, chunk_size, labels, ...
@@ -62,6 +67,12 @@ class TensorHubEngineConfig:
         if config.buffer_device not in ("cpu", "cuda"):
             raise ValueError(
                 f"TensorHubEngineConfig.buffer_device must be 'cpu' or 'cuda', not {config.buffer_device!r}")
+        if not isinstance(config.lora, bool):
+            raise ValueError(f"TensorHubEngineConfig.lora must be true or false, not {config.lora!r} "  # noqa: TRY004
+                             f"(under {CONFIG_KEY}.lora)")
+        if config.lora and config.cut is not None:
+            raise ValueError(f"TensorHubEngineConfig.cut: the readers' cut is for base weights; an adapter is "
+                             f"read whole (set {CONFIG_KEY}.cut to null with lora: true)")
         if config.delta not in ("auto", "off"):
             raise ValueError(f"TensorHubEngineConfig.delta must be 'auto' or 'off', not {config.delta!r}")
         if config.cut not in (None, "readers"):

@@ -30,6 +30,19 @@ trainer's torch.distributed world (``cut_group``, default the whole world,
 which is verl's FSDP world): each rank also publishes its share of the
 readers' cut (``Hub.publish(cut="readers")``). Every rank then publishes,
 even one whose split of the stream is empty (refused on every rank at once).
+
+``lora: true`` (verl's ``lora_rank > 0``, adapter not merged): the trainer
+ranks publish only the adapter, each its FSDP2 shards of the LoRA A/B matrices
+in place (``tensorhub.lora.publish_adapter``: PEFT's saved names, the PEFT
+settings beside them), as version ``step`` of ``model``; no buffer, no gather,
+no ``layered_summon``. The stream verl passes (the base weights) is not read.
+The module comes from the calling verl worker (verl_internals.py) unless
+``module`` is set. Being in place, the adapter is withdrawn at ``finalize``,
+once the rollouts have it (verl calls it before training goes on); rollouts
+keep serving their copies (``serve``) to late ones. A rollout's
+``receive_weights`` pulls the adapter version into ``adapter`` (a
+``tensorhub.lora.PulledAdapter``) and yields nothing: the base is unchanged.
+Serving it from vLLM is ``tensorhub_vllm``'s ``AdapterVersions``.
 """
 
 from __future__ import annotations
@@ -48,10 +61,12 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from tensorhub import Hub, ManifestMismatch, Publication, PullResult, ServerUnavailable, VersionNotFound
 from tensorhub.client.trainercut import ranks_holding_nothing
 from tensorhub.delta.codec import DeltaEncoder
+from tensorhub.lora import PulledAdapter, publish_adapter, pull_adapter
 from tensorhub.server.ray_actor import resolve_address
 from tensorhub_verl import pull_stats
 from tensorhub_verl.buffer import RankBuffer
 from tensorhub_verl.config import CONFIG_KEY, TensorHubEngineConfig
+from tensorhub_verl.verl_internals import calling_workers_module
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +109,14 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.rank_and_world: tuple[int, int] | None = None
         # cut: readers gathers over this torch.distributed group; None: the default (whole) world
         self.cut_group: Any = None
+        # lora: the PEFT model whose adapter this rank publishes; None: the calling verl worker's
+        self.module: torch.nn.Module | None = None
         # rollout
         self._received: int | None = None
         self._dest: dict[str, torch.Tensor] | None = None
         self._serving: Publication | None = None
         self.last_pull: PullResult | None = None  # of the last receive_weights (delta_from, read_bytes, ...)
+        self.adapter: PulledAdapter | None = None  # lora: the adapter version received last
 
     # ------------------------------------------------------------ topology
 
@@ -116,7 +134,13 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         """No collective group: rollouts join and leave without a rebuild."""
 
     def finalize(self) -> None:
-        """Keeps the published version (and the buffer) alive: late rollouts still pull it."""
+        """Keeps the published version (and the buffer) alive: late rollouts
+        still pull it. ``lora``: withdraws the adapter published in place
+        (verl calls this once the rollouts have it), so the optimizer may
+        write the parameters again."""
+        if self.config.lora and self._published is not None:
+            publication, self._published = self._published, None
+            publication.unpublish(self.config.unpublish_timeout_s)
 
     # ------------------------------------------------------------ trainer
 
@@ -132,6 +156,10 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         the rollouts' previous pulls), so verl's merge of the ranks' dicts keeps all."""
         rank, world = self.rank_and_world or _rank_and_world()
         version = self._next_version if global_steps is None else int(global_steps)
+        if self.config.lora:
+            module = self.module if self.module is not None else calling_workers_module()
+            getattr(weights, "close", lambda: None)()  # the base weights: an adapter version does not read them
+            return await self._send_adapter(module, version, rank, world)
         # Before this step is published: only the pulls of the steps before it.
         pulls = await asyncio.to_thread(pull_stats.take, self.config.model) if rank == 0 else []
         start = time.perf_counter()
@@ -188,6 +216,28 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                  rank, world, metrics[f"{mine}/published_mb"], self.config.model, version, blocked + copied, blocked)
         return metrics
 
+    async def _send_adapter(self, module: torch.nn.Module, version: int, rank: int, world: int) -> dict[str, float]:
+        """Publish this rank's shards of the LoRA matrices of ``module`` in place as ``version``."""
+        pulls = await asyncio.to_thread(pull_stats.take, self.config.model) if rank == 0 else []
+        start = time.perf_counter()
+        if self._published is not None:  # not finalized (a failed update): readers drain first
+            await asyncio.to_thread(self._published.unpublish, self.config.unpublish_timeout_s)
+            self._published = None
+        blocked = time.perf_counter() - start
+        self._published = await asyncio.to_thread(publish_adapter, self.hub, self.config.model, version, module)
+        self._next_version = version + 1
+        mine = f"tensorhub/rank{rank}"
+        metrics = {f"{mine}/published_mb": self._published.nbytes / 2**20, f"{mine}/stall_s": blocked,
+                   f"{mine}/unpublish_blocked_s": blocked,
+                   f"{mine}/publish_s": time.perf_counter() - start - blocked}
+        if rank == 0:
+            metrics.update({"tensorhub/version": float(version),
+                            "checkpoint_engine/payload_mbytes": self._published.manifest.total_bytes / 2**20,
+                            "tensorhub/trainer_ranks": float(world), **pull_stats.summarize(pulls)})
+        log.info("rank %d/%d published its %.3f MiB of adapter %r version %d in place", rank, world,
+                 metrics[f"{mine}/published_mb"], self.config.model, version)
+        return metrics
+
     @property
     def publication(self) -> Publication | None:
         """What this trainer rank publishes now (its shard of the last step)."""
@@ -204,6 +254,9 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             target = int(global_steps)
         else:
             target = 0 if self._received is None else self._received + 1
+        if self.config.lora:
+            await asyncio.to_thread(self._pull_newest_adapter, target)
+            return  # the base is unchanged: nothing to load into it
         result = await asyncio.to_thread(self._pull_newest, target)
         log.info("received %r version %d (%.1f MiB in %.3fs, %.2f GB/s)", self.config.model, result.version,
                  result.nbytes / 2**20, result.seconds, result.gbps)
@@ -235,6 +288,30 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                         f"check that the trainer publishes under the same model key ({CONFIG_KEY}.model)")) from e
                 log.debug("version %s went away before the pull; waiting again", version)
                 time.sleep(_RETRY_S)  # it may still look visible for a moment
+
+    def _pull_newest_adapter(self, target: int) -> None:
+        """As ``_pull_newest``, for an adapter version: pulled into new memory
+        (it is small), served from there; the previous one is withdrawn after."""
+        previous = self._serving
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while True:
+            version = self.hub.wait_for_version(self.config.model, target,
+                                                timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                adapter = pull_adapter(self.hub, self.config.model, version, serve=self.config.serve)
+                break
+            except VersionNotFound:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_RETRY_S)
+        self.adapter, self.last_pull, self._received = adapter, adapter.result, adapter.version
+        self._serving = adapter.result.publication
+        if previous is not None:
+            previous.unpublish(self.config.unpublish_timeout_s)
+        pull_stats.record(self.config.model, pull_stats.PullLine(self.worker, adapter.version,
+                                                                 adapter.result.nbytes, adapter.result.seconds))
+        log.info("received adapter %r version %d (%.3f MiB in %.3fs)", self.config.model, adapter.version,
+                 adapter.result.nbytes / 2**20, adapter.result.seconds)
 
     def _pull(self, version: int) -> PullResult:
         if self._serving is not None:

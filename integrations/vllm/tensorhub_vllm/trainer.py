@@ -23,6 +23,20 @@ there is one, keeps the others from withdrawing before the update is over), so
 the optimizer may write the parameters again; engines started with
 ``serve: true`` keep the version pullable for late engines.
 
+``lora=True``: the module (``ModuleSource`` of a PEFT model, FSDP2 or plain)
+trains a LoRA adapter on a frozen base, and every rank publishes only the
+adapter: its part of each ``lora_A`` / ``lora_B`` (an FSDP2 rank its local
+shards) under PEFT's saved names, with the PEFT settings, as version ``v`` of
+``model``, an adapter version (``tensorhub.lora``; name the key like
+``policy/lora/<name>``). vLLM's weight-transfer API has no route for adapters,
+so the engines are not driven: the process holding each engine loads the
+version with ``tensorhub_vllm.adapter_versions.AdapterVersions`` when it
+chooses, and ``client`` may be None. Each rank therefore publishes a host copy
+of its part (about 1% of the model, buffers reused step to step) and keeps it
+published until its next ``send_weights``, which withdraws it first (waiting
+for readers): the optimizer may write the parameters as soon as
+``send_weights`` returns.
+
 ``cut="readers"`` (off by default) also publishes, from every rank, its share
 of the readers' cut (``Hub.publish(cut="readers")``): the regions the engines'
 workers read of the last version, gathered on the trainer at most
@@ -45,8 +59,10 @@ from typing import Any, ClassVar, Literal
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
-from tensorhub import Hub, HubConfig, Shard
+from tensorhub import Hub, HubConfig, Publication, Shard
 from tensorhub.client.trainercut import ranks_holding_nothing
+from tensorhub.dtensor import local_part
+from tensorhub.lora import adapter_of, lora_parameters, publish_adapter
 from tensorhub_vllm.plugin import BACKEND, register_trainer
 from tensorhub_vllm.vllm_internals import module_of
 
@@ -71,9 +87,14 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     unpublish_timeout_s: float = 60.0  # each rank waits this long for the engines' reads to drain
     cut: Literal["readers"] | None = None  # "readers": also publish the readers' cut (collective; see above)
     cut_gather_bytes: int | None = None  # the cut's gather bound per rank (None: HubConfig.cut_gather_bytes)
+    lora: bool = False  # publish only the PEFT adapter, as an adapter version (see above)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        if not isinstance(self.lora, bool):
+            raise ValueError(f"{name}.lora: must be True or False, not {self.lora!r}")  # noqa: TRY004
+        if self.lora and self.cut is not None:
+            raise ValueError(f"{name}.cut: the readers' cut is for base weights; an adapter is read whole")
         if self.cut not in (None, "readers"):
             raise ValueError(f"{name}.cut: must be 'readers' or None, not {self.cut!r}")
         g = self.cut_gather_bytes
@@ -96,24 +117,10 @@ def local_entries(source: WeightSource, *, publish_whole: bool) -> tuple[dict[st
             held = source.held_names()
             entries = {n: t.detach() for n, t in source if t is not None and (held is None or n in held)}
         return entries, manifest
-    from torch.distributed.tensor import DTensor, Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     for name, param in module.named_parameters():
-        if not isinstance(param, DTensor):
-            entries[name] = param.detach()
-            continue
-        if any(isinstance(p, Partial) for p in param.placements):
-            raise ValueError(f"tensorhub: {name} is a partial sum (placements {param.placements}): nothing to "
-                             "publish in place until it is reduced")
-        local = param.detach().to_local()
-        if local.numel() == 0:
-            continue  # an uneven split left this rank nothing of it
-        if not local.is_contiguous():
-            raise ValueError(f"tensorhub: the local shard of {name} is not contiguous; it cannot be published in place")
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        box = tuple((o, o + s) for o, s in zip(offset, shape))
-        entries[name] = Shard(local, tuple(param.shape), box=box) if box else local
+        part = local_part(name, param)
+        if part is not None:  # None: an uneven split left this rank nothing of it
+            entries[name] = part
     return entries, manifest
 
 
@@ -123,6 +130,7 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
     info: TensorHubTrainerInitInfo
     hub: Hub
     version: int
+    adapter_copy: AdapterCopy | None = None  # lora: this rank's published copy of its part of the adapter
     published_bytes: int = 0  # by this rank, in the last send_weights (its shards)
     cut_bytes: int = 0  # of the readers' cut, by this rank, in the last send_weights (its extra memory)
 
@@ -140,9 +148,13 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
                 raise ValueError("TensorHubTrainerInitInfo.cut: 'readers' gathers over the default torch.distributed "
                                  "process group: initialize it before trainer_init (or leave cut unset)")
         engine.version = init_info.first_version - 1
+        if init_info.lora and module_of(source) is None:
+            raise ValueError("TensorHubTrainerInitInfo.lora: the adapter is read from the PEFT model itself: pass "
+                             "source=ModuleSource(peft_model)")
         engine.hub = Hub.connect(init_info.hub, config=HubConfig.from_dict(
             {"name": f"vllm-trainer/rank{init_info.rank}", **init_info.hub_config}))
-        if engine.is_sender:
+        engine.adapter_copy = AdapterCopy() if init_info.lora else None
+        if engine.is_sender and not init_info.lora:
             client.init_weight_transfer_engine({"hub": init_info.hub, "model": init_info.model, **init_info.engine})
         return engine
 
@@ -151,6 +163,9 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         it (the sender), withdraw it (every rank). Called on every rank."""
         assert self.source is not None
         version = self.version + 1
+        if self.adapter_copy is not None:
+            self._send_adapter(version)
+            return
         entries, manifest = local_entries(self.source, publish_whole=self.is_sender)
         if self.info.cut is None:
             publication = self.hub.publish(self.info.model, version, entries, manifest=manifest) if entries else None
@@ -175,8 +190,52 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         log.info("tensorhub: version %d of %r sent (%d bytes published by rank %d)", version, self.info.model,
                  self.published_bytes, self.info.rank)
 
+    def _send_adapter(self, version: int) -> None:
+        module = module_of(self.source)
+        publication = self.adapter_copy.publish(self.hub, self.info.model, version, module,
+                                                self.info.unpublish_timeout_s)
+        self.published_bytes = publication.nbytes
+        if self.is_sender:
+            self.hub.wait_for_version(self.info.model, at_least=version, timeout=self.info.visible_timeout_s)
+        self.version = version
+        log.info("tensorhub: adapter version %d of %r published (%d bytes by rank %d)", version, self.info.model,
+                 self.published_bytes, self.info.rank)
+
     def shutdown(self) -> None:
+        if self.adapter_copy is not None:
+            self.adapter_copy.withdraw(self.info.unpublish_timeout_s)
         self.hub.close()
+
+
+class AdapterCopy:
+    """One rank's host copy of its part of a PEFT model's adapter, published
+    as an adapter version until the next one replaces it."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.publication: Publication | None = None
+
+    def withdraw(self, timeout: float) -> None:
+        """Stop serving the last version; returns once no reader reads the buffers."""
+        publication, self.publication = self.publication, None
+        if publication is not None:
+            publication.unpublish(timeout)
+
+    def publish(self, hub: Hub, model: str, version: int, module: torch.nn.Module, timeout: float) -> Publication:
+        parts, config = adapter_of(module)
+        layout = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in lora_parameters(module).items()}
+        self.withdraw(timeout)  # the buffers are about to be overwritten
+        copies = {name: self._copy(name, part) for name, part in parts.items()}
+        self.publication = publish_adapter(hub, model, version, copies, config, manifest=layout)
+        return self.publication
+
+    def _copy(self, name: str, part: torch.Tensor | Shard) -> torch.Tensor | Shard:
+        tensor = part.tensor if isinstance(part, Shard) else part
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        buffer.copy_(tensor)
+        return Shard(buffer, part.full_shape, box=part.region.box) if isinstance(part, Shard) else buffer
 
 
 def _nbytes(entries: Mapping[str, Any]) -> int:
