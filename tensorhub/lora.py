@@ -18,7 +18,7 @@ which is what vLLM and PEFT's own loaders read.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -26,6 +26,9 @@ import torch
 
 from tensorhub.client.hub import Hub, PullResult
 from tensorhub.client.publication import Publication
+from tensorhub.manifest import DTYPES, Manifest
+from tensorhub.regions import Bounds
+from tensorhub.shard import Shard
 
 # Reserved tensor name of the adapter's settings inside the version.
 ADAPTER_CONFIG = "tensorhub.adapter_config"
@@ -167,14 +170,45 @@ class PulledAdapter:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def pull_adapter(hub: Hub, model: str, version: int | Literal["latest"] = "latest", **pull_kwargs: Any) -> PulledAdapter:
-    """Pull a whole adapter version into new memory (checked chunk by chunk
-    like any version) and split off its settings. Raises the hub's typed
-    errors, or ValueError when the version is not an adapter; nothing is
-    kept either way."""
-    result = hub.pull(model, version, **pull_kwargs)
-    tensors = dict(result.tensors)
+# (name, full shape, dtype) -> the box of the matrix to read, or None: all of it
+PartFn = Callable[[str, tuple[int, ...], torch.dtype], Bounds | None]
+
+
+def pull_adapter(hub: Hub, model: str, version: int | Literal["latest"] = "latest", *, parts: PartFn | None = None,
+                 **pull_kwargs: Any) -> PulledAdapter:
+    """Pull an adapter version into new memory (checked chunk by chunk like
+    any version) and split off its settings. Raises the hub's typed errors, or
+    ValueError when the version is not an adapter; nothing is kept either way.
+
+    ``parts``: read only a box of each matrix (a TP worker's shard: the
+    engine's LoRA layers cut the full matrix themselves); the returned
+    matrices have their full shapes, zeros outside the boxes read. Without
+    it the whole version is read."""
+    staged: dict[str, torch.Tensor | list[Shard]] = {}
+
+    def destination(manifest: Manifest) -> dict[str, torch.Tensor | list[Shard]]:
+        for spec in manifest.tensors:
+            dtype = DTYPES[spec.dtype]
+            box = None if spec.name == ADAPTER_CONFIG else parts(spec.name, spec.shape, dtype)
+            if box is None:
+                staged[spec.name] = torch.empty(spec.shape, dtype=dtype)
+            else:
+                staged[spec.name] = [Shard(torch.empty([b - a for a, b in box], dtype=dtype), spec.shape, box=box)]
+        return staged
+
+    result = hub.pull(model, version, into=None if parts is None else destination, **pull_kwargs)
+    tensors = dict(result.tensors) if parts is None else {n: _in_full(v) for n, v in staged.items()}
     side = tensors.pop(ADAPTER_CONFIG, None)
     if side is None:
         raise ValueError(f"{model!r} version {result.version} is not a LoRA adapter (no {ADAPTER_CONFIG!r} tensor)")
     return PulledAdapter(result.version, AdapterConfig.from_tensor(side), tensors, result)
+
+
+def _in_full(value: torch.Tensor | list[Shard]) -> torch.Tensor:
+    """A pulled box laid into a zero matrix of its full shape."""
+    if isinstance(value, torch.Tensor):
+        return value
+    (shard,) = value
+    full = torch.zeros(shard.full_shape, dtype=shard.tensor.dtype)
+    full[tuple(slice(a, b) for a, b in shard.region.box)] = shard.tensor
+    return full

@@ -58,6 +58,36 @@ def test_adapter_round_trips_with_its_config(server):
     assert got.result.nbytes == got.nbytes + got.result.tensors[ADAPTER_CONFIG].numel()
 
 
+def test_parts_read_only_their_boxes_and_come_back_full_shaped(server):
+    """A TP worker's pull: a box of some matrices (B's rows, A's columns), the rest whole."""
+    tensors = adapter()
+    boxes = {n: ((24, 48), (0, 4)) if ".lora_B." in n else ((0, 4), (0, 16)) for n in tensors if ".q_proj." in n}
+    asked = []
+
+    def parts(name, shape, dtype):
+        asked.append((name, shape, dtype))
+        return boxes.get(name)
+
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
+        publish_adapter(trainer, "policy/lora/tp", 1, tensors, CONFIG)
+        got = pull_adapter(hub, "policy/lora/tp", 1, parts=parts)
+    assert sorted(asked) == sorted((n, tuple(t.shape), torch.bfloat16) for n, t in tensors.items())  # not the settings
+    for name, t in tensors.items():
+        assert got.tensors[name].shape == t.shape
+        box = boxes.get(name)
+        if box is None:
+            assert torch.equal(got.tensors[name], t)
+            continue
+        inside = tuple(slice(a, b) for a, b in box)
+        assert torch.equal(got.tensors[name][inside], t[inside])
+        outside = torch.ones_like(t, dtype=torch.bool)
+        outside[inside] = False
+        assert not got.tensors[name][outside].any()  # zeros: never read
+    whole = sum(t.numel() * 2 for n, t in tensors.items() if n not in boxes)
+    read = sum(4 * 24 * 2 if ".lora_B." in n else 4 * 16 * 2 for n in boxes)
+    assert got.result.nbytes == whole + read + got.result.tensors[ADAPTER_CONFIG].numel()
+
+
 def test_peft_module_publishes_its_live_parameters_under_saved_names(server):
     model = PeftShaped()
     with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
