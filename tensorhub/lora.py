@@ -18,6 +18,7 @@ which is what vLLM and PEFT's own loaders read.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from tensorhub.shard import Shard
 
 # Reserved tensor name of the adapter's settings inside the version.
 ADAPTER_CONFIG = "tensorhub.adapter_config"
+_ALIGN = 64  # bytes: where each matrix starts in a staging buffer (any dtype, a cache line)
 _LORA_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B")
 
 
@@ -172,42 +174,67 @@ class PulledAdapter:
 
 # (name, full shape, dtype) -> the box of the matrix to read, or None: all of it
 PartFn = Callable[[str, tuple[int, ...], torch.dtype], Bounds | None]
+# Staging memory a caller keeps between pulls of one adapter (pull_adapter's ``staging``)
+AdapterStaging = dict[str, dict[str, torch.Tensor | list[Shard]]]
 
 
 def pull_adapter(hub: Hub, model: str, version: int | Literal["latest"] = "latest", *, parts: PartFn | None = None,
-                 **pull_kwargs: Any) -> PulledAdapter:
+                 staging: AdapterStaging | None = None, **pull_kwargs: Any) -> PulledAdapter:
     """Pull an adapter version into new memory (checked chunk by chunk like
     any version) and split off its settings. Raises the hub's typed errors, or
     ValueError when the version is not an adapter; nothing is kept either way.
 
     ``parts``: read only a box of each matrix (a TP worker's shard: the
     engine's LoRA layers cut the full matrix themselves); the returned
-    matrices have their full shapes, zeros outside the boxes read. Without
-    it the whole version is read."""
+    matrices have their full shapes, zeros outside the boxes read.
+    ``staging``: a dict kept by the caller across pulls: the version lands in
+    one buffer kept there per layout (names, shapes, dtypes), so every later
+    version of the same layout reuses its registration and read plan, and the
+    returned matrices are copies of it. Without it a new buffer is returned."""
     staged: dict[str, torch.Tensor | list[Shard]] = {}
 
     def destination(manifest: Manifest) -> dict[str, torch.Tensor | list[Shard]]:
-        for spec in manifest.tensors:
-            dtype = DTYPES[spec.dtype]
-            box = None if spec.name == ADAPTER_CONFIG else parts(spec.name, spec.shape, dtype)
-            if box is None:
-                staged[spec.name] = torch.empty(spec.shape, dtype=dtype)
-            else:
-                staged[spec.name] = [Shard(torch.empty([b - a for a, b in box], dtype=dtype), spec.shape, box=box)]
-        return staged
+        kept = None if staging is None else staging.get(manifest.fingerprint)
+        if kept is None:
+            kept = _allocate(manifest, parts)
+            if staging is not None:
+                staging.clear()  # a new layout: the old buffer is not read again
+                staging[manifest.fingerprint] = kept
+        staged.update(kept)
+        return kept
 
-    result = hub.pull(model, version, into=None if parts is None else destination, **pull_kwargs)
-    tensors = dict(result.tensors) if parts is None else {n: _in_full(v) for n, v in staged.items()}
+    result = hub.pull(model, version, into=destination, **pull_kwargs)
+    tensors = {n: _in_full(v, copy=staging is not None) for n, v in staged.items()}
     side = tensors.pop(ADAPTER_CONFIG, None)
     if side is None:
         raise ValueError(f"{model!r} version {result.version} is not a LoRA adapter (no {ADAPTER_CONFIG!r} tensor)")
     return PulledAdapter(result.version, AdapterConfig.from_tensor(side), tensors, result)
 
 
-def _in_full(value: torch.Tensor | list[Shard]) -> torch.Tensor:
-    """A pulled box laid into a zero matrix of its full shape."""
+def _allocate(manifest: Manifest, parts: PartFn | None) -> dict[str, torch.Tensor | list[Shard]]:
+    """Staging for ``manifest`` (a box of each matrix where ``parts`` says so):
+    views of one buffer, so the hub registers one region, not one per matrix."""
+    pieces = []
+    for spec in manifest.tensors:
+        dtype = DTYPES[spec.dtype]
+        box = None if parts is None or spec.name == ADAPTER_CONFIG else parts(spec.name, spec.shape, dtype)
+        pieces.append((spec, dtype, box, list(spec.shape) if box is None else [b - a for a, b in box]))
+    sizes = [-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for _, dtype, _, shape in pieces]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+    out: dict[str, torch.Tensor | list[Shard]] = {}
+    offset = 0
+    for (spec, dtype, box, shape), size in zip(pieces, sizes):
+        tensor = buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        offset += size
+        out[spec.name] = tensor if box is None else [Shard(tensor, spec.shape, box=box)]
+    return out
+
+
+def _in_full(value: torch.Tensor | list[Shard], *, copy: bool) -> torch.Tensor:
+    """A pulled matrix in memory of its own where ``copy``; a pulled box laid
+    into a zero matrix of its full shape."""
     if isinstance(value, torch.Tensor):
-        return value
+        return value.clone() if copy else value
     (shard,) = value
     full = torch.zeros(shard.full_shape, dtype=shard.tensor.dtype)
     full[tuple(slice(a, b) for a, b in shard.region.box)] = shard.tensor
