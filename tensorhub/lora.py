@@ -91,6 +91,31 @@ class AdapterConfig:
     def from_tensor(cls, tensor: torch.Tensor) -> AdapterConfig:
         return cls.from_dict(json.loads(bytes(tensor.cpu().numpy().tobytes()).decode()))
 
+    def scale(self) -> float:
+        """PEFT's scaling of ``B @ A``: alpha / r (alpha / sqrt(r) with rsLoRA).
+        Per-module ranks or alphas (``rank_pattern``, ``alpha_pattern``) are
+        refused: merged mode would need PEFT's pattern matching to scale each."""
+        if self.rank_pattern or self.alpha_pattern:
+            raise ValueError("merging an adapter with rank_pattern or alpha_pattern is not supported: "
+                             "serve it as a LoRA adapter instead")
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+def base_weight_name(lora_name: str) -> str:
+    """The checkpoint weight a PEFT LoRA matrix adapts:
+    ``base_model.model.model.layers.0.q_proj.lora_A.weight`` -> ``model.layers.0.q_proj.weight``."""
+    for mark in (".lora_A.weight", ".lora_B.weight"):
+        if lora_name.endswith(mark):
+            return lora_name.removeprefix("base_model.model.").removesuffix(mark) + ".weight"
+    raise ValueError(f"{lora_name!r} is not a PEFT LoRA matrix name (no .lora_A.weight or .lora_B.weight)")
+
+
+def merge_lora(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight + scale * (lora_b @ lora_a)`` as a new tensor of ``weight``'s
+    dtype: computed in float32, rounded once. ``weight`` may be a box of the
+    full weight, with the rows of B and the columns of A of that box."""
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
 
 def _peft_name(param_name: str, adapter_name: str) -> str:
     """A PEFT model's parameter name as PEFT saves it: without the adapter's

@@ -11,17 +11,19 @@ B updated to the original version what A generated at start.
 Both engines serve LoRA adapters too (one engine start each covers the LoRA
 check at TP=2): A serves an adapter version from TensorHub, each worker
 pulling only its shard of each A and B matrix, and generates what B generates
-with the same adapter loaded from PEFT files by vLLM's own disk path."""
+with the same adapter loaded from PEFT files by vLLM's own disk path; in
+merged mode, A merges an adapter version into its base and generates what B
+generates with the merged weights loaded as a base version."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
-from conftest import HERE, HUB_CONFIG, engine_pair, perturbed_copy, update_and_relay
+from conftest import HERE, HUB_CONFIG, MODEL_KEY, engine_pair, perturbed_copy, update, update_and_relay
 
 sys.path.insert(0, str(HERE))
-from vllm_tiny_adapter import HIDDEN, INTERMEDIATE, KV, LAYERS, adapter, config, save_peft
+from vllm_tiny_adapter import HIDDEN, INTERMEDIATE, KV, LAYERS, adapter, config, save_merged, save_peft
 
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
 LORA_ARGS = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
@@ -141,3 +143,38 @@ def test_an_adapter_version_at_tp2_generates_what_the_adapter_from_disk_does(eng
     assert p0[q_b] == [[0, 64], [0, 8]] and p1[q_b] == [[64, 128], [0, 8]]
     assert p0[down_a] == [[0, 8], [0, 128]] and p1[down_a] == [[0, 8], [128, 256]]
     assert not [n for n in p0 if ".lora_A." in n and "_proj" in n and "down_proj" not in n]  # all of A: whole
+
+
+def test_merged_mode_at_tp2_matches_the_merged_weights_loaded_as_a_base(engines, trainer, hub_server, tiny_model,
+                                                                        tmp_path):
+    """A merges adapter version 2 (through its worker extension, in merged
+    mode) onto base version 41; B loads the merged weights (the same merge
+    computed on the checkpoint, published by the trainer as version 42)
+    through the base update checked above against a fresh engine."""
+    from tensorhub import Hub
+    from tensorhub.lora import publish_adapter
+
+    a, b = engines
+    trainer.publish(41, "original")
+    trainer.publish(42, "hf", model_dir=save_merged(tiny_model, tmp_path / "merged", adapter(1), config()))
+    a.collective_rpc("tensorhub_init", args=({"hub": hub_server.address, "model": MODEL_KEY,
+                                              "merge_adapter": LORA_KEY, "hub_config": HUB_CONFIG},))
+    try:
+        assert a.collective_rpc("tensorhub_update", args=(41,)) == [41, 41]
+        with Hub.connect(hub_server.address, name="tp-lora-trainer") as hub:
+            pub = publish_adapter(hub, LORA_KEY, 2, adapter(1), config())
+            assert a.collective_rpc("tensorhub_update_adapter", args=(2,)) == [2, 2]
+            stats = a.collective_rpc("tensorhub_stats")
+            pub.unpublish()
+        base = _tokens(b)  # the original weights (the tests above)
+        update(b, 42)
+        a.reset_prefix_cache()
+        b.reset_prefix_cache()
+        assert _tokens(a) == _tokens(b) != base
+        whole = sum(t.numel() * t.element_size() for t in adapter(1).values())
+        for s in stats:  # only adapter bytes, and only the rows of B and columns of A this worker's boxes need
+            assert set(s["bytes_by_source"]) == {"tp-lora-trainer"} and s["nbytes"] < 0.85 * whole, s
+    finally:
+        a.collective_rpc("tensorhub_close")
+        trainer.unpublish(41)
+        trainer.unpublish(42)
