@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tensorhub import Hub
-from tensorhub.lora import ADAPTER_CONFIG, AdapterConfig, publish_adapter, pull_adapter
+from tensorhub.lora import ADAPTER_CONFIG, AdapterConfig, base_weight_name, merge_lora, publish_adapter, pull_adapter
 
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": {"v_proj", "q_proj"}, "task_type": "CAUSAL_LM", "bias": "none"}
 
@@ -122,3 +122,23 @@ def test_a_plain_version_is_not_taken_for_an_adapter(server):
         trainer.publish("policy", 1, {"w": torch.ones(4)})
         with pytest.raises(ValueError, match="is not a LoRA adapter"):
             pull_adapter(hub, "policy", 1)
+
+
+def test_merge_math_is_peft_scaling_rounded_once():
+    w = torch.randn(48, 32).to(torch.bfloat16)
+    t = adapter()
+    a, b = t["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], \
+        t["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    cfg = AdapterConfig.from_dict(CONFIG)
+    assert cfg.scale() == 2.0 and AdapterConfig.from_dict({**CONFIG, "use_rslora": True}).scale() == 4.0
+    merged = merge_lora(w, a, b, cfg.scale())
+    assert merged.dtype == torch.bfloat16
+    assert torch.equal(merged, (w.float() + 2.0 * (b.float() @ a.float())).to(torch.bfloat16))
+    # a box of the weight merges with its rows of B and columns of A: the same bytes as that box of the whole
+    assert torch.equal(merge_lora(w[24:, 8:16], a[:, 8:16], b[24:], 2.0), merged[24:, 8:16])
+    assert base_weight_name("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="not a PEFT LoRA matrix name"):
+        base_weight_name("model.norm.weight")
+    with pytest.raises(ValueError, match="rank_pattern or alpha_pattern"):
+        AdapterConfig.from_dict({**CONFIG, "rank_pattern": {"q_proj": 8}}).scale()
