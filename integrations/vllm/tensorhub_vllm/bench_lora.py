@@ -153,7 +153,7 @@ def print_lora(rows: list[dict], cfg) -> None:
     table = Table(title=f"vLLM LoRA adapter update, rank {cfg.lora_rank}, TP={cfg.tp}, "
                         f"{adapter / 2**20:.1f} MiB adapter (median of {cfg.reps})")
     for col in ("method", "rank", "read / share", "share / adapter", "pull s", "register s", "seconds", "vs disk"):
-        table.add_column(col, justify="left" if col == "method" else "right")
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in rows:
         if r["method"] == "tensorhub-adapter":
             table.add_row(r["method"], str(r["rank"]), f"{r['read_bytes'] / r['share_bytes']:.3f}",
