@@ -245,6 +245,8 @@ def test_merged_mode_generates_what_a_fresh_engine_on_the_merged_weights_does(lo
         trainer.publish(1, "original")
         llm.collective_rpc("tensorhub_init", args=({"hub": hub_server.address, "model": base_key,
                                                     "merge_adapter": MODEL, "hub_config": HUB_CONFIG},))
+        with pytest.raises(RuntimeError, match="update the base weights through TensorHub first"):
+            llm.collective_rpc("tensorhub_update_adapter", args=(1,))
         assert llm.collective_rpc("tensorhub_update", args=(1,)) == [1]
         llm.reset_prefix_cache()
         assert generate(llm) == fresh["base"]

@@ -154,14 +154,14 @@ class WorkerUpdater:
         ``update``, with the same all-or-none rule across the engine's workers.
         Returns the adapter version now merged."""
         key = self.receiver.info.merge_adapter
-        if not key:
-            raise RuntimeError("tensorhub: this engine merges no adapter: set merge_adapter in its init_info")
-        if self.receiver.version is None or self.receiver.staged is None:
-            raise RuntimeError("tensorhub: merged mode merges onto the base version in the staging, and there is "
-                               "none yet: update the base weights through TensorHub first")
         self._adapter_round += 1
         start = time.perf_counter()
-        try:
+        try:  # every failure, these two included, goes through _settle: one worker raises it for the engine
+            if not key:
+                raise RuntimeError("tensorhub: this engine merges no adapter: set merge_adapter in its init_info")
+            if self.receiver.version is None or self.receiver.staged is None:
+                raise RuntimeError("tensorhub: merged mode merges onto the base version in the staging, and there "
+                                   "is none yet: update the base weights through TensorHub first")
             adapter = pull_adapter(self.receiver.hub, key, version, parts=self._adapter_parts,
                                    staging=self._adapter_staging, group=f"{self.receiver.group}/adapter",
                                    group_round=self._adapter_round)
@@ -169,7 +169,7 @@ class WorkerUpdater:
         except Exception as e:  # noqa: BLE001  (as in update: every worker hears, then it is raised)
             adapter, staged, error = None, None, e
         self.pull_s = time.perf_counter() - start
-        self._settle(version, key, error)
+        self._settle(version, key or "(no adapter)", error)
         apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(staged, self.device))
         self.apply_s = time.perf_counter() - start - self.pull_s
         self.adapter = adapter
