@@ -230,7 +230,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     from tensorhub_vllm import bench  # the vLLM adapter: pip install 'tensorhub[vllm]'
 
     cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps, tp=args.tp,
-                                model=args.model, experts=args.experts, overread=args.overread)
+                                model=args.model, experts=args.experts, overread=args.overread,
+                                lora_rank=args.lora_rank)
     return bench.run(cfg, json_path=args.json)
 
 
@@ -449,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--experts", type=int, default=32, help="experts per layer of the random Qwen3-MoE")
     vllm.add_argument("--overread", type=float, default=0.2,
                       help="the engine's overread: at most this share of its read set more, read as whole rows")
+    vllm.add_argument("--lora-rank", type=int, default=0,
+                      help="> 0: LoRA adapter versions of this rank (all linear layers) instead of base weights, "
+                           "against the disk round trip (PEFT files, then vLLM's in-place load)")
     vllm.add_argument("--json", help="write the results here as JSON")
     vllm.set_defaults(func=_bench_vllm)
     return parser

@@ -18,7 +18,8 @@ which is what vLLM and PEFT's own loaders read.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -27,10 +28,13 @@ import torch
 from tensorhub.client.hub import Hub, PullResult
 from tensorhub.client.publication import Publication
 from tensorhub.dtensor import local_part
+from tensorhub.manifest import DTYPES, Manifest
+from tensorhub.regions import Bounds
 from tensorhub.shard import Shard
 
 # Reserved tensor name of the adapter's settings inside the version.
 ADAPTER_CONFIG = "tensorhub.adapter_config"
+_ALIGN = 64  # bytes: where each matrix starts in a staging buffer (any dtype, a cache line)
 _LORA_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B")
 
 
@@ -87,6 +91,31 @@ class AdapterConfig:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> AdapterConfig:
         return cls.from_dict(json.loads(bytes(tensor.cpu().numpy().tobytes()).decode()))
+
+    def scale(self) -> float:
+        """PEFT's scaling of ``B @ A``: alpha / r (alpha / sqrt(r) with rsLoRA).
+        Per-module ranks or alphas (``rank_pattern``, ``alpha_pattern``) are
+        refused: merged mode would need PEFT's pattern matching to scale each."""
+        if self.rank_pattern or self.alpha_pattern:
+            raise ValueError("merging an adapter with rank_pattern or alpha_pattern is not supported: "
+                             "serve it as a LoRA adapter instead")
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+def base_weight_name(lora_name: str) -> str:
+    """The checkpoint weight a PEFT LoRA matrix adapts:
+    ``base_model.model.model.layers.0.q_proj.lora_A.weight`` -> ``model.layers.0.q_proj.weight``."""
+    for mark in (".lora_A.weight", ".lora_B.weight"):
+        if lora_name.endswith(mark):
+            return lora_name.removeprefix("base_model.model.").removesuffix(mark) + ".weight"
+    raise ValueError(f"{lora_name!r} is not a PEFT LoRA matrix name (no .lora_A.weight or .lora_B.weight)")
+
+
+def merge_lora(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight + scale * (lora_b @ lora_a)`` as a new tensor of ``weight``'s
+    dtype: computed in float32, rounded once. ``weight`` may be a box of the
+    full weight, with the rows of B and the columns of A of that box."""
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
 def _peft_name(param_name: str, adapter_name: str) -> str:
@@ -203,14 +232,70 @@ class PulledAdapter:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def pull_adapter(hub: Hub, model: str, version: int | Literal["latest"] = "latest", **pull_kwargs: Any) -> PulledAdapter:
-    """Pull a whole adapter version into new memory (checked chunk by chunk
-    like any version) and split off its settings. Raises the hub's typed
-    errors, or ValueError when the version is not an adapter; nothing is
-    kept either way."""
-    result = hub.pull(model, version, **pull_kwargs)
-    tensors = dict(result.tensors)
+# (name, full shape, dtype) -> the box of the matrix to read, or None: all of it
+PartFn = Callable[[str, tuple[int, ...], torch.dtype], Bounds | None]
+# Staging memory a caller keeps between pulls of one adapter (pull_adapter's ``staging``)
+AdapterStaging = dict[str, dict[str, torch.Tensor | list[Shard]]]
+
+
+def pull_adapter(hub: Hub, model: str, version: int | Literal["latest"] = "latest", *, parts: PartFn | None = None,
+                 staging: AdapterStaging | None = None, **pull_kwargs: Any) -> PulledAdapter:
+    """Pull an adapter version into new memory (checked chunk by chunk like
+    any version) and split off its settings. Raises the hub's typed errors, or
+    ValueError when the version is not an adapter; nothing is kept either way.
+
+    ``parts``: read only a box of each matrix (a TP worker's shard: the
+    engine's LoRA layers cut the full matrix themselves); the returned
+    matrices have their full shapes, zeros outside the boxes read.
+    ``staging``: a dict kept by the caller across pulls: the version lands in
+    one buffer kept there per layout (names, shapes, dtypes), so every later
+    version of the same layout reuses its registration and read plan, and the
+    returned matrices are copies of it. Without it a new buffer is returned."""
+    staged: dict[str, torch.Tensor | list[Shard]] = {}
+
+    def destination(manifest: Manifest) -> dict[str, torch.Tensor | list[Shard]]:
+        kept = None if staging is None else staging.get(manifest.fingerprint)
+        if kept is None:
+            kept = _allocate(manifest, parts)
+            if staging is not None:
+                staging.clear()  # a new layout: the old buffer is not read again
+                staging[manifest.fingerprint] = kept
+        staged.update(kept)
+        return kept
+
+    result = hub.pull(model, version, into=destination, **pull_kwargs)
+    tensors = {n: _in_full(v, copy=staging is not None) for n, v in staged.items()}
     side = tensors.pop(ADAPTER_CONFIG, None)
     if side is None:
         raise ValueError(f"{model!r} version {result.version} is not a LoRA adapter (no {ADAPTER_CONFIG!r} tensor)")
     return PulledAdapter(result.version, AdapterConfig.from_tensor(side), tensors, result)
+
+
+def _allocate(manifest: Manifest, parts: PartFn | None) -> dict[str, torch.Tensor | list[Shard]]:
+    """Staging for ``manifest`` (a box of each matrix where ``parts`` says so):
+    views of one buffer, so the hub registers one region, not one per matrix."""
+    pieces = []
+    for spec in manifest.tensors:
+        dtype = DTYPES[spec.dtype]
+        box = None if parts is None or spec.name == ADAPTER_CONFIG else parts(spec.name, spec.shape, dtype)
+        pieces.append((spec, dtype, box, list(spec.shape) if box is None else [b - a for a, b in box]))
+    sizes = [-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for _, dtype, _, shape in pieces]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+    out: dict[str, torch.Tensor | list[Shard]] = {}
+    offset = 0
+    for (spec, dtype, box, shape), size in zip(pieces, sizes):
+        tensor = buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        offset += size
+        out[spec.name] = tensor if box is None else [Shard(tensor, spec.shape, box=box)]
+    return out
+
+
+def _in_full(value: torch.Tensor | list[Shard], *, copy: bool) -> torch.Tensor:
+    """A pulled matrix in memory of its own where ``copy``; a pulled box laid
+    into a zero matrix of its full shape."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if copy else value
+    (shard,) = value
+    full = torch.zeros(shard.full_shape, dtype=shard.tensor.dtype)
+    full[tuple(slice(a, b) for a, b in shard.region.box)] = shard.tensor
+    return full

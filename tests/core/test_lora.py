@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tensorhub import Hub
-from tensorhub.lora import ADAPTER_CONFIG, AdapterConfig, publish_adapter, pull_adapter
+from tensorhub.lora import ADAPTER_CONFIG, AdapterConfig, base_weight_name, merge_lora, publish_adapter, pull_adapter
 
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": {"v_proj", "q_proj"}, "task_type": "CAUSAL_LM", "bias": "none"}
 
@@ -58,6 +58,36 @@ def test_adapter_round_trips_with_its_config(server):
     assert got.result.nbytes == got.nbytes + got.result.tensors[ADAPTER_CONFIG].numel()
 
 
+def test_parts_read_only_their_boxes_and_come_back_full_shaped(server):
+    """A TP worker's pull: a box of some matrices (B's rows, A's columns), the rest whole."""
+    tensors = adapter()
+    boxes = {n: ((24, 48), (0, 4)) if ".lora_B." in n else ((0, 4), (0, 16)) for n in tensors if ".q_proj." in n}
+    asked = []
+
+    def parts(name, shape, dtype):
+        asked.append((name, shape, dtype))
+        return boxes.get(name)
+
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
+        publish_adapter(trainer, "policy/lora/tp", 1, tensors, CONFIG)
+        got = pull_adapter(hub, "policy/lora/tp", 1, parts=parts)
+    assert sorted(asked) == sorted((n, tuple(t.shape), torch.bfloat16) for n, t in tensors.items())  # not the settings
+    for name, t in tensors.items():
+        assert got.tensors[name].shape == t.shape
+        box = boxes.get(name)
+        if box is None:
+            assert torch.equal(got.tensors[name], t)
+            continue
+        inside = tuple(slice(a, b) for a, b in box)
+        assert torch.equal(got.tensors[name][inside], t[inside])
+        outside = torch.ones_like(t, dtype=torch.bool)
+        outside[inside] = False
+        assert not got.tensors[name][outside].any()  # zeros: never read
+    whole = sum(t.numel() * 2 for n, t in tensors.items() if n not in boxes)
+    read = sum(4 * 24 * 2 if ".lora_B." in n else 4 * 16 * 2 for n in boxes)
+    assert got.result.nbytes == whole + read + got.result.tensors[ADAPTER_CONFIG].numel()
+
+
 def test_peft_module_publishes_its_live_parameters_under_saved_names(server):
     model = PeftShaped()
     with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
@@ -92,3 +122,23 @@ def test_a_plain_version_is_not_taken_for_an_adapter(server):
         trainer.publish("policy", 1, {"w": torch.ones(4)})
         with pytest.raises(ValueError, match="is not a LoRA adapter"):
             pull_adapter(hub, "policy", 1)
+
+
+def test_merge_math_is_peft_scaling_rounded_once():
+    w = torch.randn(48, 32).to(torch.bfloat16)
+    t = adapter()
+    a, b = t["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], \
+        t["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    cfg = AdapterConfig.from_dict(CONFIG)
+    assert cfg.scale() == 2.0 and AdapterConfig.from_dict({**CONFIG, "use_rslora": True}).scale() == 4.0
+    merged = merge_lora(w, a, b, cfg.scale())
+    assert merged.dtype == torch.bfloat16
+    assert torch.equal(merged, (w.float() + 2.0 * (b.float() @ a.float())).to(torch.bfloat16))
+    # a box of the weight merges with its rows of B and columns of A: the same bytes as that box of the whole
+    assert torch.equal(merge_lora(w[24:, 8:16], a[:, 8:16], b[24:], 2.0), merged[24:, 8:16])
+    assert base_weight_name("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="not a PEFT LoRA matrix name"):
+        base_weight_name("model.norm.weight")
+    with pytest.raises(ValueError, match="rank_pattern or alpha_pattern"):
+        AdapterConfig.from_dict({**CONFIG, "rank_pattern": {"q_proj": 8}}).scale()

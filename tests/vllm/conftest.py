@@ -191,10 +191,10 @@ def tp_engine(model_dir: Path, hub_address: str, model_key: str = MODEL_KEY, tp:
     return llm
 
 
-def engine_pair(first: Path, second: Path, hub_address: str, model_key: str = MODEL_KEY):
+def engine_pair(first: Path, second: Path, hub_address: str, model_key: str = MODEL_KEY, **engine_args):
     """Yield two TP engines (A on ``first``, B on ``second``); shut their transfer engines down after."""
-    a = tp_engine(first, hub_address, model_key)
-    b = tp_engine(second, hub_address, model_key)
+    a = tp_engine(first, hub_address, model_key, **engine_args)
+    b = tp_engine(second, hub_address, model_key, **engine_args)
     yield a, b
     for llm in (a, b):
         llm.shutdown_weight_transfer_engine()

@@ -17,7 +17,7 @@ import pytest
 from conftest import HERE, HUB_CONFIG, Trainer, perturbed_copy, update
 
 sys.path.insert(0, str(HERE))
-from vllm_tiny_adapter import adapter, config, save_peft
+from vllm_tiny_adapter import adapter, config, save_merged, save_peft
 
 MODEL = "tiny-qwen2/lora/math"
 # Longer than one KV block (the CPU backend's is 128 tokens), so a repeated
@@ -39,13 +39,15 @@ def generate(llm, lora=None, prompts=PROMPTS) -> list[list[int]]:
 def fresh(tiny_model, tmp_path_factory):
     """What fresh engines generate for the base and for each adapter loaded
     from PEFT files (vLLM's own disk path), on the original base and on the
-    perturbed one: the references of this module, computed in one other process."""
+    perturbed one, and on the base with adapter version 1 merged into its
+    files: the references of this module, computed in one other process."""
     tmp = tmp_path_factory.mktemp("lora-reference")
     perturbed = perturbed_copy(tiny_model, tmp / "perturbed")
     pefts = {v: str(save_peft(tmp / f"peft-{v}", adapter(seed), config())) for v, seed in ADAPTERS.items()}
     spec = {"engine_args": ENGINE_ARGS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": [
         {"model": str(tiny_model), "runs": {"base": None, **{str(v): p for v, p in pefts.items()}}},
-        {"model": str(perturbed), "runs": {"perturbed": None, "perturbed+2": pefts[2]}}]}
+        {"model": str(perturbed), "runs": {"perturbed": None, "perturbed+2": pefts[2]}},
+        {"model": str(save_merged(tiny_model, tmp / "merged-1", adapter(ADAPTERS[1]), config())), "runs": {"merged": None}}]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     run = subprocess.run([sys.executable, str(HERE / "vllm_lora_reference.py"), str(tmp / "spec.json")],
                          check=False, capture_output=True, text=True, timeout=300)
@@ -54,7 +56,7 @@ def fresh(tiny_model, tmp_path_factory):
     out = json.loads(lines[-1].removeprefix("REFERENCE "))
     out = {int(k) if k.isdigit() else k: v for k, v in out.items()}
     # each adapter, and the new base, changes the tokens: the checks below can fail
-    assert out[1] != out["base"] and out[2] != out[1] and out["perturbed+2"] != out[2]
+    assert out[1] != out["base"] and out[2] != out[1] and out["perturbed+2"] != out[2] and out["merged"] != out["base"]
     return out
 
 
@@ -225,4 +227,36 @@ def test_a_base_update_keeps_the_adapter_served(lora_engine, published, fresh, h
         assert all(s["cached"] == [v2.lora_int_id] for s in adapters.stats())
     finally:
         llm.shutdown_weight_transfer_engine()
+        trainer.close()
+
+
+def test_merged_mode_generates_what_a_fresh_engine_on_the_merged_weights_does(lora_engine, published, fresh,
+                                                                              hub_server, tiny_model, trainer_hub):
+    """Merged mode, for engines without LoRA support (this engine's is left
+    unused: no request names an adapter): after a base update through
+    TensorHub, the worker pulls only adapter version 1 and reloads the base
+    merged with it. Reference: a fresh engine started on the merged files."""
+    from tensorhub.lora import AdapterConfig
+
+    llm, _ = lora_engine
+    base_key = "tiny-qwen2/merge-base"
+    trainer = Trainer(hub_server.address, tiny_model, model_key=base_key)
+    try:
+        trainer.publish(1, "original")
+        llm.collective_rpc("tensorhub_init", args=({"hub": hub_server.address, "model": base_key,
+                                                    "merge_adapter": MODEL, "hub_config": HUB_CONFIG},))
+        with pytest.raises(RuntimeError, match="update the base weights through TensorHub first"):
+            llm.collective_rpc("tensorhub_update_adapter", args=(1,))
+        assert llm.collective_rpc("tensorhub_update", args=(1,)) == [1]
+        llm.reset_prefix_cache()
+        assert generate(llm) == fresh["base"]
+        assert llm.collective_rpc("tensorhub_update_adapter", args=(1,)) == [1]
+        llm.reset_prefix_cache()  # the weights changed under cached blocks
+        assert generate(llm) == fresh["merged"]
+        side = AdapterConfig.from_dict(config()).to_tensor().numel()
+        adapter_bytes = sum(t.numel() * t.element_size() for t in adapter(ADAPTERS[1]).values())
+        for s in llm.collective_rpc("tensorhub_stats"):  # only the adapter moved, from the trainer
+            assert s["nbytes"] == adapter_bytes + side and s["bytes_by_source"] == {trainer_hub.name: s["nbytes"]}, s
+    finally:
+        llm.collective_rpc("tensorhub_close")
         trainer.close()

@@ -35,6 +35,9 @@ def test_entry_point_registers_backend_idempotently():
     ({"hub": "h:1", "model": "m", "overread": 1.5}, r"TensorHubInitInfo\.overread: must be a number from 0 to 1"),
     ({"hub": "h:1", "model": "m", "hub_config": {"read_wrkers": 2}}, r"TensorHubInitInfo\.hub_config: .*read_wrkers"),
     ({"hub": "h:1", "model": "m", "modle": "x"}, r"TensorHubInitInfo has no field\(s\) \['modle'\]"),
+    ({"hub": "h:1", "model": "m", "merge_adapter": "m/lora", "serve": False},
+     r"TensorHubInitInfo\.merge_adapter: needs serve: true"),
+    ({"hub": "h:1", "model": "m", "merge_adapter": "m"}, r"TensorHubInitInfo\.merge_adapter: must be the adapter's"),
     ("h:1", r"TensorHubInitInfo must be a dict"),
 ])
 def test_bad_init_info_names_the_field(values, message):

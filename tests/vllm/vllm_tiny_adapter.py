@@ -40,3 +40,24 @@ def save_peft(path: Path, tensors: dict[str, torch.Tensor], peft_config: dict) -
               metadata={"format": "pt"})
     (path / "adapter_config.json").write_text(json.dumps(peft_config))
     return path
+
+
+def save_merged(model_dir: Path, path: Path, tensors: dict[str, torch.Tensor], peft_config: dict) -> Path:
+    """``model_dir`` with the adapter merged into its weights (``tensorhub.lora.merge_lora``,
+    what merged mode computes), at ``path``: a fresh engine's reference."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tensorhub.lora import AdapterConfig, base_weight_name, merge_lora
+
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    scale = AdapterConfig.from_dict(peft_config).scale()
+    for name, lora_a in tensors.items():
+        if ".lora_A." in name:
+            base = base_weight_name(name)
+            weights[base] = merge_lora(weights[base].to(torch.bfloat16), lora_a,
+                                       tensors[name.replace(".lora_A.", ".lora_B.")], scale)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

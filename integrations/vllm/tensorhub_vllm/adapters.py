@@ -25,7 +25,8 @@ from typing import Any
 from vllm.lora.request import LoRARequest
 
 from tensorhub import Hub, HubConfig
-from tensorhub.lora import PulledAdapter, pull_adapter
+from tensorhub.lora import AdapterStaging, PulledAdapter, pull_adapter
+from tensorhub_vllm.adapter_parts import AdapterParts
 from tensorhub_vllm.config import TensorHubAdapterInfo
 from tensorhub_vllm.vllm_internals import lora_manager_of, lora_model_from_tensors, serve_adapters_from
 
@@ -57,8 +58,16 @@ class WorkerAdapters:
         self.worker = worker
         self.manager = lora_manager_of(worker)
         rank = getattr(worker, "rank", 0)
+        # Exact reads unless told otherwise: at TP > 1 a worker keeps a column
+        # part of each row-parallel layer's A, r short rows; read as whole rows
+        # (the hub's choice over shared memory) they cost twice their bytes
+        # and measured no faster (docs/history/vllm.md, LoRA at TP=2).
         self.hub = Hub.connect(info.hub, config=HubConfig.from_dict(
-            {"name": f"vllm-adapters:rank{rank}:{os.getpid()}", **info.hub_config}))
+            {"name": f"vllm-adapters:rank{rank}:{os.getpid()}", "read_cost": "exact", **info.hub_config}))
+        # At TP > 1, only the part of each matrix this worker's LoRA layers keep.
+        self.parts = AdapterParts(self.manager)
+        # Per adapter model: the buffer its versions land in, registered and planned once
+        self.staging: dict[str, AdapterStaging] = {}
         self.held: dict[int, PulledAdapter] = {}  # adapter id -> its pulled tensors and settings
         self.last: dict[str, Any] = {}  # stats of the last load
         serve_adapters_from(self.manager, SCHEME, self._build)
@@ -79,7 +88,7 @@ class WorkerAdapters:
         if request.lora_int_id in self.held:
             return version
         start = time.perf_counter()
-        pulled = pull_adapter(self.hub, model, version)
+        pulled = pull_adapter(self.hub, model, version, parts=self.parts, staging=self.staging.setdefault(model, {}))
         pull_s = time.perf_counter() - start
         self.held[request.lora_int_id] = pulled
         try:
@@ -87,11 +96,21 @@ class WorkerAdapters:
         except BaseException:
             del self.held[request.lora_int_id]
             raise
-        self.last = {"version": version, "nbytes": pulled.result.nbytes, "pull_s": pull_s,
+        self.last = {"version": version, "nbytes": pulled.result.nbytes, "read_bytes": pulled.result.read_bytes,
+                     "adapter_nbytes": pulled.nbytes, "parts": self._parts_of(pulled), "pull_s": pull_s,
                      "register_s": time.perf_counter() - start - pull_s,
                      "bytes_by_source": dict(pulled.result.bytes_by_source)}
         log.info("tensorhub: adapter %s loaded (%d bytes; pull %.3fs)", request.lora_name, pulled.result.nbytes, pull_s)
         return version
+
+    def _parts_of(self, pulled: PulledAdapter) -> dict[str, list[list[int]]]:
+        """The box of each matrix this worker read (absent: whole)."""
+        out = {}
+        for name, t in pulled.tensors.items():
+            box = self.parts(name, tuple(t.shape), t.dtype)
+            if box is not None:
+                out[name] = [list(r) for r in box]
+        return out
 
     def drop(self, model: str, version: int) -> bool:
         """Forget ``version``: out of vLLM's adapter cache and out of memory."""

@@ -50,6 +50,7 @@ class VllmBenchConfig:
     model: str = "dense"  # or "moe"
     experts: int = 32  # per MoE layer (top-4), expert intermediate hidden / 4
     overread: float = 0.2  # the engine's init_info.overread: bytes read as whole rows beyond the read set
+    lora_rank: int = 0  # > 0: LoRA adapter versions of this rank instead of base weights (bench_lora)
 
 
 def _build_moe(path: Path, cfg: VllmBenchConfig) -> None:
@@ -104,7 +105,9 @@ def _stop_when_started(started: cf.Future) -> None:
 def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess, Path, dict]]
     """A reference server, the random checkpoint (its directory and its tensors)
     and an engine on it whose workers' TensorHub extension is initialised
-    (serve: true, the default: staging allocated and registered once, kept between updates)."""
+    (serve: true, the default: staging allocated and registered once, kept between updates).
+    With ``cfg.lora_rank``: an engine serving LoRA adapters up to that rank
+    instead, its base-weight extension not initialised (only adapters move)."""
     _env(cfg)
     from safetensors.torch import load_file
     from vllm import LLM
@@ -123,11 +126,16 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
         state = {}
         for f in sorted(model_dir.glob("*.safetensors")):
             state.update(load_file(str(f)))
+        # LoRA: two versions resident while one replaces the other, and the disk adapter beside them
+        lora = {"enable_lora": True, "max_loras": 2, "max_cpu_loras": 4, "max_lora_rank": cfg.lora_rank} \
+            if cfg.lora_rank else {}
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
-                  enforce_eager=True, tensor_parallel_size=cfg.tp,
+                  enforce_eager=True, tensor_parallel_size=cfg.tp, **lora,
                   worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
         server = started.result(timeout=60)
-        llm.collective_rpc("tensorhub_init", args=({"hub": server.address, "model": MODEL, "overread": cfg.overread},))
+        if not cfg.lora_rank:
+            llm.collective_rpc("tensorhub_init",
+                               args=({"hub": server.address, "model": MODEL, "overread": cfg.overread},))
         try:
             yield llm, server, model_dir, state
         finally:
@@ -213,8 +221,14 @@ def _print(rows: list[dict], cfg: VllmBenchConfig) -> None:
 
 
 def run(cfg: VllmBenchConfig, json_path: str | None = None) -> int:
-    rows = measure(cfg)
-    _print(rows, cfg)
+    if cfg.lora_rank:
+        from tensorhub_vllm.bench_lora import measure_lora, print_lora
+
+        rows = measure_lora(cfg)
+        print_lora(rows, cfg)
+    else:
+        rows = measure(cfg)
+        _print(rows, cfg)
     if json_path:
         Path(json_path).write_text(json.dumps({"results": rows, "bench": "vllm", "config": asdict(cfg)}, indent=2) + "\n")
     return 0

@@ -110,14 +110,25 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     # One Resolve per engine and version: the first worker resolves for all and
     # hands the answer over the engine's CPU group (groupshare); off: each worker asks.
     share_resolve: bool = True
+    # Merged mode, for an engine served without LoRA support: the model key of
+    # a LoRA adapter (tensorhub.lora) whose versions it merges into its weights
+    # (``tensorhub_update_adapter``: only the adapter is pulled; W + scale·B·A
+    # from the base version in the staging, reloaded as a base update is).
+    merge_adapter: str = ""
 
     @classmethod
     def from_dict(cls, values: Any) -> TensorHubInitInfo:
-        return cls(**_parse(cls, values, {
+        info = cls(**_parse(cls, values, {
             "hub": _text, "model": _text, "serve": _flag, "engine_id": _optional_text,
             "unpublish_timeout_s": _seconds, "hub_config": _hub_config, "overread": _fraction, "delta": _delta,
-            "share_resolve": _flag,
+            "share_resolve": _flag, "merge_adapter": _optional_text,
         }))
+        if info.merge_adapter and not info.serve:
+            raise _fail(cls, "merge_adapter", "needs serve: true (the base version it merges onto stays in the "
+                                              "staging only while the worker serves it)")
+        if info.merge_adapter == info.model:
+            raise _fail(cls, "merge_adapter", f"must be the adapter's model key, not the base model's {info.model!r}")
+        return info
 
 
 @dataclass(kw_only=True, slots=True)

@@ -5,6 +5,11 @@
     llm.collective_rpc("tensorhub_update", args=(7,))       # -> [7, 7, ...] one per worker
     llm.collective_rpc("tensorhub_version")                 # -> [7, 7, ...]
 
+Merged mode, for engines served without LoRA support: with ``"merge_adapter":
+"policy/lora/math"`` in the init info, ``tensorhub_update_adapter(v)`` pulls
+only adapter version v and loads the base (the version last updated to, kept
+in the staging) merged with it; base updates after it keep it merged.
+
 LoRA adapter versions (``tensorhub_adapters_*``) are driven by
 ``tensorhub_vllm.adapter_versions.AdapterVersions``, not by hand.
 
@@ -46,6 +51,17 @@ class TensorHubWorkerExtension:
             return self._tensorhub.update(TensorHubUpdateInfo.from_dict({"version": version}).version)
         except NotApplied:  # the engine's last worker raises the failure out of this RPC
             return self._tensorhub.version
+
+    def tensorhub_update_adapter(self, version: int | str = "latest") -> int | None:
+        """Merged mode (``merge_adapter`` in the init info): pull only adapter
+        ``version`` and load the base merged with it; returns the adapter
+        version this worker now has merged."""
+        if self._tensorhub is None:
+            raise RuntimeError("tensorhub: call collective_rpc('tensorhub_init', args=({...},)) first")
+        try:
+            return self._tensorhub.update_adapter(TensorHubUpdateInfo.from_dict({"version": version}).version)
+        except NotApplied:  # the engine's last worker raises the failure out of this RPC
+            return None if self._tensorhub.adapter is None else self._tensorhub.adapter.version
 
     def tensorhub_version(self) -> int | None:
         return None if self._tensorhub is None else self._tensorhub.version

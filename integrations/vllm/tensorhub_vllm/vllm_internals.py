@@ -39,6 +39,10 @@
   path uses, and route requests whose ``lora_path`` names a TensorHub version
   (``tensorhub://model@version``) to that builder, on this worker's manager
   instance only. Anything else still loads from disk as before.
+* ``lora_cut_of``: at TP > 1 vLLM's LoRA layers cut each adapter matrix they
+  are given to the worker's shard (``set_lora`` -> ``slice_lora_a`` /
+  ``slice_lora_b``); which layer cuts which PEFT tensor, and how, is found
+  through the adapter manager's module and packing tables.
 
 * ``end_weight_update_session``: when one worker's pull fails, every worker
   of the engine abandons the update, but only the last one raises
@@ -63,6 +67,7 @@ from vllm.config import ParallelConfig
 from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.sharded_rdt_common import SUPPORTED_OPS
+from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 from vllm.lora.lora_model import LoRAModel
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.request import LoRARequest
@@ -250,6 +255,40 @@ def lora_model_from_tensors(manager: WorkerLoRAManager, lora_int_id: int, tensor
         skip_prefixes=skip)
     manager._adapter_manager._validate_modules_to_save(lora)
     return lora
+
+
+def lora_cut_of(manager: WorkerLoRAManager, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How this worker's LoRA layer cuts the PEFT matrix ``name`` (its A or
+    B) when an adapter is set: a function of the full matrix that returns the
+    part the layer keeps, as its ``set_lora`` computes it. None where the layer
+    keeps the matrix whole: TP=1 (``set_lora`` cuts nothing), or no linear
+    LoRA layer of this model takes it (embeddings, lm_head, unknown names)."""
+    adapters = manager._adapter_manager
+    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+    mapper = None if mapper is None else mapper.get_rename_mapper()
+    try:
+        module, is_a = parse_fine_tuned_lora_name(name, mapper)
+    except ValueError:
+        return None
+    layer, index, slices = adapters.modules.get(module), None, 0
+    for packed, parts in adapters.packed_modules.items():  # q/k/v -> qkv_proj, gate/up -> gate_up_proj
+        if module in parts:
+            layer, index, slices = adapters.modules.get(packed), parts.index(module), len(parts)
+            break
+    if not isinstance(layer, BaseLinearLayerWithLoRA) or layer.tp_size == 1:
+        return None
+    cut = layer.slice_lora_a if is_a else layer.slice_lora_b
+    if index is None:
+        return cut
+    if slices != layer.n_slices:  # set_lora would first re-split the packed group (expand_packed_lora)
+        return None
+
+    def cut_one(matrix: torch.Tensor) -> torch.Tensor:
+        group: list[torch.Tensor | None] = [None] * slices
+        group[index] = matrix
+        return cut(group)[index]
+
+    return cut_one
 
 
 def serve_adapters_from(manager: WorkerLoRAManager, scheme: str,

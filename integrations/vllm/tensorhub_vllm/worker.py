@@ -11,8 +11,10 @@ import time
 import torch
 from vllm.config import VllmConfig
 
+from tensorhub.lora import AdapterStaging, PulledAdapter, pull_adapter
 from tensorhub_vllm.apply import apply_checkpoint
 from tensorhub_vllm.config import TensorHubInitInfo
+from tensorhub_vllm.merge import adapter_parts_for, merged_staging
 from tensorhub_vllm.readset import dry_run
 from tensorhub_vllm.receiver import VersionReceiver, checkpoint_layout, model_dir
 from tensorhub_vllm.vllm_internals import check_moe_updatable
@@ -105,6 +107,11 @@ class WorkerUpdater:
         self.delta_from: int | None = None  # the last update patched the staging from this version's deltas
         self.read_bytes = 0
         self.descriptors = 0  # READ descriptors the last pull posted
+        # Merged mode (info.merge_adapter): the adapter version merged into the weights, and its staging
+        self.adapter: PulledAdapter | None = None
+        self._adapter_parts = adapter_parts_for(self.read_set)
+        self._adapter_staging: AdapterStaging = {}
+        self._adapter_round = 0
 
     @property
     def version(self) -> int | None:
@@ -116,33 +123,18 @@ class WorkerUpdater:
         loads it and the engine's last worker raises (``reports_failures``): its
         own error where it failed too, else a RuntimeError quoting the others';
         the others raise ``NotApplied``, which their callers turn into a
-        return. Every model keeps its previous weights."""
+        return. Every model keeps its previous weights. In merged mode the
+        adapter merged last is merged onto the new base too."""
         start = time.perf_counter()
         try:
             result, error = self.receiver.receive(version), None
+            staged = self.receiver.staged if self.adapter is None else merged_staging(self.receiver.staged, self.adapter)
         except Exception as e:  # noqa: BLE001  (every worker must hear how this pull went, then it is raised)
-            result, error = None, e  # a failure of its own is among ``failures`` below: done() there
+            result, staged, error = None, None, e  # a failure of its own is among the failures: done() below
         self.pull_s = time.perf_counter() - start
-        failures = pull_failures(None if error is None else f"{type(error).__name__}: {error}")
-        if failures:
-            self.receiver.done()
-            if not reports_failures():
-                # vLLM 0.32's multiprocess executor raises at the first failed
-                # worker's response and leaves the later workers' responses in
-                # their queues, where the next collective_rpc reads them (it
-                # did: the next apply_model raised this update's error). So
-                # only the engine's last worker raises out of the RPC; this
-                # one's caller (backend, extension) returns.
-                log.warning("tensorhub: version %r not applied: %s", version, "; ".join(failures))
-                raise NotApplied(version, failures)
-            if error is not None:  # typed (VersionNotFound, ...), as where every worker failed alike
-                raise error
-            raise RuntimeError(
-                f"tensorhub: version {version!r} of {self.receiver.info.model!r} was not applied: not every "
-                f"worker of this engine pulled its part ({'; '.join(failures)}); every worker keeps the weights "
-                "it had")
         try:
-            apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(self.receiver.staged, self.device))
+            self._settle(version, self.receiver.info.model, error)
+            apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(staged, self.device))
         finally:
             self.receiver.done()
         self.apply_s = time.perf_counter() - start - self.pull_s
@@ -154,6 +146,62 @@ class WorkerUpdater:
         log.info("tensorhub: loaded %r version %d (%d bytes; pull %.3fs, apply %.3fs)", self.receiver.info.model,
                  result.version, result.nbytes, self.pull_s, self.apply_s)
         return result.version
+
+    def update_adapter(self, version: int | str) -> int:
+        """Merged mode: pull only ``version`` of the adapter ``merge_adapter``
+        (the rows of B and columns of A this worker's boxes need) and load the
+        base version in the staging merged with it, through the same reload as
+        ``update``, with the same all-or-none rule across the engine's workers.
+        Returns the adapter version now merged."""
+        key = self.receiver.info.merge_adapter
+        self._adapter_round += 1
+        start = time.perf_counter()
+        try:  # every failure, these two included, goes through _settle: one worker raises it for the engine
+            if not key:
+                raise RuntimeError("tensorhub: this engine merges no adapter: set merge_adapter in its init_info")
+            if self.receiver.version is None or self.receiver.staged is None:
+                raise RuntimeError("tensorhub: merged mode merges onto the base version in the staging, and there "
+                                   "is none yet: update the base weights through TensorHub first")
+            adapter = pull_adapter(self.receiver.hub, key, version, parts=self._adapter_parts,
+                                   staging=self._adapter_staging, group=f"{self.receiver.group}/adapter",
+                                   group_round=self._adapter_round)
+            staged, error = merged_staging(self.receiver.staged, adapter), None
+        except Exception as e:  # noqa: BLE001  (as in update: every worker hears, then it is raised)
+            adapter, staged, error = None, None, e
+        self.pull_s = time.perf_counter() - start
+        self._settle(version, key or "(no adapter)", error)
+        apply_checkpoint(self.vllm_config, self.model, self.read_set.weights(staged, self.device))
+        self.apply_s = time.perf_counter() - start - self.pull_s
+        self.adapter = adapter
+        self.nbytes, self.read_bytes = adapter.result.nbytes, adapter.result.read_bytes
+        self.bytes_by_source = dict(adapter.result.bytes_by_source)
+        self.delta_from, self.descriptors = None, adapter.result.descriptors
+        log.info("tensorhub: merged %r version %d onto %r version %d (%d bytes; pull %.3fs, apply %.3fs)", key,
+                 adapter.version, self.receiver.info.model, self.receiver.version, self.nbytes, self.pull_s,
+                 self.apply_s)
+        return adapter.version
+
+    def _settle(self, version: int | str, model: str, error: Exception | None) -> None:
+        """Return only if every worker of the engine pulled its part of
+        ``version``; else raise: the engine's last worker the failure, the
+        others ``NotApplied`` (see ``update``)."""
+        failures = pull_failures(None if error is None else f"{type(error).__name__}: {error}")
+        if not failures:
+            return
+        if not reports_failures():
+            # vLLM 0.32's multiprocess executor raises at the first failed
+            # worker's response and leaves the later workers' responses in
+            # their queues, where the next collective_rpc reads them (it
+            # did: the next apply_model raised this update's error). So
+            # only the engine's last worker raises out of the RPC; this
+            # one's caller (backend, extension) returns.
+            log.warning("tensorhub: version %r not applied: %s", version, "; ".join(failures))
+            raise NotApplied(version, failures)
+        if error is not None:  # typed (VersionNotFound, ...), as where every worker failed alike
+            raise error
+        raise RuntimeError(
+            f"tensorhub: version {version!r} of {model!r} was not applied: not every worker of this engine pulled "
+            f"its part ({'; '.join(failures)}); every worker keeps the weights it had")
 
     def close(self) -> None:
         self.receiver.close()
