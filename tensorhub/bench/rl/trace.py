@@ -110,7 +110,7 @@ def install(folder: str, method: str, who: str) -> None:
     _wrap(job, "_lose", before=lost)
     _wrap(job, "_release", before=released)
     _wrap(job, "_batch", after=batched)
-    _wrap(holdings.Holdings, "landed", before=reported)
+    _wrap(holdings.Holdings, "report_landed", before=reported)
     from tensorhub.client import rpc
 
     def sent(self: Any, out: Any, took: float, agent_id: str, replica_id: str, chunks: list, *a: Any) -> None:
