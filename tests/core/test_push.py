@@ -107,3 +107,24 @@ def test_any_word_from_a_holder_keeps_every_request_to_it_from_stalling(pair):
         time.sleep(push.SILENCE_S / 5)
     with pytest.raises(TransferFailed, match="no word from the holder"):  # silent from now on
         finish_transfer(reader, pending)
+
+
+def test_a_push_holder_connects_to_its_reader_as_a_relay_while_writing_to_it(pair):
+    """A relay pair pushes both ways: the holder loaded the reader's whole
+    metadata for a WRITE still out, and now pulls from the reader's replica. It
+    pushes from it (never READs), so the loaded agent serves as it is: not
+    loaded again from nothing, which would wait for the WRITE and lose the
+    reader as a source meanwhile."""
+    holder, reader = pair
+    source, dest = torch.ones(NBYTES, dtype=torch.uint8), torch.zeros(NBYTES, dtype=torch.uint8)
+    holder.register([source])
+    relayed = reader.register([dest])
+    holder._push.close()  # the WRITE below is the test's own: nothing else serves or releases
+    writing = holder.write(reader.name, reader.local_metadata(), np.array([[source.data_ptr(), NBYTES, 0]]),
+                           MemoryKind.DRAM, np.array([[dest.data_ptr(), NBYTES, 0]]), MemoryKind.DRAM, notif=b"x")
+    try:
+        regions = np.array([[dest.data_ptr(), NBYTES, 0]])
+        assert holder.connect(f"{reader.name}.1", relayed.metadata, regions) == reader.name
+    finally:
+        finish_transfer(holder, writing)
+    assert torch.equal(dest, source)
