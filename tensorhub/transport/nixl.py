@@ -3,7 +3,9 @@ agents from their metadata, and post READs of byte ranges from them, to be
 polled and released by the caller (the puller, which keeps a deadline on each).
 Where UCX would emulate READ (TCP only), a "READ" is a pull by push instead:
 the holder WRITEs the ranges (tensorhub.transport.push; the mode:
-tensorhub.transport.transfermode). Callers see the same post/poll/release.
+tensorhub.transport.transfermode), where the holder serves push requests (its
+published metadata says so); a READ otherwise. Callers see the same
+post/poll/release.
 
 NIXL facts this relies on (measured, see the project notes):
 * a peer that dies mid-READ makes ``transfer``/``check_xfer_state`` raise;
@@ -28,7 +30,7 @@ from tensorhub.errors import TransportUnavailable
 from tensorhub.transport.memory import MemoryKind, MemoryRegion, regions_of, storages_of
 from tensorhub.transport.pending import PendingRead, TransferFailed
 from tensorhub.transport.push import PushService, PushTicket
-from tensorhub.transport.transfermode import PUSH_ENGINE_CONFIG, resolve_transfer
+from tensorhub.transport.transfermode import PUSH_ENGINE_CONFIG, advertise, advertised, resolve_transfer
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,9 @@ class NixlAgent:
         # reads the other's partial metadata and pushes to its whole one) does
         # not reload one for the other at every request.
         self._admitted: dict[str, bytes] = {}
+        # Remote agents whose published metadata says they serve push requests:
+        # a push reader asks these to WRITE, and READs from the others.
+        self._pushers: set[str] = set()
         # Notifications, by kind (``notifications``, ``news``)
         self._inbox_lock = threading.Lock()
         self._news: list[tuple[str, bytes]] = []
@@ -223,7 +228,7 @@ class NixlAgent:
             metadata = self._agent.get_agent_metadata()
         if self._push is not None:
             self._push.metadata_changed()
-        return Registration(kind, regions, metadata, handle)
+        return Registration(kind, regions, advertise(metadata, self._push is not None), handle)
 
     def deregister(self, registration: Registration) -> None:
         if registration._handle is not None:
@@ -239,61 +244,85 @@ class NixlAgent:
     # ---------------------------------------------------------------- remotes
 
     def connect(self, key: str, metadata: bytes, regions: np.ndarray | None = None) -> str:
-        """Load a remote agent's metadata once per ``key`` (a replica id);
-        returns the remote agent's name. ``regions``: the replica's memory
-        regions (N x 3: addr, nbytes, device), to tell whether what NIXL holds
-        of that agent already may describe memory they reuse (then the agent is
-        loaded again from nothing: see ``_held``); None: assume so. TransferFailed
-        if it cannot be reached, or must be loaded again while READs to it are out."""
+        """Load a remote agent's metadata once per ``key`` (a replica id), as
+        its holder published it (``Registration.metadata``, which says whether
+        it serves push requests); returns the remote agent's name. ``regions``:
+        the replica's memory regions (N x 3: addr, nbytes, device), to tell
+        whether what NIXL holds of that agent already may describe memory they
+        reuse (then the agent is loaded again from nothing: see ``_held``);
+        None: assume so. TransferFailed if it cannot be reached, or must be
+        loaded again while READs to it are out."""
+        metadata, serves_push = advertised(metadata)
         with self._lock:
-            name = self._remotes.get(key)
-            digest = hashlib.blake2b(metadata, digest_size=16).digest()
-            if name is None and (known := self._loaded.get(digest)) is not None and known not in self._forgotten:
-                name = self._remotes[key] = known
+            agent = key.rpartition(".")[0]
+            if serves_push and self._push is not None and agent in self._held and agent not in self._forgotten \
+                    and agent not in self._unloadable:
+                # Pushed from, never READ: our NIXL never looks up its memory (it
+                # WRITEs from its own), so the agent loaded already serves as it is.
+                # Loading it again from nothing for memory it reused (see _held)
+                # waited for our WRITEs to it and lost it as a source meanwhile: a
+                # relay pair, each pushing to the other, lost each other at every
+                # wave (bench cluster --zones 2 --delta: 19.7 s against READ's 12.1 s).
+                self._remotes[key] = agent
                 self._trim()
-            if name is None:
-                # A replica id is "<agent id>.<n>" and the agent id names its NIXL agent.
-                # Loading more metadata of an agent whose removal waits for READs
-                # still out fails half-way (NIXL_ERR_INVALID_PARAM in the fault
-                # campaign, the reader crashing later): not until those end.
-                agent = key.rpartition(".")[0]
-                if agent in self._forgotten:
-                    raise TransferFailed(key, "its process's connection is closing: READs to it are still out")
-                if agent in self._unloadable:
-                    raise TransferFailed(key, "NIXL can no longer load its process's metadata in this process "
-                                              "(a load failed half-way earlier; other holders serve instead)")
-                held = self._held.get(agent)
-                if held and _meet(held.values(), regions):
-                    # Its memory changed under what NIXL holds of it: loaded from nothing.
-                    # Not under READs still out (removing an agent under them crashed
-                    # readers: see _flights); the next pull finds them ended.
-                    if self._flights.get(agent):
-                        raise TransferFailed(key, "its process's memory was reused since its metadata was loaded, "
-                                                  "and READs to it are still out: it is loaded again once they end")
-                    self._drop_agent(agent)
-                try:
-                    raw = self._agent.add_remote_agent(metadata)
-                except Exception as e:  # its endpoint is gone (process died, link cut)
-                    if "INVALID_PARAM" in str(e) or "REMOTE_DISCONNECT" in str(e):
-                        # NIXL 1.5: a load whose memory sections fail (REMOTE_DISCONNECT,
-                        # a link cut as it loaded) drops the agent's connection info but
-                        # not the UCX backend's endpoint; every later load of that agent
-                        # then fails with INVALID_PARAM (157 of 157 retries in three
-                        # fault campaigns), and remove_remote_agent finds nothing to clear.
-                        # The fault campaign's readers that kept calling into NIXL for
-                        # it crashed later (SIGSEGV): the first failed load is the last
-                        # call. (UCX's "Endpoint timeout" aborts that followed some such
-                        # retries come from UCX's emulated GET over TCP in the process
-                        # serving bytes, not from the retry: chaos/ucx_cut.py.)
-                        self._unloadable.add(agent)
-                    raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
-                name = raw.decode() if isinstance(raw, bytes) else raw
-                self._remotes[key] = name
-                self._loaded[digest] = name  # earlier loads of it stay: their regions do not meet these
-                self._held.setdefault(name, {})[digest] = None if regions is None else _spans(regions)
-                self._forgotten.discard(name)  # in use again: not to be removed
-                self._trim()
+                self._pushers.add(agent)
+                return agent
+            name = self._connect(key, metadata, regions)
+            if serves_push:
+                self._pushers.add(name)
+            else:
+                self._pushers.discard(name)
             return name
+
+    def _connect(self, key: str, metadata: bytes, regions: np.ndarray | None) -> str:  # under the lock
+        name = self._remotes.get(key)
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        if name is None and (known := self._loaded.get(digest)) is not None and known not in self._forgotten:
+            name = self._remotes[key] = known
+            self._trim()
+        if name is None:
+            # A replica id is "<agent id>.<n>" and the agent id names its NIXL agent.
+            # Loading more metadata of an agent whose removal waits for READs
+            # still out fails half-way (NIXL_ERR_INVALID_PARAM in the fault
+            # campaign, the reader crashing later): not until those end.
+            agent = key.rpartition(".")[0]
+            if agent in self._forgotten:
+                raise TransferFailed(key, "its process's connection is closing: READs to it are still out")
+            if agent in self._unloadable:
+                raise TransferFailed(key, "NIXL can no longer load its process's metadata in this process "
+                                          "(a load failed half-way earlier; other holders serve instead)")
+            held = self._held.get(agent)
+            if held and _meet(held.values(), regions):
+                # Its memory changed under what NIXL holds of it: loaded from nothing.
+                # Not under READs still out (removing an agent under them crashed
+                # readers: see _flights); the next pull finds them ended.
+                if self._flights.get(agent):
+                    raise TransferFailed(key, "its process's memory was reused since its metadata was loaded, "
+                                              "and READs to it are still out: it is loaded again once they end")
+                self._drop_agent(agent)
+            try:
+                raw = self._agent.add_remote_agent(metadata)
+            except Exception as e:  # its endpoint is gone (process died, link cut)
+                if "INVALID_PARAM" in str(e) or "REMOTE_DISCONNECT" in str(e):
+                    # NIXL 1.5: a load whose memory sections fail (REMOTE_DISCONNECT,
+                    # a link cut as it loaded) drops the agent's connection info but
+                    # not the UCX backend's endpoint; every later load of that agent
+                    # then fails with INVALID_PARAM (157 of 157 retries in three
+                    # fault campaigns), and remove_remote_agent finds nothing to clear.
+                    # The fault campaign's readers that kept calling into NIXL for
+                    # it crashed later (SIGSEGV): the first failed load is the last
+                    # call. (UCX's "Endpoint timeout" aborts that followed some such
+                    # retries come from UCX's emulated GET over TCP in the process
+                    # serving bytes, not from the retry: chaos/ucx_cut.py.)
+                    self._unloadable.add(agent)
+                raise TransferFailed(key, f"cannot connect: {type(e).__name__}: {e}") from e
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            self._remotes[key] = name
+            self._loaded[digest] = name  # earlier loads of it stay: their regions do not meet these
+            self._held.setdefault(name, {})[digest] = None if regions is None else _spans(regions)
+            self._forgotten.discard(name)  # in use again: not to be removed
+            self._trim()
+        return name
 
     def _trim(self) -> None:  # under the lock
         """Forget the oldest keys (replicas of old versions) past _KEYS_KEPT; their
@@ -345,6 +374,7 @@ class NixlAgent:
         self._loaded = {d: n for d, n in self._loaded.items() if n != name}
         self._held.pop(name, None)
         self._admitted.pop(name, None)
+        self._pushers.discard(name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001  already gone on NIXL's side
@@ -358,10 +388,18 @@ class NixlAgent:
         N x 3: addr, nbytes, device). Over shared memory it has usually finished
         on return; over TCP or RDMA it is in flight: ``poll`` it, then ``release``
         it. Raises TransferFailed (with nothing left to release) on a NIXL error.
-        In push mode the holder WRITEs instead: same calls, same deadlines."""
-        if self._push is not None:
+        In push mode a holder that serves push requests WRITEs instead: same
+        calls, same deadlines."""
+        if self._push is None:
+            return self._post("READ", remote, local, local_kind, remote_descs, remote_kind)
+        if remote in self._pushers:
             return self._request_push(remote, local, local_kind, remote_descs, remote_kind)
-        return self._post("READ", remote, local, local_kind, remote_descs, remote_kind)
+        try:
+            return self._post("READ", remote, local, local_kind, remote_descs, remote_kind)
+        except TransferFailed as e:  # over TCP: UCX refuses the emulated READ at once (PUSH_ENGINE_CONFIG)
+            raise TransferFailed(remote, f"{e}; the holder does not serve push requests (its transfer mode is "
+                                         "read) and this process (transfer=push) refuses emulated READs: run "
+                                         "both on auto, or the same $TENSORHUB_TRANSFER") from e
 
     def write(self, reader: str, metadata: bytes, local: np.ndarray, local_kind: MemoryKind,
               remote_descs: np.ndarray, remote_kind: MemoryKind, notif: bytes) -> PendingRead:
@@ -501,9 +539,8 @@ class NixlAgent:
             pending.failed = TransferFailed(pending.remote, f"the holder reports: {error}", op="push")
             raise pending.failed
         if stalled:  # not marked failed: a holder that was only slow may still write (drained as a READ is)
-            raise TransferFailed(pending.remote, "no word from the holder: its process is gone, busy beyond "
-                                 "reason, or not serving push requests (every process must use the same "
-                                 "transfer mode, $TENSORHUB_TRANSFER)", stalled=True, op="push")
+            raise TransferFailed(pending.remote, "no word from the holder: its process is gone, or busy beyond "
+                                 "reason", stalled=True, op="push")
         pending.done = done
         return done
 

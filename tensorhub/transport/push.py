@@ -16,7 +16,12 @@ the 5 s after the holder's SIGKILL). So a holder sends ``alive`` for the
 requests it is serving every ``ALIVE_INTERVAL_S``, and a reader that hears
 nothing from a holder for ``SILENCE_S`` gives that request up as stalled: it
 may still land later (a holder that was only slow), so the puller drains it
-like a READ it gave up on.
+like a READ it gave up on. Any answer from a holder counts as word for all of
+its requests: its messages queue behind the bytes of the WRITEs it posted
+before them on the same connection, so over a slow link (two zones, 200 Mbit/s)
+a request's own ``alive`` came after more than ``SILENCE_S`` while the holder's
+earlier WRITEs were still landing one by one (``tensorhub bench cluster
+--zones 2 --delta`` lost every holder so).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class PushService:
         self._nixl = nixl
         self._lock = threading.Lock()  # guards _waits
         self._waits: dict[bytes, _Wait] = {}
+        self._heard: dict[str, float] = {}  # holder -> when it last answered anything (guarded by _lock)
         self._writes: list[_Write] = []  # the thread's own: no lock
         self._metadata = _Metadata()
         self._tags = itertools.count()
@@ -156,16 +162,19 @@ class PushService:
                 return False, "request forgotten", False
             if wait.done or wait.error:
                 return wait.done, wait.error, False
-            if not wait.stall_reported and time.monotonic() - wait.heard_at > SILENCE_S:
+            heard = max(wait.heard_at, self._heard.get(wait.remote, 0.0))
+            if not wait.stall_reported and time.monotonic() - heard > SILENCE_S:
                 wait.stall_reported = True
                 return False, "", True
             return False, "", False
 
     def forget(self, ticket: PushTicket) -> None:
         with self._lock:
-            self._waits.pop(ticket.tag, None)
+            wait = self._waits.pop(ticket.tag, None)
+            if wait is not None and not any(w.remote == wait.remote for w in self._waits.values()):
+                self._heard.pop(wait.remote, None)  # none out to it: nothing to keep
 
-    def _answered(self, message: bytes) -> None:
+    def _answered(self, holder: str, message: bytes) -> None:
         try:
             kind, tags, detail = pushwire.decode_answer(message)
         except pushwire.BadMessage:
@@ -173,6 +182,8 @@ class PushService:
             return
         now = time.monotonic()
         with self._lock:
+            if any(w.remote == holder for w in self._waits.values()):
+                self._heard[holder] = now
             for tag in tags:
                 wait = self._waits.get(tag)
                 if wait is None:
@@ -245,7 +256,7 @@ class PushService:
                         if message.startswith(pushwire.REQUEST):
                             self._serve(source, message)
                         else:
-                            self._answered(message)
+                            self._answered(source, message)
                 if self._writes:
                     self._progress_writes()
                     if now - alive_at >= ALIVE_INTERVAL_S:

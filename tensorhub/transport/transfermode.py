@@ -13,9 +13,13 @@ run silently: it fails at once instead.
 Setting: ``HubConfig.transfer`` or ``$TENSORHUB_TRANSFER``: "read", "push" or
 "auto" (the default): push when this process's UCX can reach other processes
 only over TCP (``UCX_TLS`` names tcp and neither a shared-memory nor an RDMA
-transport), READ otherwise. Every process of a deployment must resolve to the
-same mode: a push holder refuses emulated READs, and a READ holder does not
-answer push requests.
+transport), READ otherwise.
+
+The choice is per peer: a push holder says so in the metadata it publishes
+(``advertise``), and a push reader asks only such holders to WRITE; from the
+others (a process on transfer=read, or an older TensorHub) it READs. Where that
+READ would be emulated (over TCP), this reader's UCX refuses it at once, and
+the pull fails over with an error that says why, not after a silence.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ _NATIVE_GET_TLS = ("sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "rc", "
 # over TCP) becomes an immediate error ("No zero-copy protocol found") instead
 # of the path that can abort the serving process.
 PUSH_ENGINE_CONFIG = "PROTO_EMULATION_ENABLE=n"
+
+# Prefixed to the NIXL metadata a push holder publishes (a replica's
+# nixl_metadata): "I serve push requests". NIXL's own metadata starts with
+# "nixlSerDes", so metadata without the prefix is a holder that serves none.
+PUSH_ADVERT = b"THP1"
 
 
 def tcp_only(env: dict[str, str] | None = None) -> bool:
@@ -56,3 +65,15 @@ def resolve_transfer(setting: str = "", env: dict[str, str] | None = None) -> st
     if mode == "auto":
         return "push" if tcp_only(env) else "read"
     return mode
+
+
+def advertise(metadata: bytes, serves_push: bool) -> bytes:
+    """The metadata a holder publishes: NIXL's, marked where it serves push requests."""
+    return PUSH_ADVERT + metadata if serves_push else metadata
+
+
+def advertised(published: bytes) -> tuple[bytes, bool]:
+    """(NIXL's metadata, whether the holder serves push requests) of published metadata."""
+    if published.startswith(PUSH_ADVERT):
+        return published[len(PUSH_ADVERT):], True
+    return published, False

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorhub.testing import finish_transfer
-from tensorhub.transport import push
+from tensorhub.transport import push, pushwire
 from tensorhub.transport.memory import MemoryKind
 from tensorhub.transport.nixl import NixlAgent, TransferFailed
 
@@ -86,3 +86,45 @@ def test_where_push_is_used_an_emulated_read_is_an_error_not_a_fallback(pair):
                                              MemoryKind.DRAM, np.array([[source.data_ptr(), NBYTES, 0]]),
                                              MemoryKind.DRAM))
     assert time.monotonic() - started < 2.0 and not dest.any()
+
+
+def test_any_word_from_a_holder_keeps_every_request_to_it_from_stalling(pair):
+    """A holder's answers queue behind the bytes of its earlier WRITEs: over a
+    slow link a request's own ``alive`` can come late while the holder is busy
+    landing the others, so an answer about any request counts for all."""
+    holder, reader = pair
+    source, dest = torch.ones(NBYTES, dtype=torch.uint8), torch.zeros(NBYTES, dtype=torch.uint8)
+    remote = reader.connect("push-holder.1", holder.register([source]).metadata)
+    reader.register([dest])
+    holder._push.close()  # nothing answers this request ...
+    pending = reader.post(remote, np.array([[dest.data_ptr(), NBYTES, 0]]), MemoryKind.DRAM,
+                          np.array([[source.data_ptr(), NBYTES, 0]]), MemoryKind.DRAM)
+    holder._admit_reader(reader.name, reader.local_metadata())  # ... but the holder speaks of another
+    until = time.monotonic() + 3 * push.SILENCE_S
+    while time.monotonic() < until:
+        holder.notify(reader.name, pushwire.encode_alive([b"another request!"]))
+        assert not reader.poll(pending)  # no stall while the holder is heard from
+        time.sleep(push.SILENCE_S / 5)
+    with pytest.raises(TransferFailed, match="no word from the holder"):  # silent from now on
+        finish_transfer(reader, pending)
+
+
+def test_a_push_holder_connects_to_its_reader_as_a_relay_while_writing_to_it(pair):
+    """A relay pair pushes both ways: the holder loaded the reader's whole
+    metadata for a WRITE still out, and now pulls from the reader's replica. It
+    pushes from it (never READs), so the loaded agent serves as it is: not
+    loaded again from nothing, which would wait for the WRITE and lose the
+    reader as a source meanwhile."""
+    holder, reader = pair
+    source, dest = torch.ones(NBYTES, dtype=torch.uint8), torch.zeros(NBYTES, dtype=torch.uint8)
+    holder.register([source])
+    relayed = reader.register([dest])
+    holder._push.close()  # the WRITE below is the test's own: nothing else serves or releases
+    writing = holder.write(reader.name, reader.local_metadata(), np.array([[source.data_ptr(), NBYTES, 0]]),
+                           MemoryKind.DRAM, np.array([[dest.data_ptr(), NBYTES, 0]]), MemoryKind.DRAM, notif=b"x")
+    try:
+        regions = np.array([[dest.data_ptr(), NBYTES, 0]])
+        assert holder.connect(f"{reader.name}.1", relayed.metadata, regions) == reader.name
+    finally:
+        finish_transfer(holder, writing)
+    assert torch.equal(dest, source)

@@ -95,7 +95,7 @@ def install(folder: str, method: str, who: str) -> None:
     def batched(self: Any, out: tuple, took: float, needed: set, usable: list, *a: Any, **k: Any) -> None:
         peers = [m for m in usable if not m.replica.source.complete]
         have = " ".join(f"{m.replica.source.agent_name}={_spans(np.flatnonzero(m.covered > 0))}" for m in peers)
-        log.info("batch %s of %d needed %s; unsettled=%d checking=%d; peers hold %s", _spans(out[0]), len(needed),
+        log.info("batch %s of %d needed %s; unsettled=%d checking=%d; peers hold %s", _spans(out), len(needed),
                  _spans(needed), len(self._checks._waits), len(self._checks._running), have)
 
     from tensorhub.client import holdings
@@ -110,7 +110,7 @@ def install(folder: str, method: str, who: str) -> None:
     _wrap(job, "_lose", before=lost)
     _wrap(job, "_release", before=released)
     _wrap(job, "_batch", after=batched)
-    _wrap(holdings.Holdings, "landed", before=reported)
+    _wrap(holdings.Holdings, "report_landed", before=reported)
     from tensorhub.client import rpc
 
     def sent(self: Any, out: Any, took: float, agent_id: str, replica_id: str, chunks: list, *a: Any) -> None:
