@@ -31,10 +31,10 @@ from tensorhub.dtensor import local_part
 from tensorhub.manifest import DTYPES, Manifest
 from tensorhub.regions import Bounds
 from tensorhub.shard import Shard
+from tensorhub.staging import one_buffer
 
 # Reserved tensor name of the adapter's settings inside the version.
 ADAPTER_CONFIG = "tensorhub.adapter_config"
-_ALIGN = 64  # bytes: where each matrix starts in a staging buffer (any dtype, a cache line)
 _LORA_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B")
 
 
@@ -278,16 +278,8 @@ def _allocate(manifest: Manifest, parts: PartFn | None) -> dict[str, torch.Tenso
     for spec in manifest.tensors:
         dtype = DTYPES[spec.dtype]
         box = None if parts is None or spec.name == ADAPTER_CONFIG else parts(spec.name, spec.shape, dtype)
-        pieces.append((spec, dtype, box, list(spec.shape) if box is None else [b - a for a, b in box]))
-    sizes = [-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for _, dtype, _, shape in pieces]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-    out: dict[str, torch.Tensor | list[Shard]] = {}
-    offset = 0
-    for (spec, dtype, box, shape), size in zip(pieces, sizes):
-        tensor = buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        offset += size
-        out[spec.name] = tensor if box is None else [Shard(tensor, spec.shape, box=box)]
-    return out
+        pieces.append((spec.name, dtype, box, list(spec.shape) if box is None else [b - a for a, b in box]))
+    return one_buffer(pieces, {spec.name: tuple(spec.shape) for spec in manifest.tensors})
 
 
 def _in_full(value: torch.Tensor | list[Shard], *, copy: bool) -> torch.Tensor:

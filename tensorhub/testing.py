@@ -76,3 +76,23 @@ def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) ->
         time.sleep(0.01)
     raise TimeoutError(f"the pull reported no progress within {timeout} s")
 
+
+def peft_fsdp2_model(model_dir: str, world: int, rank: int = 8):  # type: ignore[no-untyped-def]
+    """A Hugging Face causal LM from ``model_dir`` (bf16) wrapped by PEFT with
+    an all-linear LoRA of ``rank`` (alpha 16), each decoder layer and the whole
+    under FSDP2 over a CPU mesh of ``world``: a trainer's LoRA model as verl and
+    vLLM's FSDP trainers build it. Needs the process group initialized."""
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=rank, lora_alpha=16,
+                                            target_modules="all-linear", bias="none"))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -255,8 +255,7 @@ class NixlAgent:
         metadata, serves_push = advertised(metadata)
         with self._lock:
             agent = key.rpartition(".")[0]
-            if serves_push and self._push is not None and agent in self._held and agent not in self._forgotten \
-                    and agent not in self._unloadable:
+            if serves_push and self._push is not None and self._usable_as_loaded(agent):
                 # Pushed from, never READ: our NIXL never looks up its memory (it
                 # WRITEs from its own), so the agent loaded already serves as it is.
                 # Loading it again from nothing for memory it reused (see _held)
@@ -365,9 +364,13 @@ class NixlAgent:
         at every news. Else ``connect``."""
         agent = key.rpartition(".")[0]
         with self._lock:
-            if agent in self._held and agent not in self._forgotten and agent not in self._unloadable:
+            if self._usable_as_loaded(agent):
                 return agent
         return self.connect(key, metadata, regions)
+
+    def _usable_as_loaded(self, agent: str) -> bool:  # under the lock
+        """Loaded here in some form, and neither closing nor past loading."""
+        return agent in self._held and agent not in self._forgotten and agent not in self._unloadable
 
     def _remove(self, name: str) -> None:  # under the lock
         self._forgotten.discard(name)

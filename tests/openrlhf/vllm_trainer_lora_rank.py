@@ -23,21 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-
-def build(model_dir: str, world: int) -> torch.nn.Module:
-    from peft import LoraConfig, TaskType, get_peft_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16,
-                                            target_modules="all-linear", bias="none"))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+from tensorhub.testing import peft_fsdp2_model
 
 
 def set_lora(model: torch.nn.Module, seed: int) -> None:
@@ -56,7 +42,7 @@ def main(hub: str, model_dir: str, key: str, rank: int, world: int, out_dir: str
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    model = build(model_dir, world)
+    model = peft_fsdp2_model(model_dir, world, rank=8)
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
     engine = WeightTransferTrainerFactory.trainer_init(
         TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, lora=True, hub_config={"connect_timeout_s": 60.0}),

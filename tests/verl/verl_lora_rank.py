@@ -23,23 +23,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tensorhub.testing import peft_fsdp2_model
+
 RANK_LORA = 8
-
-
-def build(model_dir: str, world: int) -> torch.nn.Module:
-    from peft import LoraConfig, TaskType, get_peft_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=RANK_LORA, lora_alpha=16,
-                                            target_modules="all-linear", bias="none"))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def perturb(model: torch.nn.Module, step: int) -> None:
@@ -66,7 +52,7 @@ def main(address: str, model_dir: str, key: str, rank: int, world: int, out_dir:
     from tensorhub_verl.engine import TensorHubCheckpointEngine
     from torch.distributed.tensor import DTensor
 
-    model = build(model_dir, world)
+    model = peft_fsdp2_model(model_dir, world, rank=RANK_LORA)
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
     engine = TensorHubCheckpointEngine(bucket_size=1 << 20, is_master=rank == 0, address=address, model=key,
                                        lora=True, hub={"connect_timeout_s": 30.0, "chunk_size": 4096})

@@ -29,6 +29,7 @@ from typing_extensions import Self  # typing.Self needs Python 3.11
 
 from tensorhub import Shard
 from tensorhub.regions import Bounds
+from tensorhub.staging import one_buffer
 from tensorhub_vllm.views import BoxView, contains, merge_boxes, row_major_strides, widening
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 MAX_GAP_BYTES = 16 << 10
 # Staging tensors start at multiples of this in their shared buffer: aligned for
 # any dtype and for vectorised copies (a cache line).
-_ALIGN = 64
 
 
 class UnsupportedLoaderOp(NotImplementedError):
@@ -236,19 +236,7 @@ class ReadSet:
                 pieces.append((name, t.dtype, None, list(t.shape)))
             else:
                 pieces.extend((name, t.dtype, box, [b - a for a, b in box]) for box in boxes)
-        sizes = [-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for _, dtype, _, shape in pieces]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        out: dict[str, torch.Tensor | list[Shard]] = {}
-        offset = 0
-        for (name, dtype, box, shape), size in zip(pieces, sizes):
-            nbytes = math.prod(shape) * dtype.itemsize
-            tensor = buffer[offset:offset + nbytes].view(dtype).view(shape)
-            offset += size
-            if box is None:
-                out[name] = tensor
-            else:
-                out.setdefault(name, []).append(Shard(tensor, self.layout[name].shape, box=box))
-        return out
+        return one_buffer(pieces, {name: tuple(t.shape) for name, t in self.layout.items()}, device)
 
     def weights(self, staged: Mapping[str, torch.Tensor | list[Shard]], device: torch.device):
         """``(name, tensor)`` for ``model.load_weights``: the real tensor where it
