@@ -187,6 +187,10 @@ class CutHop:
     gather_s: float  # the largest share gathered over the rank's NIC before it is published
     seconds: float  # gather, then read (the cut is published once built)
 
+    @property
+    def read_bytes(self) -> int:  # exactly what it wants: every region is contiguous in the cut
+        return self.wanted_bytes
+
 
 def cut_hop(model: list[Tensor], ranks: int, kv_heads: int, worker: int, link: LinkCost,
             ep_experts: int = 0) -> CutHop:

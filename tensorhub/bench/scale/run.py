@@ -247,10 +247,10 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                              for s in (first, late))
     control_s = server_s + planning_s
 
-    def predict(control_plane_s: float) -> links.Prediction:
+    def predict(control_plane_s: float, first: cuts.FirstHop | cuts.CutHop = hop) -> links.Prediction:
         return links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
-                             first_hop_s=hop.seconds, first_hop_read_bytes=hop.read_bytes, chunk=CHUNK, link=link,
-                             control_plane_s=control_plane_s)
+                             first_hop_s=first.seconds, first_hop_read_bytes=first.read_bytes, chunk=CHUNK,
+                             link=link, control_plane_s=control_plane_s)
 
     p = predict(control_s)
     out.update(
@@ -285,13 +285,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                    cut_read_s=steady_hop.read_s, cut_gather_s=steady_hop.gather_s,
                    cut_share_bytes_max=steady_hop.share_bytes_max)
 
-    def predict_steady(control_plane_s: float) -> links.Prediction:
-        return links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
-                             first_hop_s=steady_hop.seconds, first_hop_read_bytes=getattr(
-                                 steady_hop, "read_bytes", steady_hop.wanted_bytes),
-                             chunk=CHUNK, link=link, control_plane_s=control_plane_s)
-
-    ps = predict_steady(steady_control_s)
+    ps = predict(steady_control_s, steady_hop)
     out.update(
         steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
         steady_messages=sum(steady["messages"].values()), steady_messages_by_method=steady["messages"],
@@ -306,7 +300,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_first_server_cpu_publish_s=first_steady["publish_cpu_s"],
         steady_first_server_cpu_resolve_s=first_steady["resolve_cpu_s"],
         steady_first_resolves=first_steady["resolves"],
-        steady_first_predicted_s=predict_steady(first_steady_control_s).predicted_s,
+        steady_first_predicted_s=predict(first_steady_control_s, steady_hop).predicted_s,
         steady_first_hop_s=ps.first_hop_s,
     )
     return out
