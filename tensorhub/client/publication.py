@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from tensorhub.chunks import bitmap_empty, bitmap_full, bitmap_set
+from tensorhub.chunks import bitmap_empty, bitmap_full, bitmap_set_many
 from tensorhub.manifest import Manifest
 from tensorhub.regions import Region
 from tensorhub.shard import Part
@@ -128,8 +128,7 @@ class Publication:
 
     def mark_landed(self, chunks: list[int]) -> None:
         with self.lock:
-            for c in chunks:
-                bitmap_set(self.bitmap, c)
+            bitmap_set_many(self.bitmap, chunks)
 
     @contextlib.contextmanager
     def confirming(self, timeout: float) -> Iterator[None]:

@@ -427,7 +427,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             self.state.report_chunks(
                 _require_id(request.agent_id, "agent_id"),
                 _require_id(request.replica_id, "replica_id"),
-                list(request.chunks),
+                np.array(request.chunks, dtype=np.int64),  # one copy in C (list() is a Python step per chunk)
                 request.complete,
                 list(request.chunk_crc32),
             )

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_set
+from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_set_many
 from tensorhub.manifest import Manifest
 from tensorhub.regions import Bounds, Region, describe_box, intersect
 from tensorhub.regiontable import RegionTable, Shapes, shapes_of, whole_table
@@ -386,25 +386,26 @@ class State:
         self._whole_tables[id(held)] = (held, whole)  # the table kept alive: its id stays its own
         return whole
 
-    def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
+    def report_chunks(self, agent_id: str, replica_id: str, chunks: np.ndarray | list[int], complete: bool,
                       chunk_crc32: list[int] | None = None) -> None:
-        """``chunk_crc32``: one per chunk, for a replica that computes its
-        checksums as it fills (it announced a table of them, zeros for the
-        chunks it has not landed); set together with the bitmap, so a reader
-        never sees a chunk without its checksum."""
+        """``chunks``: the chunk numbers that landed (an array: a relay's
+        complete report lists thousands). ``chunk_crc32``: one per chunk, for a
+        replica that computes its checksums as it fills (it announced a table
+        of them, zeros for the chunks it has not landed); set together with the
+        bitmap, so a reader never sees a chunk without its checksum."""
         replica = self._own_replica(agent_id, replica_id)
         if chunk_crc32 and len(replica.chunk_crc32 or ()) != replica.num_chunks:
             raise StateError("FAILED_PRECONDITION", f"replica {replica_id} announced no checksums to update")
-        bad = next((c for c in chunks if not 0 <= c < replica.num_chunks), None)
-        if bad is not None:
-            raise StateError("INVALID_ARGUMENT", f"chunk {bad} outside [0, {replica.num_chunks})")
+        chunks = np.asarray(chunks, dtype=np.int64)
+        outside = chunks[(chunks < 0) | (chunks >= replica.num_chunks)]
+        if outside.size:
+            raise StateError("INVALID_ARGUMENT", f"chunk {int(outside[0])} outside [0, {replica.num_chunks})")
         replica.confirmed_at = time.monotonic()
         if chunk_crc32:
-            for c, crc in zip(chunks, chunk_crc32):
+            for c, crc in zip(chunks.tolist(), chunk_crc32):
                 replica.chunk_crc32[c] = crc
             replica.wire_info = None  # the service's cached wire form carries them
-        for c in chunks:
-            bitmap_set(replica.bitmap, c)
+        bitmap_set_many(replica.bitmap, chunks)
         if complete and not replica.complete:
             if bitmap_count(replica.bitmap) != replica.num_chunks:
                 raise StateError(

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_has, bitmap_set
+from tensorhub.chunks import bitmap_count, bitmap_empty, bitmap_full, bitmap_has, bitmap_set, bitmap_set_many
 from tensorhub.client.config import HubConfig
 from tensorhub.errors import InvalidRequest, ManifestMismatch
 from tensorhub.manifest import Manifest, TensorSpec
@@ -24,6 +24,21 @@ def test_bitmap_roundtrip():
     assert bitmap_count(bits) == 4
     assert bitmap_count(bitmap_full(13)) == 13
     assert not bitmap_has(b"", 3)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 8, 13, 64, 4099])
+def test_bitmap_set_many_equals_one_by_one(num_chunks):
+    rng = random.Random(num_chunks)
+    for _ in range(20):
+        chunks = [rng.randrange(num_chunks) for _ in range(rng.randrange(num_chunks + 1))]
+        start = bitmap_empty(num_chunks)
+        for c in rng.sample(range(num_chunks), num_chunks // 3):  # some bits set before
+            bitmap_set(start, c)
+        one, many = bytearray(start), bytearray(start)
+        for c in chunks:
+            bitmap_set(one, c)
+        bitmap_set_many(many, chunks)
+        assert many == one and len(many) == len(start)
 
 
 def test_manifest_fingerprint_depends_on_names_shapes_dtypes():
