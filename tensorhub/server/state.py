@@ -737,9 +737,14 @@ class State:
         self._agent(agent_id)
         now = time.monotonic()
         # A holder silent about the replica for a whole TTL is not leased: its readers must have stopped.
-        granted = [rid for rid in replica_ids if (r := self.replicas.get(rid)) is not None and self._live(r)
-                   and r.confirmed_at + self.lease_ttl_s > now]
-        lease = Lease(uuid.uuid4().hex, agent_id, granted, self._lease_expiry(granted, now), sharers)
+        # One pass for the grant and its expiry (``_lease_expiry``): a group's answer leases hundreds.
+        granted, confirmed, replicas, agents = [], now, self.replicas, self.agents
+        for rid in replica_ids:
+            r = replicas.get(rid)
+            if r is not None and not r.withdrawn and r.agent_id in agents and r.confirmed_at + self.lease_ttl_s > now:
+                granted.append(rid)
+                confirmed = min(confirmed, r.confirmed_at)
+        lease = Lease(uuid.uuid4().hex, agent_id, granted, confirmed + self.lease_ttl_s, sharers)
         self.leases[lease.lease_id] = lease
         self.leases_of[agent_id] = self.leases_of.get(agent_id, 0) + 1
         self._next_expiry = min(self._next_expiry, lease.expires_at)
