@@ -301,10 +301,16 @@ class PullJob:
         return maps
 
     def _asking_due(self) -> bool:
-        """Whether to ask the server who holds what now: always while no news
-        came (it is how the pull learns of its peers), once it does, every
-        ``_ASK_WITH_NEWS_S`` (joiners, leavers, peers that do not tell it)."""
-        return self.news is None or not self.news.heard or time.monotonic() - self._asked_at >= _ASK_WITH_NEWS_S
+        """Whether to ask the server who holds what now: while no news came (it
+        is how the pull learns of its peers), after every round until its
+        answers stop changing, then less and less often (``ServerAnswers.quiet_s``);
+        once news comes, every ``_ASK_WITH_NEWS_S`` (joiners, leavers, peers
+        that do not tell it)."""
+        since = time.monotonic() - self._asked_at
+        return since >= (_ASK_WITH_NEWS_S if self._news_flowing() else self._server.quiet_s)
+
+    def _news_flowing(self) -> bool:
+        return self.news is not None and self.news.heard > 0
 
     def _await_news(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap] | None:
         """With nothing to read until peers land more: their news, waited for
@@ -395,7 +401,8 @@ class PullJob:
                     if self._asking_due():
                         maps = self._refresh_quietly(excluded, maps, needed)
                 else:  # every chunk left is due from a peer: until one lands it, or patience runs out
-                    heard = self._await_news(maps) if not self._asking_due() else None  # peers tell what they land
+                    # peers tell what they land; without their news the server's long poll does
+                    heard = self._await_news(maps) if self._news_flowing() and not self._asking_due() else None
                     maps = heard if heard is not None else self._refresh_quietly(
                         excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue

@@ -13,6 +13,14 @@ answers, or its silence, say about the holders it lists.
                                               replicas again at their next heartbeats; meanwhile a
                                               holder missing or a lease refused does not mean it is gone
 
+Asking while nothing changes backs off: a pull that reads on from the holders
+it has asks after every round (how it learns of relays to read from), but an
+answer whose change counter did not move (nobody published, withdrew or
+reported chunks of the version since the one before) doubles the quiet time
+before the next ask, from ``QUIET_FIRST_S`` to ``QUIET_MAX_S``; a change ends
+it. A lone reader of the trainer asked 16 times in a 5.6 s pull, and a
+thousand of them would keep the server's one core busy answering "no change".
+
 Why a module of its own: ``PullJob`` decides what a fresh list of holders
 means for its rounds and leases (keep reading a withdrawn holder, let it go,
 fail over); this class only keeps what the server's answers to one pull
@@ -28,6 +36,11 @@ from typing import Protocol
 from tensorhub.client.rpc import Resolved
 
 log = logging.getLogger(__name__)
+
+# Asking again while the answers stay the same: the quiet time after the
+# first unchanged answer, doubled for each further one up to the most.
+QUIET_FIRST_S = 0.05
+QUIET_MAX_S = 2.0
 
 
 class Resolves(Protocol):
@@ -50,6 +63,7 @@ class ServerAnswers:
         self._out_of_reach = False  # its last answer to this pull was none (ServerUnavailable)
         self._resettle_until = 0.0
         self.asked = 0  # resolves sent after the first answer (PullStats.refreshes)
+        self._unchanged = 0  # answers in a row whose change counter had not moved (the quiet time)
 
     def ask(self, wait_s: float = 0.0) -> Resolved:
         """Who holds the version now; ``wait_s`` > 0: once that changed since the
@@ -68,6 +82,8 @@ class ServerAnswers:
         """Note which server instance answered: a new one (a restart) knows no
         holder until they announce themselves again (``resettle_s``)."""
         self._out_of_reach = False
+        same = fresh.change == self._seen_change and fresh.instance_id == self._instance
+        self._unchanged = self._unchanged + 1 if same else 0
         self._seen_change = fresh.change
         if fresh.instance_id and fresh.instance_id != self._instance:
             if self._instance:
@@ -75,6 +91,14 @@ class ServerAnswers:
                          self._resettle_s)
                 self._resettle_until = max(self._resettle_until, time.monotonic() + self._resettle_s)
             self._instance = fresh.instance_id
+
+    @property
+    def quiet_s(self) -> float:
+        """How long to let pass since the last ask before asking again while the
+        pull reads on: 0 until an answer repeats the one before, then doubling."""
+        if not self._unchanged:
+            return 0.0
+        return min(QUIET_MAX_S, QUIET_FIRST_S * 2 ** (self._unchanged - 1))
 
     def unanswered(self) -> bool:
         """The server did not answer. The first time since its last answer, its

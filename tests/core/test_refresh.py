@@ -91,3 +91,29 @@ def test_the_first_instance_heard_of_is_not_a_restart():
     server.instance = "s2"
     answers.ask()
     assert answers.resettling()
+
+
+def test_asking_again_backs_off_while_the_answers_repeat_and_a_change_ends_it():
+    from tensorhub.client.refresh import QUIET_FIRST_S, QUIET_MAX_S
+
+    server = FakeServer()
+    answers = _answers(server)
+    assert answers.quiet_s == 0.0  # nothing heard since the first answer: ask after every round
+    quiet = []
+    for _ in range(8):
+        answers.ask()  # the same change counter every time: nobody published, withdrew or reported
+        quiet.append(answers.quiet_s)
+    assert quiet == [min(QUIET_MAX_S, QUIET_FIRST_S * 2 ** k) for k in range(8)]
+    assert quiet[-1] == QUIET_MAX_S
+    server.change += 1  # a peer reported chunks, a relay joined: ask after every round again
+    answers.ask()
+    assert answers.quiet_s == 0.0
+    answers.ask()
+    assert answers.quiet_s == QUIET_FIRST_S
+    server.instance = "s2"  # a restart is news too, even with the same counter
+    answers.ask()
+    assert answers.quiet_s == 0.0
+    server.down = True  # no answer says nothing about change: the quiet time stands
+    with pytest.raises(ServerUnavailable):
+        answers.ask()
+    assert answers.quiet_s == 0.0
