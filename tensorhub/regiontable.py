@@ -173,6 +173,32 @@ class RegionTable:
         """Which regions span their whole tensor."""
         return self.numel() == shapes.numel[self.tensor]
 
+    def suspect_overlaps(self) -> np.ndarray:
+        """The tensors (manifest indices, sorted) that may hold two regions
+        meeting each other: those with a flat range among several regions
+        (left to the exact check) and those with two boxes that intersect.
+        Every pair of a tensor's boxes is compared at once, grouped by the
+        tensor's number of regions: a trainer's cut holds each tensor it owns
+        in one box per reader (8 for TP=8), and one Python sweep per tensor
+        was most of the server's time on such a publish."""
+        if len(self) < 2:
+            return np.zeros(0, np.int64)
+        order = np.argsort(self.tensor, kind="stable")
+        tensors, starts, counts = np.unique(self.tensor[order], return_index=True, return_counts=True)
+        multi = counts > 1
+        flat_in = np.zeros(len(tensors), bool)
+        np.logical_or.at(flat_in, np.searchsorted(tensors, self.tensor[self.flat]), True)
+        suspect = multi & flat_in
+        lo, hi = self.lo[order], self.hi[order]
+        for count in np.unique(counts[multi & ~flat_in]):
+            groups = np.flatnonzero((counts == count) & ~flat_in)
+            rows = starts[groups][:, None] + np.arange(count)  # (groups, count) rows of each tensor
+            a, b = np.triu_indices(int(count), k=1)  # every pair once
+            ra, rb = rows[:, a], rows[:, b]  # (groups, pairs)
+            meet = ((lo[ra] < hi[rb]) & (lo[rb] < hi[ra])).all(axis=2).any(axis=1)
+            suspect[groups[meet]] = True
+        return tensors[suspect].astype(np.int64)
+
     def problem(self, shapes: Shapes) -> tuple[int, str] | None:
         """The first region that does not fit its tensor, and why; None when all fit."""
         if not len(self):

@@ -15,10 +15,11 @@ answers, or its silence, say about the holders it lists.
 
 Asking while nothing changes backs off: a pull that reads on from the holders
 it has asks after every round (how it learns of relays to read from), but an
-answer whose change counter did not move (nobody published, withdrew or
-reported chunks of the version since the one before) doubles the quiet time
-before the next ask, from ``QUIET_FIRST_S`` to ``QUIET_MAX_S``; a change ends
-it. A lone reader of the trainer asked 16 times in a 5.6 s pull, and a
+answer that lists what the one before listed (the same holders, each as
+complete as before, a filling one with the same chunks; the pull's own
+replica is never listed, so its own reports change nothing here) doubles the
+quiet time before the next ask, from ``QUIET_FIRST_S`` to ``QUIET_MAX_S``; a
+change ends it. A lone reader of the trainer asked 16 times in a 5.6 s pull, and a
 thousand of them would keep the server's one core busy answering "no change".
 
 Why a module of its own: ``PullJob`` decides what a fresh list of holders
@@ -63,7 +64,8 @@ class ServerAnswers:
         self._out_of_reach = False  # its last answer to this pull was none (ServerUnavailable)
         self._resettle_until = 0.0
         self.asked = 0  # resolves sent after the first answer (PullStats.refreshes)
-        self._unchanged = 0  # answers in a row whose change counter had not moved (the quiet time)
+        self._unchanged = 0  # answers in a row that listed what the one before did (the quiet time)
+        self._listed = _listed(first)
 
     def ask(self, wait_s: float = 0.0) -> Resolved:
         """Who holds the version now; ``wait_s`` > 0: once that changed since the
@@ -82,8 +84,9 @@ class ServerAnswers:
         """Note which server instance answered: a new one (a restart) knows no
         holder until they announce themselves again (``resettle_s``)."""
         self._out_of_reach = False
-        same = fresh.change == self._seen_change and fresh.instance_id == self._instance
-        self._unchanged = self._unchanged + 1 if same else 0
+        listed = _listed(fresh)
+        self._unchanged = self._unchanged + 1 if listed == self._listed else 0
+        self._listed = listed
         self._seen_change = fresh.change
         if fresh.instance_id and fresh.instance_id != self._instance:
             if self._instance:
@@ -111,3 +114,10 @@ class ServerAnswers:
     def resettling(self) -> bool:
         """Whether the server's holders may still be announcing themselves again."""
         return time.monotonic() < self._resettle_until
+
+
+def _listed(answer: Resolved) -> tuple[str, frozenset[tuple[str, bool, bytes]]]:
+    """What an answer says a pull can read: its server instance, and each
+    holder's replica, whether it is complete, and a filling one's chunks."""
+    return answer.instance_id, frozenset((r.source.replica_id, r.source.complete, b"" if r.source.complete
+                                          else bytes(r.bitmap)) for r in answer.replicas)

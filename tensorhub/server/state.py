@@ -88,8 +88,7 @@ def check_held(manifest: Manifest, held: list[Held] | RegionTable) -> RegionTabl
         flat, lo, hi = table.flat.copy(), table.lo.copy(), table.hi.copy()
         flat[whole], lo[whole], hi[whole] = False, 0, shapes.dims[table.tensor[whole]]
         table = RegionTable(table.tensor, flat, lo, hi)
-    counts = np.bincount(table.tensor, minlength=len(tensors))
-    for index in np.flatnonzero(counts > 1):
+    for index in table.suspect_overlaps():  # the exact sweep only where two regions may meet
         at = np.flatnonzero(table.tensor == index)
         regions = [table.region(int(k), shapes) for k in at]
         clash = _first_clash(regions, tensors[int(index)].shape)

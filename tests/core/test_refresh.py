@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from tensorhub.client.refresh import ServerAnswers
-from tensorhub.client.rpc import Resolved
+from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.errors import ServerUnavailable
+from tensorhub.planner import Source
+from tensorhub.topology import Labels
+from tensorhub.transport.memory import MemoryKind
 
 
-def _answer(instance: str, change: int) -> Resolved:
-    return Resolved(model="m", version=3, manifest=None, replicas=(), instance_id=instance,  # type: ignore[arg-type]
+def _answer(instance: str, change: int, replicas: tuple = ()) -> Resolved:
+    return Resolved(model="m", version=3, manifest=None, replicas=replicas, instance_id=instance,  # type: ignore[arg-type]
                     change=change)
 
 
@@ -29,12 +33,13 @@ class FakeServer:
         self.change = 1
         self.down = False
         self.asked: list[tuple] = []
+        self.replicas: tuple = ()
 
     def resolve(self, agent_id: str, model: str, version: int | None, **kw: float) -> Resolved:
         self.asked.append((agent_id, model, version, kw))
         if self.down:
             raise ServerUnavailable("no answer")
-        return _answer(self.instance, self.change)
+        return _answer(self.instance, self.change, self.replicas)
 
 
 def _answers(server: FakeServer, resettle_s: float = 60.0) -> ServerAnswers:
@@ -93,6 +98,12 @@ def test_the_first_instance_heard_of_is_not_a_restart():
     assert answers.resettling()
 
 
+def _holder(replica_id: str, complete: bool = True, bitmap: bytes = b"") -> RemoteReplica:
+    return RemoteReplica(source=Source(replica_id, replica_id, Labels(), complete=complete), agent_id=replica_id,
+                         kind=MemoryKind.DRAM, held=(), regions=np.zeros((0, 3), np.int64), metadata=b"",
+                         chunk_size=1, bitmap=bitmap)
+
+
 def test_asking_again_backs_off_while_the_answers_repeat_and_a_change_ends_it():
     from tensorhub.client.refresh import QUIET_FIRST_S, QUIET_MAX_S
 
@@ -101,16 +112,24 @@ def test_asking_again_backs_off_while_the_answers_repeat_and_a_change_ends_it():
     assert answers.quiet_s == 0.0  # nothing heard since the first answer: ask after every round
     quiet = []
     for _ in range(8):
-        answers.ask()  # the same change counter every time: nobody published, withdrew or reported
+        server.change += 1  # the pull's own chunk reports move the counter: not news to it
+        answers.ask()  # the same holders every time, as complete as before
         quiet.append(answers.quiet_s)
     assert quiet == [min(QUIET_MAX_S, QUIET_FIRST_S * 2 ** k) for k in range(8)]
     assert quiet[-1] == QUIET_MAX_S
-    server.change += 1  # a peer reported chunks, a relay joined: ask after every round again
+    server.replicas = (_holder("peer.1", complete=False, bitmap=b"\x01"),)  # a relay joined: ask every round again
     answers.ask()
     assert answers.quiet_s == 0.0
     answers.ask()
     assert answers.quiet_s == QUIET_FIRST_S
-    server.instance = "s2"  # a restart is news too, even with the same counter
+    server.replicas = (_holder("peer.1", complete=False, bitmap=b"\x03"),)  # it landed a chunk
+    answers.ask()
+    assert answers.quiet_s == 0.0
+    server.replicas = (_holder("peer.1"),)  # complete now
+    answers.ask()
+    assert answers.quiet_s == 0.0
+    answers.ask()
+    server.instance = "s2"  # a restart is news too, with the same holders
     answers.ask()
     assert answers.quiet_s == 0.0
     server.down = True  # no answer says nothing about change: the quiet time stands

@@ -151,3 +151,45 @@ def test_memory_gaps_round_trip_and_back_to_back_regions_are_one_number():
                                      b"md")
     assert list(msg.region_gap) == [1 << 40]
     assert wire.memory_regions_from_wire(msg, sizes)[:, 0].tolist() == ((1 << 40) + np.arange(1000) * 64).tolist()
+
+
+@st.composite
+def _many_regions(draw):
+    """A manifest and several regions per tensor: boxes (some meeting, some
+    not, as a trainer's cut holds one box per reader) and now and then a flat range."""
+    shapes = draw(st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple), min_size=1, max_size=5))
+    held = []
+    for i, shape in enumerate(shapes):
+        for _ in range(draw(st.integers(0, 5))):
+            if draw(st.integers(0, 9)) == 0:
+                numel = int(np.prod(shape))
+                a = draw(st.integers(0, numel - 1))
+                held.append((i, Region(flat=(a, draw(st.integers(a + 1, numel))))))
+                continue
+            box = []
+            for size in shape:
+                a = draw(st.integers(0, size - 1))
+                box.append((a, draw(st.integers(a + 1, size))))
+            held.append((i, Region(box=tuple(box))))
+    return shapes, held
+
+
+@settings(max_examples=300, deadline=None)
+@given(_many_regions())
+def test_suspect_overlaps_finds_every_tensor_whose_regions_meet(case):
+    shapes, held = case
+    manifest = _manifest(shapes)
+    table = RegionTable.from_held(held, Shapes.of(manifest))
+    suspects = set(table.suspect_overlaps().tolist())
+    for i, shape in enumerate(shapes):
+        mine = [r for t, r in held if t == i]
+        masks = [torch.zeros(int(np.prod(shape)), dtype=torch.bool) for _ in mine]
+        for mask, r in zip(masks, mine):
+            runs = r.runs(shape)
+            for a, n in zip(runs.start.tolist(), runs.length.tolist()):
+                mask[a:a + n] = True
+        meet = any((masks[j] & masks[k]).any() for j in range(len(mine)) for k in range(j))
+        if meet:
+            assert i in suspects, (shape, mine)  # never missed: the exact check then names the region
+        elif i in suspects:
+            assert any(r.flat is not None for r in mine), (shape, mine)  # boxes alone: only those that meet
