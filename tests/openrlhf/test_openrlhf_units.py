@@ -89,6 +89,8 @@ def test_lora_recipe_renders_the_setting_and_openrlhfs_lora_flags():
      "TENSORHUB_CUT_GATHER_BYTES only means something with TENSORHUB_CUT=readers"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1", "TENSORHUB_CUT": "readers"},
      "TENSORHUB_CUT=readers does not apply with TENSORHUB_LORA=1"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_SERVE": "0", "TENSORHUB_CUT": "readers"},
+     "TENSORHUB_CUT=readers needs TENSORHUB_SERVE=1"),
 ])
 def test_bad_settings_name_the_variable(env, message):
     with pytest.raises(ValueError, match=message):

@@ -102,6 +102,9 @@ class TensorHubSettings:
                 raise ValueError("TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1: an adapter version "
                                  "is published whole (it is small); set TENSORHUB_DELTA=off")
         values.update(_cut(env, lora=values.get("lora", False)))
+        if values.get("cut") and not values.get("serve", True):
+            raise ValueError("TENSORHUB_CUT=readers needs TENSORHUB_SERVE=1: the trainer learns its readers' cut "
+                             "from the engines that serve what they read, and with TENSORHUB_SERVE=0 none does")
         if env.get("TENSORHUB_VLLM_QUANTIZATION", "").strip():
             values["vllm_quantization"] = env["TENSORHUB_VLLM_QUANTIZATION"].strip()
         return cls(**values)
