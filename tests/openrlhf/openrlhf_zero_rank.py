@@ -96,10 +96,14 @@ class ZeroRank:
     def base_bytes(self) -> int:
         return sum(2 * int(p.ds_numel) for n, p in self.actor.model.module.named_parameters() if "lora_" not in n)
 
-    def full_digests(self) -> dict[str, str]:
-        """sha256 of every full parameter, gathered by DeepSpeed (all ranks call this together)."""
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every full parameter, gathered by DeepSpeed (all ranks call this together)."""
         import deepspeed
 
         params = list(self.actor.model.module.named_parameters())
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return {n: digest(p.data) for n, p in params}
+            return {n: p.data.detach().clone() for n, p in params}
+
+    def full_digests(self) -> dict[str, str]:
+        """sha256 of every full parameter (all ranks call this together)."""
+        return {n: digest(t) for n, t in self.full_parameters().items()}

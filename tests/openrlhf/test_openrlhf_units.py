@@ -47,6 +47,13 @@ def test_settings_from_the_environment():
     assert s.vllm_quantization is None and s.vllm_engine_args() == {}
     q = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_VLLM_QUANTIZATION": "fp8_per_channel"})
     assert q.vllm_engine_args() == {"quantization": "fp8_per_channel"} and TensorHubSettings.from_env(q.to_env()) == q
+    assert s.cut is None and s.cut_gather_bytes is None  # off by default
+    c = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT": "Readers",
+                                    "TENSORHUB_CUT_GATHER_BYTES": "1048576", "TENSORHUB_DELTA": "copy"})
+    assert (c.cut, c.cut_gather_bytes, c.delta) == ("readers", 1 << 20, "copy")
+    assert TensorHubSettings.from_env(c.to_env()) == c
+    # a recipe's null renders as empty: off
+    assert TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT": ""}).cut is None
 
 
 def test_lora_recipe_renders_the_setting_and_openrlhfs_lora_flags():
@@ -73,6 +80,17 @@ def test_lora_recipe_renders_the_setting_and_openrlhfs_lora_flags():
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "maybe"}, "TENSORHUB_LORA must be one of"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1", "TENSORHUB_DELTA": "copy"},
      "TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT": "reader"}, "TENSORHUB_CUT must be 'readers' or 'off', not 'reader'"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT": "readers", "TENSORHUB_CUT_GATHER_BYTES": "1e9"},
+     "TENSORHUB_CUT_GATHER_BYTES must be a positive number of bytes, not '1e9'"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT": "readers", "TENSORHUB_CUT_GATHER_BYTES": "0"},
+     "TENSORHUB_CUT_GATHER_BYTES must be a positive"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT_GATHER_BYTES": "1024"},
+     "TENSORHUB_CUT_GATHER_BYTES only means something with TENSORHUB_CUT=readers"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1", "TENSORHUB_CUT": "readers"},
+     "TENSORHUB_CUT=readers does not apply with TENSORHUB_LORA=1"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_SERVE": "0", "TENSORHUB_CUT": "readers"},
+     "TENSORHUB_CUT=readers needs TENSORHUB_SERVE=1"),
 ])
 def test_bad_settings_name_the_variable(env, message):
     with pytest.raises(ValueError, match=message):
@@ -180,6 +198,51 @@ def test_delta_copy_publishes_each_step_with_its_delta_from_the_last():
                     assert torch.equal(patched.tensors[name].view(torch.uint8), p.data.view(torch.uint8)), name
         finally:
             publisher.close()
+
+
+def test_the_readers_cut_goes_beside_the_delta():
+    """TENSORHUB_CUT=readers with TENSORHUB_DELTA=copy, one rank (a gloo world
+    of one; ZeRO-0/1/2 replicas: the world is the partition group). Step 1:
+    partitions only; a TP reader serves its read set. Step 2, which changed
+    little: the rank publishes its delta and the reader's cut; a fresh TP
+    reader reads exactly its bytes, and an engine holding step 1 only the delta."""
+    import torch.distributed as dist
+    from tensorhub_openrlhf.publisher import WeightPublisher
+    from tp_reader import pull_read_set, tp_read_set
+
+    from tensorhub import Hub
+    from tensorhub.server import EmbeddedServer
+
+    params = {"self_attn.o_proj.weight": torch.nn.Parameter(torch.randn(64, 256).to(torch.bfloat16)),
+              "mlp.up_proj.weight": torch.nn.Parameter(torch.randn(256, 64).to(torch.bfloat16)),
+              "norm.weight": torch.nn.Parameter(torch.randn(64))}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with EmbeddedServer(retain=0) as server:
+        settings = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": server.address, "TENSORHUB_DELTA": "copy",
+                                               "TENSORHUB_CUT": "readers"})
+        publisher = WeightPublisher(settings, rank=0, world=1)
+        try:
+            full = {n: p.data.clone() for n, p in params.items()}
+            read_set = tp_read_set(full, worker=1)
+            first = publisher.publish(1, params.items())
+            assert first.cut_bytes == first.delta_bytes == 0
+            with Hub.connect(server.address, name="tp1") as tp1, Hub.connect(server.address, name="engine") as engine:
+                from_shards = pull_read_set(tp1, "policy", 1, full, read_set, serve=True)
+                whole = engine.pull("policy", 1)
+                with torch.no_grad():
+                    params["mlp.up_proj.weight"][7, :3] += 1  # a step that changed little
+                second = publisher.publish(2, params.items())
+                assert 0 < second.delta_bytes < 0.1 * second.nbytes
+                assert second.cut_bytes == from_shards.nbytes and second.cut_peak_gather_bytes > 0
+                full = {n: p.data.clone() for n, p in params.items()}
+                with Hub.connect(server.address, name="tp1-next") as fresh:
+                    got = pull_read_set(fresh, "policy", 2, full, read_set, serve=False)
+                assert got.read_bytes == got.nbytes < from_shards.read_bytes  # from the cut, not whole rows
+                patched = engine.pull("policy", 2, into=whole.tensors, have=1)
+                assert patched.delta_from == 1 and patched.read_bytes == patched.delta_bytes
+        finally:
+            publisher.close()
+            dist.destroy_process_group()
 
 
 def test_delta_setting_is_checked():

@@ -11,6 +11,8 @@
   adapter's A/B matrices, each rank its partitions, as an adapter version
   (``tensorhub.lora``); rank 0 waits for it to be visible and asks no engine
   (OpenRLHF's engines load base weights only).
+  ``TENSORHUB_CUT=readers``: every rank also publishes its share of the
+  readers' cut, gathered over the ZeRO-3 partition group (``publisher.py``).
 
 ``TensorHubPolicyModelActor`` (OpenRLHF's ``PolicyModelActor`` reached through
 ``__ray_actor_class__``, subclassed and made a Ray actor again) builds that
@@ -72,7 +74,11 @@ class TensorHubActorPPOTrainer(ppo_actor.ActorPPOTrainer):
                       if p.requires_grad or not getattr(self.actor, "is_vlm", False)]
             stats = publisher.publish(version, params)
         self.tensorhub_stats = {"version": version, "published_bytes": stats.nbytes,
-                                "withdraw_s": stats.withdraw_s, "publish_s": stats.publish_s}
+                                "withdraw_s": stats.withdraw_s, "publish_s": stats.publish_s,
+                                "delta_bytes": stats.delta_bytes}
+        if publisher.settings.cut is not None:  # its share of the readers' cut (0 until readers are known)
+            self.tensorhub_stats.update(cut_bytes=stats.cut_bytes, cut_peak_gather_bytes=stats.cut_peak_gather_bytes,
+                                        cut_s=stats.cut_s)
         if publisher.settings.lora:
             # OpenRLHF's engines load base weights only: serving adapter versions
             # from vLLM is tensorhub_vllm's AdapterVersions, not wired into them.

@@ -14,7 +14,11 @@ cover every element once and each one's link carries ``1/W`` of the model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 from tensorhub import Shard
 
@@ -58,3 +62,17 @@ def replica_region(param: torch.nn.Parameter, rank: int, world: int) -> Shard | 
 def is_zero3(param: torch.nn.Parameter) -> bool:
     return hasattr(param, "ds_tensor")
 
+
+
+def partition_group(params: Iterable[torch.nn.Parameter]) -> Any:
+    """The process group the ranks' regions of ``params`` are cut over (and
+    the readers' cut gathered over): ZeRO-3's partition group, else the whole
+    world, over which ZeRO-0/1/2 replicas are cut. One for the whole model."""
+    groups = {}
+    for param in params:
+        group = param.ds_process_group if is_zero3(param) else dist.group.WORLD
+        groups[id(group)] = group
+    if len(groups) != 1:
+        raise ValueError(f"the model's parameters are partitioned over {len(groups)} process groups; the readers' "
+                         "cut gathers over one (set TENSORHUB_CUT=off)")
+    return next(iter(groups.values()))

@@ -9,6 +9,12 @@ overwrites that memory.
 
 There is no copy and no gather: a version is visible once the ranks'
 regions cover every element, which is when the last rank has published.
+
+``TENSORHUB_CUT=readers`` (off by default) adds one: each rank also publishes
+its share of the readers' cut (``Hub.publish(cut="readers")``), gathered from
+the ranks' flat partitions over their partition group. That publish is
+collective, so every rank calls it, and a rank holding nothing of the model
+is refused on every rank at once (it could not join the gathers).
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tensorhub import Hub, Publication, Shard
+from tensorhub.client.trainercut import ranks_holding_nothing
 from tensorhub.lora import AdapterConfig, publish_adapter
 from tensorhub.server.ray_actor import resolve_address
-from tensorhub_openrlhf.partitions import is_zero3, replica_region, zero3_region
+from tensorhub_openrlhf.partitions import is_zero3, partition_group, replica_region, zero3_region
 from tensorhub_openrlhf.settings import TensorHubSettings
 
 log = logging.getLogger(__name__)
@@ -40,6 +48,12 @@ class PublishStats:
     withdraw_s: float  # waiting for readers of the previous version (0 when already withdrawn)
     publish_s: float
     delta_bytes: int = 0  # of its delta from the last version (TENSORHUB_DELTA=copy; 0: none)
+    # TENSORHUB_CUT=readers: its share of the readers' cut (0: no readers' cut
+    # known yet, or the cut is off), the most bytes of full tensors it held at
+    # once while gathering it (never over the bound), and the seconds it took
+    cut_bytes: int = 0
+    cut_peak_gather_bytes: int = 0
+    cut_s: float = 0.0
 
 
 class WeightPublisher:
@@ -97,28 +111,49 @@ class WeightPublisher:
         start = time.perf_counter()
         self.withdraw()
         withdrawn = time.perf_counter()
-        regions, manifest = self.regions(named_params)
+        params = list(named_params)
+        regions, manifest = self.regions(params)
         delta_bytes = 0
         if adapter is not None:
             self._published = publish_adapter(self.hub, self.settings.model, version, regions, adapter,
                                               manifest=manifest)
-        elif regions:  # a rank can hold nothing (tiny model, many ranks)
-            kwargs = {}
-            if self.settings.delta == "copy" and self.last_version is not None and _same_layout(self._previous,
-                                                                                                 regions):
-                kwargs = {"delta_from": self.last_version, "previous": self._previous}
-            self._published = self.hub.publish(self.settings.model, version, regions, manifest=manifest, **kwargs)
-            delta_bytes = sum(c.nbytes for c in self._published.companions)
-            if self.settings.delta == "copy":
-                self._previous = _host_copy(regions, self._previous)
+        else:
+            kwargs: dict[str, Any] = {} if self.settings.cut is None else self._cut_kwargs(params, bool(regions))
+            if regions:  # a rank can hold nothing (tiny model, many ranks; refused above with the cut on)
+                if self.settings.delta == "copy" and self.last_version is not None and _same_layout(
+                        self._previous, regions):
+                    kwargs.update(delta_from=self.last_version, previous=self._previous)
+                self._published = self.hub.publish(self.settings.model, version, regions, manifest=manifest,
+                                                   **kwargs)
+                delta_bytes = sum(c.nbytes for c in self._published.companions)
+                if self.settings.delta == "copy":
+                    self._previous = _host_copy(regions, self._previous)
         self.last_version = version
         stats = PublishStats(version=version, nbytes=sum(s.tensor.numel() * s.tensor.element_size()
                                                          for s in regions.values()),
                              regions=len(regions), withdraw_s=withdrawn - start,
                              publish_s=time.perf_counter() - withdrawn, delta_bytes=delta_bytes)
+        cut = None if self._published is None else self._published.cut_report
+        if cut is not None:
+            stats.cut_bytes, stats.cut_peak_gather_bytes, stats.cut_s = cut.nbytes, cut.peak_gather_bytes, cut.seconds
         log.info("tensorhub: rank %d published %d regions (%.1f MiB, in place) of %r version %d in %.3fs",
                  self.rank, stats.regions, stats.nbytes / 2**20, self.settings.model, version, stats.publish_s)
         return stats
+
+    def _cut_kwargs(self, params: list[tuple[str, torch.nn.Parameter]], holds: bool) -> dict[str, Any]:
+        """``Hub.publish``'s arguments for the readers' cut, once every rank of
+        the partition group is known to hold something (asked of all at once,
+        so all refuse together rather than some waiting in the gathers)."""
+        if not dist.is_initialized():
+            raise ValueError("TENSORHUB_CUT=readers gathers over the trainer's torch.distributed group, and none "
+                             "is initialized; set TENSORHUB_CUT=off")
+        group = partition_group(p for _, p in params)
+        empty = ranks_holding_nothing(holds, group)
+        if empty:
+            raise ValueError(f"TENSORHUB_CUT=readers: trainer rank(s) {empty} of the partition group hold nothing "
+                             "of the model (more ranks than elements?), and the cut's publish needs every rank; "
+                             "set TENSORHUB_CUT=off")
+        return {"cut": self.settings.cut, "cut_group": group, "cut_gather_bytes": self.settings.cut_gather_bytes}
 
     def withdraw(self) -> float:
         """Stop serving the last version's partitions; returns once no reader

@@ -30,6 +30,8 @@ VARIABLES = {
     "TENSORHUB_DELTA": "delta",
     "TENSORHUB_VLLM_QUANTIZATION": "vllm_quantization",
     "TENSORHUB_LORA": "lora",
+    "TENSORHUB_CUT": "cut",
+    "TENSORHUB_CUT_GATHER_BYTES": "cut_gather_bytes",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -62,6 +64,13 @@ class TensorHubSettings:
     # publishes only the adapter (its partitions of the A/B matrices, in place)
     # as an adapter version of `model` (tensorhub.lora; name it policy/lora/<name>).
     lora: bool = False
+    # Trainer: "readers" also publishes each rank's share of the readers' cut
+    # (Hub.publish(cut="readers")): the regions the serving engine workers of
+    # the last step read (a TP worker's columns of o_proj / down_proj), gathered
+    # from the ZeRO-3 flat partitions over the partition group at most
+    # cut_gather_bytes at a time and laid out back to back. None: off.
+    cut: str | None = None
+    cut_gather_bytes: int | None = None  # per rank; None: HubConfig.cut_gather_bytes
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TensorHubSettings:
@@ -92,6 +101,10 @@ class TensorHubSettings:
             if values["lora"] and values.get("delta") == "copy":
                 raise ValueError("TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1: an adapter version "
                                  "is published whole (it is small); set TENSORHUB_DELTA=off")
+        values.update(_cut(env, lora=values.get("lora", False)))
+        if values.get("cut") and not values.get("serve", True):
+            raise ValueError("TENSORHUB_CUT=readers needs TENSORHUB_SERVE=1: the trainer learns its readers' cut "
+                             "from the engines that serve what they read, and with TENSORHUB_SERVE=0 none does")
         if env.get("TENSORHUB_VLLM_QUANTIZATION", "").strip():
             values["vllm_quantization"] = env["TENSORHUB_VLLM_QUANTIZATION"].strip()
         return cls(**values)
@@ -108,6 +121,8 @@ class TensorHubSettings:
             "TENSORHUB_DELTA": self.delta,
             "TENSORHUB_VLLM_QUANTIZATION": self.vllm_quantization or "",
             "TENSORHUB_LORA": "1" if self.lora else "0",
+            "TENSORHUB_CUT": self.cut or "off",
+            "TENSORHUB_CUT_GATHER_BYTES": "" if self.cut_gather_bytes is None else str(self.cut_gather_bytes),
         }
 
     def vllm_engine_args(self) -> dict[str, Any]:
@@ -137,6 +152,30 @@ def _flag(var: str, value: str) -> bool:
     if low in _FALSE:
         return False
     raise ValueError(f"{var} must be one of {_TRUE + _FALSE}, not {value!r}")
+
+
+def _cut(env: Mapping[str, str], *, lora: bool) -> dict[str, Any]:
+    """TENSORHUB_CUT and its gather bound; empty means unset (a recipe's null)."""
+    values: dict[str, Any] = {}
+    cut = env.get("TENSORHUB_CUT", "").strip().lower()
+    if cut not in ("", "off", "readers"):
+        raise ValueError(f"TENSORHUB_CUT must be 'readers' or 'off', not {env['TENSORHUB_CUT']!r}")
+    if cut == "readers":
+        if lora:
+            raise ValueError("TENSORHUB_CUT=readers does not apply with TENSORHUB_LORA=1: the readers' cut is for "
+                             "base weights, an adapter version is read whole; set TENSORHUB_CUT=off")
+        values["cut"] = "readers"
+    gather = env.get("TENSORHUB_CUT_GATHER_BYTES", "").strip()
+    if gather:
+        try:
+            values["cut_gather_bytes"] = int(gather)
+        except ValueError:
+            values["cut_gather_bytes"] = 0
+        if values["cut_gather_bytes"] <= 0:
+            raise ValueError(f"TENSORHUB_CUT_GATHER_BYTES must be a positive number of bytes, not {gather!r}")
+        if "cut" not in values:
+            raise ValueError("TENSORHUB_CUT_GATHER_BYTES only means something with TENSORHUB_CUT=readers")
+    return values
 
 
 def _seconds(var: str, value: str) -> float:
