@@ -19,8 +19,9 @@ answer that lists what the one before listed (the same holders, each as
 complete as before, a filling one with the same chunks; the pull's own
 replica is never listed, so its own reports change nothing here) doubles the
 quiet time before the next ask, from ``QUIET_FIRST_S`` to ``QUIET_MAX_S``; a
-change ends it. A lone reader of the trainer asked 16 times in a 5.6 s pull, and a
-thousand of them would keep the server's one core busy answering "no change".
+change ends it. A lone serving reader of the trainer asked 17 times in a 5.6 s
+pull, 8 with the quiet time (``tensorhub bench cluster --readers 1``), and a
+thousand such readers would keep the server's one core busy answering "no change".
 
 Why a module of its own: ``PullJob`` decides what a fresh list of holders
 means for its rounds and leases (keep reading a withdrawn holder, let it go,
