@@ -145,7 +145,9 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     def cut_request(rank: int, version: int) -> pb.PublishRequest:
         """Rank ``rank``'s share of the readers' cut: the read boxes of the tensors it owns, back to back."""
         agent = f"rank{rank}"
-        return pb.PublishRequest(agent_id=agent, replica_id=f"{agent}.cut.{version}", model="m", version=version,
+        # Named as a Hub names every replica it publishes ("<agent id>.<n>": the cut is one more of the
+        # rank's), so an answer names it by number as it does the shards (``ReplicaInfo.replica_suffix``).
+        return pb.PublishRequest(agent_id=agent, replica_id=f"{agent}.{1000 + version}", model="m", version=version,
                                  chunk_size=CHUNK, state=pb.REPLICA_STATE_COMPLETE, origin=True, trainer_cut=True,
                                  held_table=cut_held[rank], manifest_fingerprint=fingerprint,
                                  memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_VRAM, packed=True,
