@@ -2,13 +2,23 @@
 DeepSpeed ZeRO-3 (gloo) over OpenRLHF's own ``Actor`` and ZeRO config, driving
 ``TensorHubActorPPOTrainer.broadcast_to_vllm`` (the subclass's real code).
 
-Two seams differ from a GPU run, both because they need CUDA:
+Three seams differ from a GPU run, all because they need CUDA:
 * ``ActorPPOTrainer.__init__`` builds its replay buffer on the current CUDA
   device, so the trainer is made without ``__init__`` and given what
   ``broadcast_to_vllm`` reads (strategy.args.ds, actor, vllm_engines).
 * DeepSpeed's CPU accelerator compiles a shared-memory all-reduce with the C++
   toolchain on first use (about a minute); gloo runs the same collectives, so
   that build is skipped.
+* ZeRO-3 gathers parameters one collective at a time
+  (``stage3_allgather_sequential``). Its default gather of several parameters
+  starts one async all-gather each and waits for the last one only: right with
+  NCCL, which runs them in order on one stream, wrong with gloo, which runs
+  them on two threads, so an earlier one may still be writing when the gather
+  returns. Then ``from_pretrained``'s load (one gather per module, rank 0 loads
+  into it, then broadcasts) had a module's weight overwritten by the gathered,
+  never initialised partitions: whole partitions of q_proj or k_proj held
+  garbage, NaNs included, on both ranks, and the first training step made the
+  LoRA matrices NaN. ``differs_from_checkpoint`` checks the load.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import hashlib
 import importlib
 import os
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +56,7 @@ class ZeroRank:
         for key, value in list(config["zero_optimization"].items()):
             if value == "auto":  # OpenRLHF's strategy fills these from the model; DeepSpeed's defaults here
                 del config["zero_optimization"][key]
+        config["zero_optimization"]["stage3_allgather_sequential"] = True  # gloo: see the module docstring
         # lora_rank > 0: OpenRLHF's own PEFT wrapping (--ds.lora.rank), all linear layers
         self.actor = Actor(model_dir, attn_implementation="eager", param_dtype="bf16", ds_config=config,
                            lora_rank=lora_rank, lora_alpha=16, target_modules="all-linear")
@@ -55,7 +67,7 @@ class ZeroRank:
         self.trainer.strategy = SimpleNamespace(args=SimpleNamespace(ds=SimpleNamespace(tensor_parallel_size=1)))
         self.trainer.actor = self.actor
         self.trainer.vllm_engines = engines
-        self.rank = rank
+        self.rank, self.world = rank, world
 
     def set_engines(self, engines: list[Any]) -> None:
         self.trainer.vllm_engines = engines
@@ -92,6 +104,28 @@ class ZeroRank:
         model = self.actor.model.module
         with deepspeed.zero.GatheredParameters([p for n, p in model.named_parameters() if "lora_" in n]):
             return {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
+
+    def differs_from_checkpoint(self, model_dir: str) -> list[str]:
+        """The base parameters whose ZeRO-3 partition on this rank is not its
+        slice of the saved weights (a rank must start from the checkpoint)."""
+        from safetensors.torch import load_file
+        from tensorhub_openrlhf.partitions import partition_range
+
+        saved: dict[str, torch.Tensor] = {}
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            saved.update(load_file(path))
+        differ = []
+        for name, param in self.actor.model.module.named_parameters():
+            if "lora_" in name:
+                continue  # PEFT initialises the adapter; it is not loaded
+            key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            if key not in saved:
+                raise KeyError(f"{name!r} ({key!r}) is not in the checkpoint at {model_dir}")
+            start, stop = partition_range(int(param.ds_numel), self.rank, self.world)
+            mine = param.ds_tensor.view(-1)[:stop - start]
+            if digest(mine) != digest(saved[key].reshape(-1)[start:stop].to(mine.dtype)):
+                differ.append(name)
+        return differ
 
     def base_bytes(self) -> int:
         return sum(2 * int(p.ds_numel) for n, p in self.actor.model.module.named_parameters() if "lora_" not in n)
