@@ -447,7 +447,7 @@ class Hub:
             if callable(into):
                 into = into(manifest)
             if into is None:
-                read_set = ReadSet(destination_parts(manifest, None, model=model, version=resolved.version), None)
+                read_set = ReadSet(destination_parts(manifest, None, model=model, version=resolved.version))
             else:
                 read_set = self._read_sets.parts(manifest, into, model=model, version=resolved.version)
             parts = read_set.parts

@@ -48,10 +48,10 @@ class _Seen:
 
 @dataclass(frozen=True, slots=True)
 class ReadSet:
-    """This pull's checked parts; ``key`` (None: not kept) finds its layout."""
+    """This pull's checked parts, and where their layout is kept (None: nowhere)."""
 
     parts: list[Part]
-    key: Hashable | None
+    seen: _Seen | None = None
 
 
 def _key(manifest: Manifest, into: Mapping[str, Entry]) -> tuple[Hashable, list[torch.Tensor]] | None:
@@ -93,20 +93,25 @@ class ReadSets:
         """``into`` checked against ``manifest`` (``Manifest.parts``), as parts in manifest order."""
         keyed = _key(manifest, into)
         if keyed is None:
-            return ReadSet(manifest.parts(into, model=model, version=version), None)
+            return ReadSet(manifest.parts(into, model=model, version=version))
         key, tensors = keyed
         seen = self._seen.get(key)
         if seen is None:
             parts = manifest.parts(into, model=model, version=version)
-            self._seen.put(key, _Seen(parts, _positions(parts, tensors)))
-            return ReadSet(parts, key)
-        # The same check passed before: its parts, each holding the tensor given now.
-        return ReadSet([Part(p.name, p.full_shape, p.region, tensors[i]) for p, i in zip(seen.parts, seen.order)], key)
+            seen = _Seen(parts, _positions(parts, tensors))
+            self._seen.put(key, seen)
+            return ReadSet(parts, seen)
+        # The same check passed before: its parts, each holding the tensor given
+        # now (the very tensors of then, usually: nothing to make).
+        now = [tensors[i] for i in seen.order]
+        if any(p.tensor is not t for p, t in zip(seen.parts, now)):
+            return ReadSet([Part(p.name, p.full_shape, p.region, t) for p, t in zip(seen.parts, now)], seen)
+        return ReadSet(list(seen.parts), seen)
 
     def layout(self, read_set: ReadSet, manifest: Manifest, regions: list[MemoryRegion],
                chunk_size: int) -> ReadLayout:
         """The read layout of ``read_set``'s parts in their registered memory ``regions``."""
-        seen = self._seen.get(read_set.key) if read_set.key is not None else None
+        seen = read_set.seen
         laid_out = (chunk_size, regions)
         made = seen.layout if seen is not None else None
         if made is not None and made[0] == laid_out:
