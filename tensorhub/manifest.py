@@ -27,6 +27,7 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -37,7 +38,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+    return _ITEMSIZES[dtype]  # a lookup: a pull asks once per tensor, and a layer has hundreds
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
     Hub.connect ── Holdings (holdings.py): agent session, heartbeats, what this process
         │          publishes (whole models or shards), retention, unpublish-with-drain
         ├─ publish ──▶ Holdings.publish
-        └─ pull ─────▶ resolve ─▶ destination_parts / Destinations (destination.py)
+        └─ pull ─────▶ resolve ─▶ ReadSets (readsets.py) / Destinations (destination.py)
                        ─▶ PullJob (puller.py) over a ReadLayout (readlayout.py)
                        ─▶ serve=True: Holdings.open_filling, chunks reported as they land
 """
@@ -39,7 +39,7 @@ from tensorhub.client.peernews import PeerNews, PullNews
 from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.puller import ProgressFn, PullJob, PullStats
-from tensorhub.client.readlayout import ReadLayout, ReadPart
+from tensorhub.client.readsets import ReadSet, ReadSets
 from tensorhub.client.replay import DELTA, PLANNED, path_of
 from tensorhub.client.rpc import ReaderCuts, ReferenceClient, RemoteReplica, Resolved
 from tensorhub.client.scratch import ScratchPool
@@ -54,7 +54,7 @@ from tensorhub.errors import (
     TensorHubError,
     VersionNotFound,
 )
-from tensorhub.manifest import Manifest, itemsize
+from tensorhub.manifest import Manifest
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, NixlAgent
@@ -182,6 +182,7 @@ class Hub:
                                   config=config)
         self._destinations = Destinations(self._nixl)
         self._news = PeerNews(self._nixl) if config.chunk_news else None  # chunk news between relaying peers
+        self._read_sets = ReadSets()  # destinations checked, and their read layouts, kept while the same
         self._plans = PlanCache()  # holder tables and chunk READs, kept while the layouts stay the same
         # Per model, this rank's last trainer-cut buffer and its publication: reused once that is closed
         self._cut_buffers: dict[str, tuple[Any, Publication]] = {}
@@ -445,7 +446,11 @@ class Hub:
         try:
             if callable(into):
                 into = into(manifest)
-            parts = destination_parts(manifest, into, model=model, version=resolved.version)
+            if into is None:
+                read_set = ReadSet(destination_parts(manifest, None, model=model, version=resolved.version))
+            else:
+                read_set = self._read_sets.parts(manifest, into, model=model, version=resolved.version)
+            parts = read_set.parts
             names = None
             if have is not None and into is not None and self.config.delta != "off":
                 have = _check_version(have)
@@ -488,13 +493,7 @@ class Hub:
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             raise
         reports = LandedReports(self._holdings, publication) if publication is not None else None
-        index = manifest.index()
-        read_parts = [
-            ReadPart(p.name, index[p.name], p.full_shape, None, itemsize(manifest.tensors[index[p.name]].dtype),
-                     memory, p.region)
-            for p, memory in zip(parts, registration.regions)
-        ]
-        layout = ReadLayout(manifest, read_parts, chunk_size)
+        layout = self._read_sets.layout(read_set, manifest, registration.regions, chunk_size)
         job = PullJob(
             rpc=self._holdings.control_plane(), nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels,
             resolved=resolved,

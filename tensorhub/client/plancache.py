@@ -13,6 +13,7 @@ never cached.
     Hub ── PlanCache ── per reader layout (its signature) ── LayoutPlans
                                                               ├── holder tables, by the holder's layout key
                                                               ├── holder maps of complete holders
+                                                              ├── which of a holder's chunks the read set covers whole
                                                               └── chunk READs, by (chunk, ranked holders' keys)
 
 Keys are contents, never names: a reader layout by its parts' tensors,
@@ -41,6 +42,7 @@ from tensorhub.client.lru import Lru
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.rpc import RemoteReplica
 from tensorhub.client.transfer import Transfer
+from tensorhub.client.verify import Coverage, coverage
 
 V = TypeVar("V")
 
@@ -85,6 +87,7 @@ class LayoutPlans:
         self._tables: Lru[dict[str, np.ndarray]] = Lru(_HOLDERS)
         self._maps: Lru[HolderMap] = Lru(_HOLDERS)
         self._will_hold: Lru[frozenset[int]] = Lru(_HOLDERS)
+        self._coverage: Lru[Coverage] = Lru(_HOLDERS)
         self._chunks: Lru[tuple[tuple[int, Transfer], ...]] = Lru(_CHUNK_PLANS)
         self.pulls = 0  # finished pulls into this layout (``replay.path_of``)
 
@@ -114,6 +117,10 @@ class LayoutPlans:
         """The chunks of the read set ``replica`` has or will have once complete."""
         return self._cached(self._will_hold, holder_key(replica),
                             lambda: frozenset(np.unique(table["r_off"] // layout.chunk_size).tolist()))
+
+    def coverage(self, layout: ReadLayout, replica: RemoteReplica, table: dict[str, np.ndarray]) -> Coverage:
+        """Which of ``replica``'s chunks the read set covers whole (``verify.coverage``)."""
+        return self._cached(self._coverage, holder_key(replica), lambda: coverage(layout, replica, table))
 
     def chunk(self, chunk: int, ranked: list[HolderMap], context: Hashable,
               make: Callable[[], list[Transfer] | None]) -> tuple[list[Transfer] | None, bool]:

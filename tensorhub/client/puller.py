@@ -271,7 +271,8 @@ class PullJob:
             table = self._tables.get(rid)
             if table is None:
                 table = self._tables[rid] = self.plans.table(self.layout, r)
-                self._checks.add_holder(r, table)
+                if self._checks.enabled:
+                    self._checks.add_holder(r, table, self.plans.coverage(self.layout, r, table))
             else:
                 self._checks.refresh(r)
             if len(table["r_off"]):
