@@ -9,7 +9,9 @@ Everything here runs real processes, real NIXL and a real gRPC server.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,9 @@ from tensorhub.local.seeded import (
 )
 from tensorhub.local.serverprocess import ServerProcess
 
-__all__ = ["GrantingLeases", "HubProcess", "RemoteError", "ServerProcess", "Spec", "cuts", "empty_like_specs",
-           "finish_transfer", "free_port", "make_tensors", "mixed_specs", "read_region", "rendezvous",
-           "shard_region", "stepped_tensors", "take", "wait_for_progress"]
+__all__ = ["GrantingLeases", "HubProcess", "RemoteError", "ServerProcess", "Spec", "ask_ranks", "cuts",
+           "empty_like_specs", "finish_transfer", "free_port", "make_tensors", "mixed_specs", "rank_result",
+           "read_region", "rendezvous", "shard_region", "stepped_tensors", "take", "wait_for_progress"]
 
 
 class GrantingLeases:
@@ -61,6 +63,25 @@ def finish_transfer(agent: Any, pending: Any, timeout_s: float = 10.0) -> None:
             time.sleep(0.001)
     finally:
         agent.release(pending)
+
+
+def rank_result(proc: Any) -> str:
+    """The next ``result <text>`` line of a trainer-rank script driven over its
+    stdin and stdout (``subprocess.Popen(..., text=True)``); AssertionError
+    with its exit code if it ends first."""
+    for line in proc.stdout:
+        if line.startswith("result "):
+            return line.removeprefix("result ").strip()
+    raise AssertionError(f"trainer rank exited with {proc.wait(timeout=30)}")
+
+
+def ask_ranks(ranks: Sequence[Any], line: str) -> list[Any]:
+    """Send ``line`` to every rank script (all of them first: the ranks meet in
+    collectives), then read each one's result as JSON, in rank order."""
+    for proc in ranks:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+    return [json.loads(rank_result(proc)) for proc in ranks]
 
 
 def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) -> int:

@@ -19,7 +19,7 @@ from conftest import child_pythonpath
 from tensorhub import Hub
 from tensorhub.lora import ADAPTER_CONFIG, pull_adapter
 from tensorhub.server import EmbeddedServer
-from tensorhub.testing import rendezvous
+from tensorhub.testing import ask_ranks, rank_result, rendezvous
 
 KEY = "tiny/lora/default"
 
@@ -34,19 +34,10 @@ def test_fsdp2_peft_ranks_publish_only_the_adapter(tiny_model, tmp_path):
                                    str(tmp_path)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                  for r in range(2)]
 
-        def result(proc):
-            for line in proc.stdout:
-                if line.startswith("result "):
-                    return line.removeprefix("result ").strip()
-            raise AssertionError(f"trainer rank exited with {proc.wait(timeout=30)}")
-
         try:
-            assert [result(p) for p in ranks] == ["ready", "ready"]
+            assert [rank_result(p) for p in ranks] == ["ready", "ready"]
             for step in (1, 2):
-                for proc in ranks:
-                    proc.stdin.write(f"step {step}\n")
-                    proc.stdin.flush()
-                sent = [json.loads(result(p)) for p in ranks]
+                sent = ask_ranks(ranks, f"step {step}")
                 assert [s["version"] for s in sent] == [step, step]
                 # the ranks have written their matrices again: the version is what was sent
                 peft = load_file(str(tmp_path / f"step-{step}.safetensors"))

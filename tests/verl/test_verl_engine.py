@@ -308,23 +308,13 @@ def test_two_trainer_ranks_publish_the_readers_cut(engines, server):
 
 
 def _two_ranks_cut(ranks, engines, server):
-    import json
-
     from tensorhub.client.rpc import ReferenceClient
-
-    def result(proc):
-        for line in proc.stdout:
-            if line.startswith("result "):
-                return line.removeprefix("result ").strip()
-        raise AssertionError(f"trainer rank exited with {proc.wait()}")
+    from tensorhub.testing import ask_ranks, rank_result
 
     def step(n):
-        for proc in ranks:
-            proc.stdin.write(f"{n}\n")
-            proc.stdin.flush()
-        return [json.loads(result(proc)) for proc in ranks]
+        return ask_ranks(ranks, str(n))
 
-    assert [result(proc) for proc in ranks] == ["ready", "ready"]
+    assert [rank_result(proc) for proc in ranks] == ["ready", "ready"]
     first = step(1)
     assert [m[f"tensorhub/rank{r}/cut_mb"] for r, m in enumerate(first)] == [0, 0]  # no readers yet
     readers = [engines(), engines()]

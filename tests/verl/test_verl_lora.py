@@ -21,7 +21,7 @@ from tensorhub_verl.verl_internals import calling_workers_module
 from verl_testlib import save_tiny_model
 
 from tensorhub.lora import ADAPTER_CONFIG
-from tensorhub.testing import rendezvous
+from tensorhub.testing import ask_ranks, rank_result, rendezvous
 
 KEY = "tiny/lora/default"
 
@@ -58,21 +58,9 @@ def test_two_fsdp_ranks_publish_only_the_adapter_and_a_rollout_gets_pefts_tensor
 def _steps(ranks, rollout, tmp_path):
     from safetensors.torch import load_file
 
-    def result(proc):
-        for line in proc.stdout:
-            if line.startswith("result "):
-                return line.removeprefix("result ").strip()
-        raise AssertionError(f"trainer rank exited with {proc.wait(timeout=30)}")
-
-    def command(text):
-        for proc in ranks:
-            proc.stdin.write(text + "\n")
-            proc.stdin.flush()
-        return [json.loads(result(proc)) for proc in ranks]
-
-    assert [result(proc) for proc in ranks] == ["ready", "ready"]
+    assert [rank_result(proc) for proc in ranks] == ["ready", "ready"]
     for step in (1, 2):
-        metrics = command(f"step {step}")
+        metrics = ask_ranks(ranks, f"step {step}")
         peft = load_file(str(tmp_path / f"step-{step}.safetensors"))  # PEFT's own state dict, gathered
         adapter_bytes = sum(t.numel() * t.element_size() for t in peft.values())
         assert receive(rollout, step) == []  # the base is unchanged: nothing to load into it
@@ -94,7 +82,7 @@ def _steps(ranks, rollout, tmp_path):
                           "base_bytes": metrics[0]["base_bytes"], "published_bytes": [round(p) for p in published]}))
         assert metrics[0]["checkpoint_engine/payload_mbytes"] * 2**20 == pytest.approx(read)
         # finalize withdraws the in-place shards (training writes them next); the rollout keeps serving
-        assert command("finalize") == [{"published": False}] * 2
+        assert ask_ranks(ranks, "finalize") == [{"published": False}] * 2
         assert rollout.hub.versions(KEY) == [step]
     _vllm_reads_the_names(rollout.adapter)
 
