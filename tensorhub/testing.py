@@ -49,7 +49,7 @@ class GrantingLeases:
     def release_lease_async(self, agent_id: str, lease_id: str) -> None:
         pass  # nothing to hold: every lease was granted
 
-    def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None:
+    def report_lost(self, agent_id: str, replica_id: str, reason: str, *, stalled: bool = False) -> bool:
         raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
 
 

@@ -7,6 +7,7 @@ polling, the ones given up on, and the drain when the pull ends.
     poll(): each READ in flight, in posting order ──┬─ not done, before its deadline: stays
                 ▲                                   ├─ not done, past it: deadline(source) again;
                 │                                   │    later (lease renewed, source progressed): stays,
+                │                                   │    its holder alive to the server: stays,
                 │                                   │    else it stalled ──▶ given up ─┐
                 │                                   ├─ failed ─────────────────────────┤
                 │                                   └─ done ───────────────────────────┤
@@ -15,6 +16,15 @@ polling, the ones given up on, and the drain when the pull ends.
                       and the given-up ones that ended since are released (reap)
 
     pull ends ──▶ drop(): each READ still out gets drain_s() to finish, then released
+
+A stall is silence without an error: a dead holder, or a live one whose bytes
+to this reader queue behind others' (16 readers of one trainer over one
+100 Mbit/s link starve each other's TCP flows for many seconds: ``tensorhub
+bench cluster --readers 16 --size 64MiB``). A READ past its deadline that no
+other holder can replace is given up on only once the server says its holder
+stopped heartbeating (``wait_on``, the puller's), else it waits on, never past
+its lease or the pull's deadline. Given up on, a live holder's READ would be
+asked of it again: the same bytes twice over the starved link.
 
 A READ cannot be cancelled (NIXL 1.5): released unfinished, it may still land
 bytes later. So a READ given up on stays polled until it ends, and the pull's
@@ -30,7 +40,7 @@ accounting, no planning and no server beyond the read leases' expiry.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,16 +86,18 @@ class Flight:
     chunk: int
     transfer: Transfer
     handle: Any
-    deadline: float
+    deadline: float  # when to look at it again: its stall, its lease's renewal or the pull's end
     replica: RemoteReplica
+    posted_at: float = 0.0  # (monotonic) or when it was last waited on (``_waits_on``)
 
 
 class Flights:
     """The READs one pull has in flight, and those it gave up on but that have not ended."""
 
     def __init__(self, transport: Handles, leases: PullLeases, *, chunk_timeout_s: float, deadline: float,
-                 drain_time_s: float) -> None:
+                 drain_time_s: float, wait_on: Callable[[Flight], bool] | None = None) -> None:
         self._transport, self._leases = transport, leases
+        self._wait_on = wait_on  # whether a stalled READ is worth waiting for (None: never)
         # chunk_timeout_s: a READ's time without progress from its source; deadline: the pull's (monotonic);
         # drain_time_s: the READs still out at the end get this long to finish (``drain_s``)
         self._chunk_timeout_s, self._deadline, self._drain_time_s = chunk_timeout_s, deadline, drain_time_s
@@ -109,27 +121,30 @@ class Flights:
         """How many READs from ``replica_id`` are in flight."""
         return sum(1 for f in self._flying if f.transfer.replica_id == replica_id)
 
-    def deadline(self, replica_id: str, now: float, posted_by: float = 0.0) -> float:
-        """Until when a READ from ``replica_id`` may take: ``chunk_timeout_s``
-        without any READ from that source finishing, and never past the read
-        lease (renewed here when due) or the pull's deadline. 0 when no lease
-        covers the source any more. TensorHubError if the lease cannot be renewed."""
+    def deadline(self, replica_id: str, now: float, posted_at: float | None = None) -> float:
+        """Until when a READ from ``replica_id`` (posted now, or polled: posted
+        at ``posted_at``) may take: ``chunk_timeout_s`` from its posting or the
+        last READ from that source to finish, whichever came later, and never
+        past the pull's deadline; looked at again when its read lease is due
+        for renewal (renewed then: a READ waiting on a starved link for longer
+        than the lease's TTL keeps its lease). 0 when no lease covers the source
+        any more. TensorHubError if the lease cannot be renewed (posting)."""
         lease = self._leases.covering(replica_id)
         if lease is None:
             return 0.0
         try:
-            leased = lease.valid_until()
+            lease.valid_until()
         except TensorHubError:
-            if posted_by:  # polling: the READ ends at its lease's expiry, as posted
+            if posted_at is not None:  # polling: the READ ends here, under the lease it was posted under
                 self._leases.forget(replica_id)
                 return 0.0
             raise
-        progress = max(now if not posted_by else 0.0, self._source_progress.get(replica_id, 0.0))
-        return min(max(progress + self._chunk_timeout_s, posted_by), leased, self._deadline)
+        progress = max(now if posted_at is None else posted_at, self._source_progress.get(replica_id, 0.0))
+        return min(progress + self._chunk_timeout_s, lease.renewal_due(), self._deadline)
 
     def add(self, chunk: int, transfer: Transfer, handle: Any, deadline: float, replica: RemoteReplica) -> None:
         """A READ just posted."""
-        self._flying.append(Flight(chunk, transfer, handle, deadline, replica))
+        self._flying.append(Flight(chunk, transfer, handle, deadline, replica, time.monotonic()))
 
     def newest_landed(self) -> bool:
         """Whether the READ posted last of those in flight has already finished.
@@ -155,18 +170,34 @@ class Flights:
                     now = time.monotonic()
                     if now <= flight.deadline:
                         continue
-                    flight.deadline = self.deadline(flight.transfer.replica_id, now, posted_by=flight.deadline)
-                    if now <= flight.deadline:  # its lease was renewed, or its source made progress
-                        continue
+                    flight.deadline = self.deadline(flight.transfer.replica_id, now, posted_at=flight.posted_at)
+                    if now <= flight.deadline or self._waits_on(flight, now):
+                        continue  # its lease was renewed, its source made progress, or is alive
                     raise TransferFailed(flight.transfer.replica_id, "no completion before the reader's deadline",
                                          stalled=True)
             except TransferFailed as e:
+                if e.stalled and self._waits_on(flight, time.monotonic()):  # a push holder's silence
+                    continue
                 if e.stalled:
                     self._given_up.append(flight.handle)
                 failure: TransferFailed | None = e
             else:
                 failure = None
             yield flight, failure
+
+    def _waits_on(self, flight: Flight, now: float) -> bool:
+        """A READ past its deadline with no error: whether to wait on (``wait_on``
+        says so, and its lease and the pull have time left), with a new deadline
+        a chunk timeout away."""
+        rid = flight.transfer.replica_id
+        if self._wait_on is None or now >= self._deadline or not self._wait_on(flight):
+            return False
+        try:
+            flight.deadline = self.deadline(rid, now)
+        except TensorHubError:  # the lease could not be renewed
+            return False
+        flight.posted_at = now  # its clock starts again
+        return now < flight.deadline
 
     def progressed(self, replica_id: str) -> None:
         """A READ from ``replica_id`` landed: its other READs get ``chunk_timeout_s`` from now."""

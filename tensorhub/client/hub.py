@@ -83,6 +83,8 @@ class PullResult:
     seconds: float
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     lost_sources: list[str] = field(default_factory=list)
+    # Of lost_sources, those given up on as stalled that the server still listed alive: read again.
+    sources_read_again: list[str] = field(default_factory=list)
     publication: Publication | None = None
     # Checked against the publishers' chunk checksums, and not (no checksums, or a part of a holder's chunk).
     verified_bytes: int = 0
@@ -532,7 +534,8 @@ class Hub:
             self._destinations.release(registration, cached=into is not None)
         return PullResult(model=model, version=resolved.version, tensors=result_tensors(parts), nbytes=stats.nbytes,
                           seconds=time.perf_counter() - start, bytes_by_source=stats.bytes_by_source,
-                          lost_sources=stats.lost_sources, publication=publication,
+                          lost_sources=stats.lost_sources, sources_read_again=stats.sources_read_again,
+                          publication=publication,
                           verified_bytes=stats.verified_bytes, unverified_bytes=stats.unverified_bytes,
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,

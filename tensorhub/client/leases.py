@@ -66,6 +66,11 @@ class Lease:
                 self.expiry = sent + self.ttl_s
             return self.expiry
 
+    def renewal_due(self) -> float:
+        """When ``valid_until`` renews it next (half its TTL before its expiry)."""
+        with self._lock:
+            return self.expiry - self.ttl_s / 2
+
     def release(self) -> None:
         try:
             self._rpc.release_lease_async(self._agent_id, self.lease_id)

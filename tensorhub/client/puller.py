@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class ControlPlane(LeaseService, Protocol):
                 group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
                 seen_change: int = 0) -> Resolved: ...
 
-    def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None: ...
+    def report_lost(self, agent_id: str, replica_id: str, reason: str, *, stalled: bool = False) -> bool: ...
 
 
 class Transport(Handles, Protocol):
@@ -138,6 +139,9 @@ class PullStats:
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     source_kinds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # name -> (Labels.tier, origin)
     lost_sources: list[str] = field(default_factory=list)
+    # Of those, the ones given up on as stalled (slow, no error) that the server
+    # still listed alive when no other holder had what was missing: read again.
+    sources_read_again: list[str] = field(default_factory=list)
     rounds: int = 0
     verified_bytes: int = 0  # checked against the publisher's chunk checksums
     unverified_bytes: int = 0  # read from a source without checksums, or a holder chunk read in part
@@ -214,6 +218,12 @@ class PullJob:
     _asked_at: float = 0.0  # when this pull last asked who holds what
     _plans_reused: int = 0
     _plans_made: int = 0
+    # Sources given up on as stalled (no READ landed, no word, no error) and excluded for that: slow or
+    # dead, this reader cannot tell; the server can (``ReportLostRequest.stalled``), so one it still lists
+    # is read again when no other holder has what is missing (``_read_again``).
+    _stalled: set[str] = field(default_factory=set)
+    _alive_at: dict[str, float] = field(default_factory=dict)  # replica id -> when the server last said it is alive
+    _round_view: tuple[dict, set[str]] = field(default_factory=lambda: ({}, set()))  # this round's maps, excluded
 
     def __post_init__(self) -> None:
         self._leases = PullLeases(self.rpc, self.agent_id)
@@ -229,7 +239,8 @@ class PullJob:
         self._asked_at = time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
-                               drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s))
+                               drain_time_s=drain_s(self.chunk_timeout_s, self.failure_detection_s),
+                               wait_on=self._worth_waiting)
         listening = self.news if self.news is not None else contextlib.nullcontext()
         try:
             with listening:
@@ -244,6 +255,8 @@ class PullJob:
                                  f"holder has them ({e})") from None
         finally:
             self._drop_flights()
+            for rid in self._stalled:  # given up on as stalled and not read again: its connection is suspect
+                self.nixl.forget(rid)
             self._checks.close()  # no check reads the destination after this
             self._leases.release_all()
             stats.verified_bytes = self._checks.verified_bytes
@@ -423,9 +436,11 @@ class PullJob:
                     transfers[chunk] = planned
             if unavailable:
                 self._leases.drop_upfront()  # the holders it leased cannot fill this round
+                read_again = len(stats.sources_read_again)
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
                                          maps, excluded, needed)
-                stale_rounds += 1
+                # a slow source read again starts the count anew (``_read_again``: the deadline bounds it)
+                stale_rounds = 0 if len(stats.sources_read_again) > read_again else stale_rounds + 1
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
             uncovered = [rid for rid in primaries if not self._leases.covers(rid)]
@@ -571,7 +586,29 @@ class PullJob:
             return {}
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
+        self._read_again(fresh, excluded, stats)
         return self._maps(fresh.replicas, excluded)
+
+    def _read_again(self, fresh: Resolved, excluded: set[str], stats: PullStats) -> None:
+        """Some chunks have no holder left: the sources this pull gave up on as
+        stalled that the server still lists are read again. A stall is silence
+        without an error: a dead holder, or a live one whose bytes to this reader
+        queue behind others' (16 readers of one trainer over a 100 Mbit/s link
+        starve each other's TCP flows for seconds). The server hides a holder
+        whose agent stopped heartbeating, and keeps a live one listed
+        (``ReportLostRequest.stalled``). A reader of a busy holder may hear
+        nothing for many silences in a row (its requests queue behind fifteen
+        others'), so there is no count: the pull's deadline bounds it, and a
+        holder alive to the server but cut off from this reader only is waited
+        for until then (TransferStalled)."""
+        listed = {r.source.replica_id: r for r in fresh.replicas}
+        for rid in sorted(self._stalled & excluded & listed.keys()):
+            excluded.discard(rid)
+            self._stalled.discard(rid)
+            name = listed[rid].source.agent_name
+            stats.sources_read_again.append(name)
+            log.info("source %s (%s) stalled, but the server lists it alive and no other holder has the rest: "
+                     "reading it again", name, rid)
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
@@ -585,6 +622,7 @@ class PullJob:
         server is asked who holds what) keeps them, so the links never drain
         between rounds. The flights live on the job (``_flying``: ``flights.Flights``)."""
         layout = self.layout
+        self._round_view = (maps, excluded)  # for a stalled READ's question: can another holder give it?
         todo = iter(by_turns(transfers, lambda t: t.replica_id))
         deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
         for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
@@ -604,7 +642,7 @@ class PullJob:
             rid = replica.source.replica_id
             if rid not in lost_now and rid not in excluded:
                 lost_now.add(rid)
-                self._lose(replica, str(error), stats)
+                self._lose(replica, str(error), stats, stalled=error.stalled)
             excluded.add(rid)
 
         def post(chunk: int, transfer: Transfer) -> None:
@@ -777,12 +815,38 @@ class PullJob:
         stats.corrupt_sources.append(m.replica.source.agent_name)
         self._lose(m.replica, m.reason(), stats)
 
-    def _lose(self, replica: RemoteReplica, reason: str, stats: PullStats) -> None:
+    def _worth_waiting(self, flight: Flight) -> bool:
+        """A READ stalled (no error, nothing heard): whether to wait on rather
+        than give it up (``flights``). Not when another holder this round can
+        give its chunk: fail over, as from a dead one. Else only if the server
+        says its holder is alive (asked once a chunk timeout per holder; it
+        then stays listed for every reader)."""
+        rid, (maps, excluded) = flight.transfer.replica_id, self._round_view
+        others = [m for r, m in maps.items() if r != rid and r not in excluded]
+        if others and self.layout.transfers(flight.chunk, others) is not None:
+            return False
+        now = time.monotonic()
+        if now - self._alive_at.get(rid, -math.inf) < self.chunk_timeout_s:
+            return True
+        try:
+            alive = bool(self.rpc.report_lost(self.agent_id, rid, f"no READ landed for {self.chunk_timeout_s:g} s",
+                                              stalled=True))
+        except TensorHubError:
+            return False
+        if alive:
+            self._alive_at[rid] = now
+        return alive
+
+    def _lose(self, replica: RemoteReplica, reason: str, stats: PullStats, *, stalled: bool = False) -> None:
         rid = replica.source.replica_id
         log.warning("source %s (%s) lost: %s", replica.source.agent_name, rid, reason)
         stats.lost_sources.append(replica.source.agent_name)
-        self.nixl.forget(rid)
+        if stalled:  # its connection stays until the pull ends: it may be read again (``_read_again``)
+            self._stalled.add(rid)
+        else:
+            self._stalled.discard(rid)  # failed outright, or its bytes were wrong: never read again
+            self.nixl.forget(rid)
         try:
-            self.rpc.report_lost(self.agent_id, rid, reason)
+            self.rpc.report_lost(self.agent_id, rid, reason, stalled=stalled)
         except TensorHubError as e:  # the server will expire it anyway
             log.debug("report_lost: %s", e)

@@ -563,8 +563,11 @@ class ReferenceClient:
                 log.debug("release lease %s: %s", lease_id, e.code())
             pulled = []
 
-    def report_lost(self, agent_id: str, replica_id: str, reason: str) -> None:
-        self._call(self._stub.ReportLost, pb.ReportLostRequest(agent_id=agent_id, replica_id=replica_id, reason=reason))
+    def report_lost(self, agent_id: str, replica_id: str, reason: str, *, stalled: bool = False) -> bool:
+        """``stalled``: nothing was heard from it, without an error. True when
+        the server kept it listed: its holder is alive (only a stalled report)."""
+        return self._call(self._stub.ReportLost, pb.ReportLostRequest(
+            agent_id=agent_id, replica_id=replica_id, reason=reason, stalled=stalled)).kept
 
     # ---------------------------------------------------------------- queries
 

@@ -238,6 +238,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
         held[(model, result.version)] = result.publication
     out = {"version": result.version, "nbytes": result.nbytes, "seconds": result.seconds, "start": start,
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
+           "read_again": result.sources_read_again,
            "verified": result.verified_bytes, "unverified": result.unverified_bytes,
            "checks_failed": result.checks_failed, "read_bytes": result.read_bytes,
            "descriptors": result.descriptors, "plans_reused": result.plans_reused, "refreshes": result.refreshes, "news_heard": result.news_heard, "path": result.path, "not_replayed": result.not_replayed, "chunk_sources": result.chunk_sources, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,

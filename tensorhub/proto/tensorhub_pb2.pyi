@@ -430,18 +430,22 @@ class ReleaseReadLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportLostRequest(_message.Message):
-    __slots__ = ("agent_id", "replica_id", "reason")
+    __slots__ = ("agent_id", "replica_id", "reason", "stalled")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     replica_id: str
     reason: str
-    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    stalled: bool
+    def __init__(self, agent_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ..., stalled: _Optional[bool] = ...) -> None: ...
 
 class ReportLostResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kept",)
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    kept: bool
+    def __init__(self, kept: _Optional[bool] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ("model",)

@@ -22,6 +22,11 @@ class ServerConfig:
     tls_key: str = ""
     agent_ttl_s: float = 10.0  # an agent without a heartbeat this long is gone, with its replicas
     lease_ttl_s: float = 10.0  # a read lease without renewal this long is released
+    # A reader's stall report (no READ landed, no word, no error) hides the holder from every reader only if
+    # its agent has not heartbeated for this long: one that did is alive and only slow to that reader
+    # (16 readers of one trainer over one 100 Mbit/s link starve each other's flows for seconds, the holder's
+    # heartbeats queue behind them too). Half the agent's TTL: a dead holder is hidden by the next report after.
+    stall_alive_s: float = 5.0
     retain: int = 1  # the latest K visible versions of each model stay pullable; 0: no retention
     max_message_bytes: int = 16 << 20  # gRPC messages in either direction
     expiry_period_s: float = 0.5  # leases and agents also expire without traffic
@@ -39,7 +44,7 @@ class ServerConfig:
             check_token(self.token, "ServerConfig.token")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key go together: give both PEM files, or neither")
-        for name in ("agent_ttl_s", "lease_ttl_s", "expiry_period_s", "max_wait_s"):
+        for name in ("agent_ttl_s", "lease_ttl_s", "stall_alive_s", "expiry_period_s", "max_wait_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"ServerConfig.{name} must be a positive number of seconds, not {value!r}")

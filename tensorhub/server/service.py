@@ -706,6 +706,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                        and (lease.agent_id == agent_id or agent_id in lease.sharers) for lid in replica.leases):
                 raise StateError("PERMISSION_DENIED", f"agent {agent_id!r} holds no read lease on replica "
                                                       f"{replica_id!r}; only its readers may report it lost")
+            if request.stalled and self.state.heard_from(replica.agent_id, self.state.config.stall_alive_s):
+                # Its holder spoke to us while this reader heard nothing from it: slow to
+                # that reader (a starved flow, a queue), not gone. The reader fails over
+                # on its own; the others keep reading it. A dead one stops heartbeating.
+                log.info("replica %s stalled for %s, but its holder is alive: kept listed (%s)", replica_id,
+                         agent_id, request.reason[:200])
+                return pb.ReportLostResponse(kept=True)
             log.warning("replica %s reported lost by %s: %s", replica_id, agent_id, request.reason[:200])
             self.state.report_lost(replica_id)
             self.changes.bump(replica.model, replica.version)

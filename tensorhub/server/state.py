@@ -269,6 +269,11 @@ class State:
                 replica.confirmed_at = now
         return True
 
+    def heard_from(self, agent_id: str, within_s: float) -> bool:
+        """Whether the agent heartbeated (or registered) in the last ``within_s``."""
+        agent = self.agents.get(agent_id)
+        return agent is not None and agent.expires_at - self.agent_ttl_s >= time.monotonic() - within_s
+
     def registered(self, agent_id: str) -> Agent:
         """The agent, or FAILED_PRECONDITION when it is not registered (expired, or the server restarted)."""
         return self._agent(agent_id)

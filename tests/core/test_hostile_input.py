@@ -195,6 +195,22 @@ def test_one_agent_cannot_release_or_drop_what_another_reads_or_holds(hub_server
     assert "holder.0" not in hub_server.state.replicas
 
 
+def test_a_stalled_report_keeps_a_live_holder_listed_and_hides_a_silent_one(hub_server, stub):
+    """A reader that heard nothing from a holder (no error) cannot tell slow from
+    dead; the server can: a holder whose agent heartbeated within
+    ``stall_alive_s`` stays listed for every reader (``kept``)."""
+    s = stub
+    for agent in ("holder", "reader"):
+        s.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent), timeout=10)
+    s.Publish(_publish("holder", "holder.0", model="slow"), timeout=10)
+    s.AcquireReadLease(pb.AcquireReadLeaseRequest(agent_id="reader", replica_ids=["holder.0"]), timeout=10)
+    stall = pb.ReportLostRequest(agent_id="reader", replica_id="holder.0", reason="no READ landed", stalled=True)
+    replica = hub_server.state.replicas["holder.0"]
+    assert s.ReportLost(stall, timeout=10).kept and not replica.lost and not replica.withdrawn
+    hub_server.state.agents["holder"].expires_at -= hub_server.state.config.stall_alive_s + 1  # silent since
+    assert not s.ReportLost(stall, timeout=10).kept and replica.lost and replica.withdrawn
+
+
 def test_documented_limits_are_enforced(hub_server, stub):
     """docs/operations/index.md "Limits": oversized messages and manifests are refused with the limit named."""
     s = stub

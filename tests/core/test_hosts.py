@@ -160,3 +160,21 @@ def test_bench_cluster_writes_a_row_per_method(tmp_path):
     assert rows["nixl-raw-all"]["trainer_read_copies"] == 2 and rows["nixl-raw-relay"]["trainer_read_copies"] == 1
     assert "lag-free relay" in proc.stdout
     assert "x single" in proc.stdout and "chunk checksums cost" in proc.stdout
+
+
+def test_readers_of_one_busy_trainer_wait_for_it_rather_than_give_it_up():
+    """Found by ``tensorhub bench cluster --readers 16 --size 64MiB --link
+    100mbit``: sixteen readers of one trainer, none relaying, starve each
+    other's flows for longer than a chunk timeout; each gave the live trainer
+    up as stalled and reported it lost, which hid it from all (SourceLost with
+    the trainer alive). Here four readers with a chunk timeout far under what
+    their shares of the trainer's link take: the server says the trainer is
+    alive, so each waits for it (and keeps its lease), and nothing is read
+    twice."""
+    with _cluster(["r0", "r1", "r2", "r3"], chunk_timeout_s=0.05) as (_, readers):
+        for reader in readers:
+            reader.send("pull", model="m", specs=SPECS, expect_seed=1, serve=False)
+        results = [reader.result(timeout=120) for reader in readers]
+    assert all(r["mismatched"] == [] and r["sources"] == {"trainer": 64 << 20} for r in results), results
+    assert [r["lost"] for r in results] == [[]] * 4, [r["lost"] for r in results]
+    assert all(r["read_bytes"] == 64 << 20 for r in results), [r["read_bytes"] for r in results]

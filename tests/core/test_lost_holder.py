@@ -106,7 +106,7 @@ class SteppingTrainer:
         if self.resolves > self.switch_after and "trainer" not in held and "retained" not in held:
             self.retained_gone = True  # version v+1 is out: the copy goes unless someone reads it
 
-    def report_lost(self, agent_id, replica_id, reason):
+    def report_lost(self, agent_id, replica_id, reason, stalled=False):
         raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
 
 
@@ -242,7 +242,7 @@ class TwoHolders(GrantingLeases):
         live = [r for r in self.replicas if r.source.replica_id not in self.lost]
         return Resolved(model, 1, self.manifest, tuple(live))
 
-    def report_lost(self, agent_id, replica_id, reason):
+    def report_lost(self, agent_id, replica_id, reason, stalled=False):
         self.lost.append(replica_id)
 
 
@@ -663,3 +663,69 @@ def test_a_round_that_stops_posting_finishes_the_chunks_it_began(monkeypatch):
     stats = _pull_in_pieces(monkeypatch, transport)
     assert len(transport.landing) == 16 * 4 and len(set(transport.landing)) == 16 * 4, "a piece was read twice"
     assert stats.read_bytes == stats.nbytes  # and the pull's own count says so
+
+
+class StalledHolder(GrantingLeases):
+    """One holder, "stuck". A stalled report is answered as the server would:
+    kept (``alive``: its agent heartbeats) or hidden until its next heartbeat,
+    after which it is listed again."""
+
+    def __init__(self, manifest: Manifest, replica: RemoteReplica, *, alive: bool) -> None:
+        self.manifest, self.replica, self.alive = manifest, replica, alive
+        self.reports: list[tuple[str, bool]] = []
+
+    def resolve(self, agent_id, model, version, *, group="", group_round=0, lease=False, **_wait):
+        return Resolved(model, 1, self.manifest, (self.replica,))  # hidden only until its next heartbeat
+
+    def report_lost(self, agent_id, replica_id, reason, stalled=False):
+        self.reports.append((replica_id, stalled))
+        return stalled and self.alive
+
+
+class StallsFirst(StallsThenLands):
+    """The first ``STALLING`` READs from "stuck" land ``LAND_S`` late; later ones at once."""
+
+    STALLING = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posts = 0
+
+    def post(self, remote, local, local_kind, remote_descs, remote_kind):
+        self.posts += 1
+        if self.posts <= self.STALLING:
+            return super().post(remote, local, local_kind, remote_descs, remote_kind)
+        SlowMemcpy.post(self, remote, local, local_kind, remote_descs, remote_kind)
+        return ["ok"]
+
+
+def test_a_lone_holder_that_stalls_while_the_server_calls_it_alive_is_waited_for():
+    """Sixteen readers of one trainer over one slow link starve each other's
+    flows past the chunk timeout (``tensorhub bench cluster --readers 16
+    --size 64MiB --link 100mbit``). A stall is silence, not an error: the
+    server, which hears the holder's heartbeats, says it is alive, so the
+    reader waits on the READs it posted (nothing read twice) rather than
+    giving the holder up and failing with SourceLost."""
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    manifest = Manifest.of({"w": weights})
+    plane = StalledHolder(manifest, _replica("stuck", manifest, weights), alive=True)
+    dest = torch.zeros_like(weights)
+    transport = StallsFirst()
+    stats = _job(plane, transport, manifest, dest, verify=False, chunk_timeout_s=0.2).run()
+    assert torch.equal(dest, weights)
+    assert stats.lost_sources == [] and stats.sources_read_again == []
+    assert plane.reports and all(stalled for _, stalled in plane.reports)  # asked, as a stall
+    assert transport.posts == 16 and stats.read_bytes == dest.nbytes  # every chunk read once
+
+
+def test_a_stalled_holder_the_server_hid_is_read_again_once_it_is_listed_again():
+    """The server hid it (its heartbeats had stopped: a paused process); it
+    came back (listed again) and is the only holder: read again, not
+    SourceLost."""
+    weights = torch.arange(16 * CHUNK // 4, dtype=torch.int32)
+    manifest = Manifest.of({"w": weights})
+    plane = StalledHolder(manifest, _replica("stuck", manifest, weights), alive=False)
+    dest = torch.zeros_like(weights)
+    stats = _job(plane, StallsFirst(), manifest, dest, verify=False, chunk_timeout_s=0.2).run()
+    assert torch.equal(dest, weights)
+    assert stats.lost_sources == ["stuck"] and stats.sources_read_again == ["stuck"]

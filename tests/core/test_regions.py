@@ -177,7 +177,7 @@ class FakeControlPlane:
     def release_lease_async(self, agent_id, lease_id):
         """Leases are not tracked: nothing drains in these tests."""
 
-    def report_lost(self, agent_id, replica_id, reason):
+    def report_lost(self, agent_id, replica_id, reason, stalled=False):
         self.lost.append(replica_id)
 
 

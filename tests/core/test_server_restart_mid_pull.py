@@ -87,7 +87,7 @@ class RestartingServer:
     def release_lease_async(self, agent_id, lease_id):
         self.leases.pop(lease_id, None)
 
-    def report_lost(self, agent_id, replica_id, reason):
+    def report_lost(self, agent_id, replica_id, reason, stalled=False):
         raise AssertionError(f"nothing failed, yet {replica_id} was reported lost: {reason}")
 
 

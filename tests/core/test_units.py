@@ -333,7 +333,7 @@ def test_a_pull_s_control_plane_re_registers_a_forgotten_agent_and_retries_once(
                 raise AgentUnknown(f"agent {agent_id!r} is not registered")
             return 5.0
 
-        def report_lost(self, agent_id, replica_id, reason):
+        def report_lost(self, agent_id, replica_id, reason, stalled=False):
             raise AgentUnknown("still forgotten")
 
     server = ForgetfulServer()
