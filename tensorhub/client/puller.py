@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
 from tensorhub.client.rpc import RemoteReplica, Resolved
+from tensorhub.client.stalls import Stalls
 from tensorhub.client.transfer import Transfer
 from tensorhub.client.verify import ChunkVerifier, Mismatch
 from tensorhub.client.wideread import WideReads
@@ -218,15 +218,14 @@ class PullJob:
     _asked_at: float = 0.0  # when this pull last asked who holds what
     _plans_reused: int = 0
     _plans_made: int = 0
-    # Sources given up on as stalled (no READ landed, no word, no error) and excluded for that: slow or
-    # dead, this reader cannot tell; the server can (``ReportLostRequest.stalled``), so one it still lists
-    # is read again when no other holder has what is missing (``_read_again``).
-    _stalled: set[str] = field(default_factory=set)
-    _alive_at: dict[str, float] = field(default_factory=dict)  # replica id -> when the server last said it is alive
+    _stalls: Stalls = field(init=False)  # holders this pull heard nothing from: slow or dead (``stalls``)
     _round_view: tuple[dict, set[str]] = field(default_factory=lambda: ({}, set()))  # this round's maps, excluded
 
     def __post_init__(self) -> None:
         self._leases = PullLeases(self.rpc, self.agent_id)
+        self._stalls = Stalls(lambda rid: self.rpc.report_lost(
+            self.agent_id, rid, f"no READ landed for {self.chunk_timeout_s:g} s", stalled=True),
+            chunk_timeout_s=self.chunk_timeout_s)
 
     def run(self) -> PullStats:
         res = self.resolved
@@ -255,7 +254,7 @@ class PullJob:
                                  f"holder has them ({e})") from None
         finally:
             self._drop_flights()
-            for rid in self._stalled:  # given up on as stalled and not read again: its connection is suspect
+            for rid in self._stalls.suspects():  # given up on as stalled, not read again: connection suspect
                 self.nixl.forget(rid)
             self._checks.close()  # no check reads the destination after this
             self._leases.release_all()
@@ -439,7 +438,7 @@ class PullJob:
                 read_again = len(stats.sources_read_again)
                 maps = self._keep_leased(self._refresh(stats, excluded, stale_rounds, sorted(unavailable), usable),
                                          maps, excluded, needed)
-                # a slow source read again starts the count anew (``_read_again``: the deadline bounds it)
+                # a slow source read again starts the count anew (``Stalls.read_again``: the deadline bounds it)
                 stale_rounds = 0 if len(stats.sources_read_again) > read_again else stale_rounds + 1
                 continue
             primaries = sorted({t.replica_id for planned in transfers.values() for t in planned})
@@ -590,25 +589,13 @@ class PullJob:
         return self._maps(fresh.replicas, excluded)
 
     def _read_again(self, fresh: Resolved, excluded: set[str], stats: PullStats) -> None:
-        """Some chunks have no holder left: the sources this pull gave up on as
-        stalled that the server still lists are read again. A stall is silence
-        without an error: a dead holder, or a live one whose bytes to this reader
-        queue behind others' (16 readers of one trainer over a 100 Mbit/s link
-        starve each other's TCP flows for seconds). The server hides a holder
-        whose agent stopped heartbeating, and keeps a live one listed
-        (``ReportLostRequest.stalled``). A reader of a busy holder may hear
-        nothing for many silences in a row (its requests queue behind fifteen
-        others'), so there is no count: the pull's deadline bounds it, and a
-        holder alive to the server but cut off from this reader only is waited
-        for until then (TransferStalled)."""
-        listed = {r.source.replica_id: r for r in fresh.replicas}
-        for rid in sorted(self._stalled & excluded & listed.keys()):
-            excluded.discard(rid)
-            self._stalled.discard(rid)
-            name = listed[rid].source.agent_name
-            stats.sources_read_again.append(name)
-            log.info("source %s (%s) stalled, but the server lists it alive and no other holder has the rest: "
-                     "reading it again", name, rid)
+        """Some chunks have no holder left: the holders given up on as stalled
+        that the server lists (again) are read again (``stalls``)."""
+        listed = {r.source.replica_id: r.source.agent_name for r in fresh.replicas}
+        for rid in self._stalls.read_again(listed, excluded):
+            stats.sources_read_again.append(listed[rid])
+            log.info("source %s (%s) stalled, but the server lists it and no other holder has the rest: "
+                     "reading it again", listed[rid], rid)
 
     def _read_round(self, transfers: dict[int, list[Transfer]], maps: dict[str, HolderMap],
                     needed: set[int], excluded: set[str], stats: PullStats, *, carry: bool = False) -> None:
@@ -816,35 +803,17 @@ class PullJob:
         self._lose(m.replica, m.reason(), stats)
 
     def _worth_waiting(self, flight: Flight) -> bool:
-        """A READ stalled (no error, nothing heard): whether to wait on rather
-        than give it up (``flights``). Not when another holder this round can
-        give its chunk: fail over, as from a dead one. Else only if the server
-        says its holder is alive (asked once a chunk timeout per holder; it
-        then stays listed for every reader)."""
+        """A READ stalled: wait on it, or give it up (``stalls``)."""
         rid, (maps, excluded) = flight.transfer.replica_id, self._round_view
         others = [m for r, m in maps.items() if r != rid and r not in excluded]
-        if others and self.layout.transfers(flight.chunk, others) is not None:
-            return False
-        now = time.monotonic()
-        if now - self._alive_at.get(rid, -math.inf) < self.chunk_timeout_s:
-            return True
-        try:
-            alive = bool(self.rpc.report_lost(self.agent_id, rid, f"no READ landed for {self.chunk_timeout_s:g} s",
-                                              stalled=True))
-        except TensorHubError:
-            return False
-        if alive:
-            self._alive_at[rid] = now
-        return alive
+        return self._stalls.worth_waiting(
+            rid, replaceable=bool(others) and self.layout.transfers(flight.chunk, others) is not None)
 
     def _lose(self, replica: RemoteReplica, reason: str, stats: PullStats, *, stalled: bool = False) -> None:
         rid = replica.source.replica_id
         log.warning("source %s (%s) lost: %s", replica.source.agent_name, rid, reason)
         stats.lost_sources.append(replica.source.agent_name)
-        if stalled:  # its connection stays until the pull ends: it may be read again (``_read_again``)
-            self._stalled.add(rid)
-        else:
-            self._stalled.discard(rid)  # failed outright, or its bytes were wrong: never read again
+        if self._stalls.lost(rid, stalled=stalled):  # a stalled one may be read again: connection kept
             self.nixl.forget(rid)
         try:
             self.rpc.report_lost(self.agent_id, rid, reason, stalled=stalled)
