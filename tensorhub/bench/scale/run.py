@@ -242,10 +242,11 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     resolve_cpu = max(first["cpu_per_resolve_s"], late["cpu_per_resolve_s"])
     # A stage's first resolve also builds every new holder's coverage keys (kept per grouping epoch):
     # counted once per stage, the rest once per reader.
-    # Per stage: the first group's resolve, every other engine's first worker's (a ranking and a coverage
-    # search per group), and the other 7 workers of every engine (a lookup each).
+    # Per stage: the first group's resolve and every other engine's first worker's (a ranking and a
+    # coverage search per group). The other 7 workers of an engine send nothing: vLLM's take the first
+    # worker's answer over the engine's CPU group (tensorhub_vllm's groupshare, on by default). Their
+    # cost had they asked (a lookup each) is reported apart: server_cpu_per_member_*.
     server_s = publish_cpu + relay_cpu + sum(s["cpu_first_s"] + (engines - 1) * s["cpu_per_resolve_s"]
-                                             + engines * (cuts.TP - 1) * s["cpu_per_member_s"]
                                              for s in (first, late))
     control_s = server_s + planning_s
 
