@@ -231,7 +231,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
     cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps, tp=args.tp,
                                 model=args.model, experts=args.experts, overread=args.overread,
-                                lora_rank=args.lora_rank)
+                                lora_rank=args.lora_rank, quantization=args.quantization)
     return bench.run(cfg, json_path=args.json)
 
 
@@ -453,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--lora-rank", type=int, default=0,
                       help="> 0: LoRA adapter versions of this rank (all linear layers) instead of base weights, "
                            "against the disk round trip (PEFT files, then vLLM's in-place load)")
+    vllm.add_argument("--quantization", default="",
+                      help="vLLM's quantization for the engine (e.g. fp8_per_channel): the versions stay bf16 and "
+                           "both the update and the reload from disk re-quantize them")
     vllm.add_argument("--json", help="write the results here as JSON")
     vllm.set_defaults(func=_bench_vllm)
     return parser

@@ -6,7 +6,8 @@ the first repetition) in the same run.
 
 One process drives it: a trainer Hub publishing a random Qwen2-style
 checkpoint (``--model moe``: a random Qwen3-MoE, ``--experts`` per layer, the
-checkpoint's per-expert tensors) and an engine (its core in this process, its TP workers in their
+checkpoint's per-expert tensors; ``--quantization fp8_per_channel``: an engine
+serving FP8, both paths re-quantizing the bf16 weights) and an engine (its core in this process, its TP workers in their
 own). The reference server runs in its own process, as it does in production:
 inside the driver its calls wait for the GIL while vLLM's engine core polls
 for the workers' replies (a worker's pull: 0.064-0.068 s so, 0.054-0.056 s
@@ -51,6 +52,9 @@ class VllmBenchConfig:
     experts: int = 32  # per MoE layer (top-4), expert intermediate hidden / 4
     overread: float = 0.2  # the engine's init_info.overread: bytes read as whole rows beyond the read set
     lora_rank: int = 0  # > 0: LoRA adapter versions of this rank instead of base weights (bench_lora)
+    # vLLM's quantization of the engine (e.g. "fp8_per_channel"): the versions stay bf16, and both the
+    # TensorHub update and the reload from disk re-quantize them as vLLM's layer-wise reload does
+    quantization: str = ""
 
 
 def _build_moe(path: Path, cfg: VllmBenchConfig) -> None:
@@ -129,8 +133,9 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
         # LoRA: two versions resident while one replaces the other, and the disk adapter beside them
         lora = {"enable_lora": True, "max_loras": 2, "max_cpu_loras": 4, "max_lora_rank": cfg.lora_rank} \
             if cfg.lora_rank else {}
+        quantized = {"quantization": cfg.quantization} if cfg.quantization else {}
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
-                  enforce_eager=True, tensor_parallel_size=cfg.tp, **lora,
+                  enforce_eager=True, tensor_parallel_size=cfg.tp, **lora, **quantized,
                   worker_extension_cls="tensorhub_vllm.extension.TensorHubWorkerExtension")
         server = started.result(timeout=60)
         if not cfg.lora_rank:
@@ -209,7 +214,9 @@ def _print(rows: list[dict], cfg: VllmBenchConfig) -> None:
 
     disk = next(r["seconds"] for r in rows if r["method"] == "disk-reload")
     ckpt = next(r["checkpoint_bytes"] for r in rows if r["method"] == "tensorhub")
-    table = Table(title=f"vLLM weight update ({cfg.model}), TP={cfg.tp}, {ckpt / 2**20:.0f} MiB checkpoint (median of {cfg.reps})")
+    served = f", served as {cfg.quantization}" if cfg.quantization else ""
+    table = Table(title=f"vLLM weight update ({cfg.model}{served}), TP={cfg.tp}, {ckpt / 2**20:.0f} MiB checkpoint "
+                        f"(median of {cfg.reps})")
     for col in ("method", "rank", "pulled / checkpoint", "pull s", "apply s", "seconds", "vs disk-reload"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:
