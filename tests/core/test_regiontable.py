@@ -193,3 +193,35 @@ def test_suspect_overlaps_finds_every_tensor_whose_regions_meet(case):
             assert i in suspects, (shape, mine)  # never missed: the exact check then names the region
         elif i in suspects:
             assert any(r.flat is not None for r in mine), (shape, mine)  # boxes alone: only those that meet
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_shape, min_size=1, max_size=6), st.integers(0, 2), st.integers(1, 4), st.data())
+def test_one_rule_for_every_tensor_gives_what_the_rule_by_rule_path_gives(shapes_list, d, parts, data):
+    """An FSDP rank's publish (one rule, every tensor) takes a path of scalars;
+    the same rule written twice (ids alternating) takes the general one."""
+    shapes = Shapes.of(_manifest(shapes_list))
+    part = data.draw(st.integers(0, parts - 1))
+    n = len(shapes_list)
+    held = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    one = np.array([1 if h else 0 for h in held], np.uint8)
+    two = np.array([(1 + i % 2) if h else 0 for i, h in enumerate(held)], np.uint8)
+    outcomes = []
+    for rules, rule_of in (([(d, parts, part)], one), ([(d, parts, part)] * 2, two)):
+        try:
+            outcomes.append(table_of_rules(rules, rule_of, shapes).held(shapes))
+        except ValueError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 4), st.sampled_from([3, 50, 10**6, 2**40]), st.integers(0, 2**32))
+def test_unique_rows_is_numpys_unique_by_rows(n, width, high, seed):
+    """Every path (a table of the packed keys, a sort of them, a lexsort of the columns) against np.unique."""
+    from tensorhub.regiontable import _unique_rows_sorted, unique_rows
+
+    rows = np.random.default_rng(seed).integers(-5, high, (n, width)).astype(np.int64)
+    want_rows, want_inverse = np.unique(rows, axis=0, return_inverse=True)
+    for got_rows, got_inverse in (unique_rows(rows), _unique_rows_sorted(rows)):
+        assert np.array_equal(got_rows, want_rows) and np.array_equal(got_inverse, want_inverse.reshape(-1))
