@@ -19,7 +19,6 @@ range the same way against the tensor's element count.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import numpy as np
