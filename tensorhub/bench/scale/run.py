@@ -396,9 +396,9 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
-                                layout_ids=numbering.get(e, ""))
+                                layout_ids=numbering.get(e, ""), packed_holders=e in numbering)
     answer = stub.Resolve(request, timeout=120)
-    numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number from the next answer on
+    numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
     stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
                           timeout=120)
     if sizes is not None:
