@@ -42,7 +42,7 @@ def test_packed_holders_decode_to_the_same_holders_in_fewer_bytes():
             _publish(stub, "c", f"c.{version}", version, complete=False)  # filling: chunks 0 and 2
             _publish(stub, "d", f"d.x{version}", version)  # an id not "<agent>.<number>": stays a message
         v1 = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1))
-        known = dict(layout_ids=v1.layout_ids, known_layouts=[r.layout for r in v1.replicas])
+        known = {"layout_ids": v1.layout_ids, "known_layouts": [r.layout for r in v1.replicas]}
         plain = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=2, **known))
         packed = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=2, packed_holders=True, **known))
         assert [r.replica_suffix for r in packed.replicas] == ["x2"]  # by number, not packed
