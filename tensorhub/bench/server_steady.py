@@ -94,6 +94,7 @@ async def _readers(conn: Any, address: str, cfg: SteadyConfig, fingerprint: str)
                         agent_id=_reader(i), model=MODEL, version=version, lease=True, group=f"engine-{i // cfg.group}",
                         group_round=version, known_fingerprint=fingerprint, known_layouts=known.get(i, []),
                         release_leases=[leases[i]] if i in leases else [], layout_ids=numbering.get(i, ""),
+                        packed_holders=i in numbering,
                         members=members if cfg.shared else []), timeout=30)
                     numbering[i] = resp.layout_ids  # as client/rpc.py: holders by number from then on
                     latencies.append(time.perf_counter() - t0)

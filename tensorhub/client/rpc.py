@@ -399,6 +399,7 @@ class ReferenceClient:
         request.known_layouts.extend(self._layouts.get(model, {}))
         if self._layout_numbers:
             request.layout_ids = self._numbering
+            request.packed_holders = True  # the lean holders by number as rows of one PackedHolders
         with self._cache_lock:
             (request.pulls_replayed, request.pulls_planned), self._pull_paths = self._pull_paths, [0, 0]
         if version is None:
@@ -482,7 +483,10 @@ class ReferenceClient:
                 if template is None:
                     raise error(f"the answer sent replica {msg.replica_id or msg.replica_suffix!r} lean, by a layout "
                                 f"this client never listed as known; {broken}")
-                replicas.append(_rebound(template, msg))
+                crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
+                replica_id = msg.replica_id or f"{template.source.agent_id}.{msg.replica_suffix}"  # by number
+                replicas.append(_rebound(template, replica_id, msg.state == pb.REPLICA_STATE_COMPLETE,
+                                         msg.active_reads, bytes(msg.chunk_bitmap), crcs, tuple(msg.deltas)))
                 seen[layout] = seen.pop(layout)  # in use: the last to be forgotten
                 continue
             if msg.HasField("memory"):
@@ -496,6 +500,8 @@ class ReferenceClient:
             if msg.layout:
                 seen.pop(msg.layout, None)
                 seen[msg.layout] = replicas[-1]
+        if resp.HasField("packed"):
+            replicas.extend(self._unpacked(resp.packed, numbers, templates, seen, broken, error))
         self._memories[model] = memories
         while len(seen) > _LAYOUTS_KNOWN:  # the oldest go first
             seen.pop(next(iter(seen)))
@@ -503,6 +509,35 @@ class ReferenceClient:
         self._last_fingerprint[model] = resp.fingerprint
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
                         resp.instance_id, resp.change)
+
+    @staticmethod
+    def _unpacked(packed: pb.PackedHolders, numbers: dict[int, bytes], templates: dict[bytes, RemoteReplica],
+                  seen: dict[bytes, RemoteReplica], broken: str, error: type[TensorHubError]) -> list[RemoteReplica]:
+        """The packed lean holders of an answer, rebound to this client's
+        templates (whose layouts give each one's chunk count)."""
+        def template_of(number: int) -> RemoteReplica:
+            template = templates.get(numbers.get(number, b""))
+            if template is None:
+                raise error(f"the answer sent a holder packed by layout number {number}, which this client never "
+                            f"listed as known; {broken}")
+            return template
+
+        def chunks_of(number: int) -> int:
+            template = template_of(number)
+            return -(-int(template.regions[:, 1].sum()) // template.chunk_size)
+
+        try:
+            rows = wire.packed_holders_from_wire(packed, chunks_of)
+        except ValueError as e:
+            raise error(f"the answer's packed holders are malformed: {e}; {broken}") from None
+        replicas = []
+        for number, suffix, complete, crcs, bitmap, reads in rows:
+            template = template_of(number)
+            replicas.append(_rebound(template, f"{template.source.agent_id}.{suffix}", complete, reads, bitmap, crcs,
+                                     ()))
+            layout = numbers[number]
+            seen[layout] = seen.pop(layout)  # in use: the last to be forgotten
+        return replicas
 
     def acquire_lease(self, agent_id: str, replica_ids: list[str]) -> tuple[str, list[str], float]:
         resp = self._call(self._stub.AcquireReadLease,
@@ -620,16 +655,13 @@ class ReferenceClient:
         return resp.version if resp.found else None
 
 
-def _rebound(template: RemoteReplica, msg: pb.ReplicaInfo) -> RemoteReplica:
-    """The holder ``msg`` names lean, from ``template``, one laid out the same
-    (same agent, regions, memory, manifest): only what belongs to this replica
-    of this version is new (its id, state, load, checksums, deltas)."""
-    replica_id = msg.replica_id or f"{template.source.agent_id}.{msg.replica_suffix}"  # by number: the suffix
-    source = replace(template.source, replica_id=replica_id, complete=msg.state == pb.REPLICA_STATE_COMPLETE,
-                     active_reads=msg.active_reads)
-    crcs = np.array(msg.chunk_crc32, np.uint32) if msg.chunk_crc32 else None
-    return replace(template, source=source, bitmap=bytes(msg.chunk_bitmap), chunk_crc32=crcs,
-                   deltas=tuple(msg.deltas), lean=True)
+def _rebound(template: RemoteReplica, replica_id: str, complete: bool, reads: int, bitmap: bytes,
+             crcs: np.ndarray | None, deltas: tuple[str, ...]) -> RemoteReplica:
+    """A holder sent lean (a message or a packed row), from ``template``, one
+    laid out the same (same agent, regions, memory, manifest): only what belongs
+    to this replica of this version is new (its id, state, load, checksums, deltas)."""
+    source = replace(template.source, replica_id=replica_id, complete=complete, active_reads=reads)
+    return replace(template, source=source, bitmap=bitmap, chunk_crc32=crcs, deltas=deltas, lean=True)
 
 
 def _memory(msg: pb.ReplicaMemory) -> _Memory:

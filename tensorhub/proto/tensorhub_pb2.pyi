@@ -32,6 +32,13 @@ class SourceTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_TIER_SAME_RACK: _ClassVar[SourceTier]
     SOURCE_TIER_SAME_ZONE: _ClassVar[SourceTier]
     SOURCE_TIER_OTHER_ZONE: _ClassVar[SourceTier]
+
+class PackedFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PACKED_NONE: _ClassVar[PackedFlag]
+    PACKED_COMPLETE: _ClassVar[PackedFlag]
+    PACKED_CRC32: _ClassVar[PackedFlag]
+    PACKED_BITMAP: _ClassVar[PackedFlag]
 RELIABILITY_UNSPECIFIED: Reliability
 RELIABILITY_RELIABLE: Reliability
 RELIABILITY_SPOT: Reliability
@@ -46,6 +53,10 @@ SOURCE_TIER_SAME_HOST: SourceTier
 SOURCE_TIER_SAME_RACK: SourceTier
 SOURCE_TIER_SAME_ZONE: SourceTier
 SOURCE_TIER_OTHER_ZONE: SourceTier
+PACKED_NONE: PackedFlag
+PACKED_COMPLETE: PackedFlag
+PACKED_CRC32: PackedFlag
+PACKED_BITMAP: PackedFlag
 
 class PulledBytes(_message.Message):
     __slots__ = ("tier", "origin", "nbytes")
@@ -320,7 +331,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +351,7 @@ class ResolveRequest(_message.Message):
     PULLS_PLANNED_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -359,10 +371,11 @@ class ResolveRequest(_message.Message):
     pulls_planned: int
     members: _containers.RepeatedScalarFieldContainer[str]
     layout_ids: str
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ...) -> None: ...
+    packed_holders: bool
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids")
+    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +385,7 @@ class ResolveResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CHANGE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
@@ -381,7 +395,26 @@ class ResolveResponse(_message.Message):
     instance_id: str
     change: int
     layout_ids: str
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ...) -> None: ...
+    packed: PackedHolders
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ...) -> None: ...
+
+class PackedHolders(_message.Message):
+    __slots__ = ("layout_id_step", "replica_suffix", "flags", "chunk_crc32", "chunk_bitmap", "busy_row", "busy_reads")
+    LAYOUT_ID_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BITMAP_FIELD_NUMBER: _ClassVar[int]
+    BUSY_ROW_FIELD_NUMBER: _ClassVar[int]
+    BUSY_READS_FIELD_NUMBER: _ClassVar[int]
+    layout_id_step: _containers.RepeatedScalarFieldContainer[int]
+    replica_suffix: _containers.RepeatedScalarFieldContainer[int]
+    flags: _containers.RepeatedScalarFieldContainer[int]
+    chunk_crc32: bytes
+    chunk_bitmap: _containers.RepeatedScalarFieldContainer[bytes]
+    busy_row: _containers.RepeatedScalarFieldContainer[int]
+    busy_reads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout_id_step: _Optional[_Iterable[int]] = ..., replica_suffix: _Optional[_Iterable[int]] = ..., flags: _Optional[_Iterable[int]] = ..., chunk_crc32: _Optional[bytes] = ..., chunk_bitmap: _Optional[_Iterable[bytes]] = ..., busy_row: _Optional[_Iterable[int]] = ..., busy_reads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireReadLeaseRequest(_message.Message):
     __slots__ = ("agent_id", "replica_ids")

@@ -278,3 +278,67 @@ AUTH_SCHEME = "Bearer "
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries ``token``; none for an empty token."""
     return ((AUTH_METADATA_KEY, AUTH_SCHEME + token),) if token else ()
+
+
+# A lean holder by number, packed (pb.PackedHolders): its layout number, the
+# decimal suffix of its replica id, complete or not, its CRCs as little-endian
+# bytes (b"": not known), its bitmap while filling, its reads in flight.
+PackedRow = tuple[int, int, bool, bytes, bytes, int]
+
+
+def packed_holders_to_wire(rows: list[PackedRow]) -> pb.PackedHolders:
+    msg = pb.PackedHolders()
+    previous = 0
+    crcs = []
+    for i, (number, suffix, complete, crc, bitmap, reads) in enumerate(rows):
+        msg.layout_id_step.append(number - previous)
+        previous = number
+        msg.replica_suffix.append(suffix)
+        flags = pb.PACKED_COMPLETE if complete else pb.PACKED_NONE
+        if crc:
+            flags |= pb.PACKED_CRC32
+            crcs.append(crc)
+        if not complete:
+            flags |= pb.PACKED_BITMAP
+            msg.chunk_bitmap.append(bitmap)
+        msg.flags.append(flags)
+        if reads:
+            msg.busy_row.append(i)
+            msg.busy_reads.append(reads)
+    msg.chunk_crc32 = b"".join(crcs)
+    return msg
+
+
+def packed_holders_from_wire(msg: pb.PackedHolders, chunks_of: Any) -> list[tuple[int, int, bool, Any, bytes, int]]:
+    """The rows of ``msg``: (layout number, suffix, complete, CRCs as uint32 or
+    None, bitmap, reads). ``chunks_of(layout number)`` is the holder's chunk
+    count (from the reader's template). ValueError when the arrays disagree."""
+    n = len(msg.layout_id_step)
+    if len(msg.replica_suffix) != n or len(msg.flags) != n or len(msg.busy_row) != len(msg.busy_reads):
+        raise ValueError(f"packed holders of unequal lengths: {n} layouts, {len(msg.replica_suffix)} suffixes, "
+                         f"{len(msg.flags)} flags, {len(msg.busy_row)} busy rows, {len(msg.busy_reads)} counts")
+    crcs = np.frombuffer(msg.chunk_crc32, "<u4")
+    busy = dict(zip(msg.busy_row, msg.busy_reads, strict=True))
+    rows = []
+    number = at = bitmaps = 0
+    for i in range(n):
+        number += msg.layout_id_step[i]
+        flags = msg.flags[i]
+        crc = None
+        if flags & pb.PACKED_CRC32:
+            count = chunks_of(number)
+            crc = crcs[at:at + count].astype(np.uint32)
+            at += count
+            if len(crc) != count:
+                raise ValueError(f"packed holder {i}: {len(crc)} CRCs sent, its layout has {count} chunks")
+        bitmap = b""
+        if flags & pb.PACKED_BITMAP:
+            if bitmaps >= len(msg.chunk_bitmap):
+                raise ValueError(f"packed holder {i} is flagged filling but no bitmap was sent for it")
+            bitmap = msg.chunk_bitmap[bitmaps]
+            bitmaps += 1
+        rows.append((number, msg.replica_suffix[i], bool(flags & pb.PACKED_COMPLETE), crc, bitmap, busy.get(i, 0)))
+    if at != len(crcs) or bitmaps != len(msg.chunk_bitmap):
+        raise ValueError(f"packed holders sent {len(crcs)} CRCs and {len(msg.chunk_bitmap)} bitmaps, "
+                         f"their layouts take {at} and {bitmaps}")
+    return rows

@@ -43,6 +43,7 @@ MAX_READER_CUTS = 256  # read sets in one ReaderCuts answer (an engine's TP or E
 MAX_READER_CUTS_BYTES = 8 << 20  # and at most about this many bytes of them (the client takes 16 MiB)
 _FINGERPRINT = re.compile(r"^[0-9a-f]{16,128}$")
 RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
+RESOLVE_PACKED_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["packed"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
 Resp = TypeVar("Resp")
@@ -220,6 +221,17 @@ def _changing(replica: Replica) -> bytes:
 
 
 _COMPLETE_TAILS: dict[int, bytes] = {}
+
+
+def _packable(replica: Replica, number: int, suffix: str) -> tuple[int, int, bytes] | None:
+    """A replica's fixed part of a PackedHolders row (layout number, numeric
+    suffix, CRCs as little-endian bytes), or None where it needs a message: an
+    id that is not "<agent id>.<decimal>", deltas, or CRCs not one per chunk."""
+    crcs = replica.chunk_crc32 or []
+    if not suffix.isdigit() or str(int(suffix)) != suffix or replica.deltas or \
+            (crcs and len(crcs) != replica.num_chunks):
+        return None
+    return number, int(suffix), np.asarray(crcs, "<u4").tobytes()
 
 
 class ReferenceService(pb_grpc.ReferenceServiceServicer):
@@ -538,10 +550,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                     granted = set(lease.replica_ids)
                     sources = [r for r in sources if r.replica_id in granted]
             shared = request.group and not request.max_sources and len(sources) == len(shared_list)
+            packed = request.packed_holders
             answer = response.SerializeToString() + (
-                self._group_holders(model, resolved, sources, known, layouts, by_number) if shared else
-                wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known, layouts, by_number)
-                                                              for r in sources]))
+                self._group_holders(model, resolved, sources, known, layouts, by_number, packed, response.lease_id)
+                if shared else self._holders(sources, known, layouts, by_number, packed, response.lease_id))
             control = self.state.control
             control.resolves += 1
             control.answers_shared += len(others)
@@ -569,13 +581,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         return members
 
     def _group_holders(self, model: str, version: int, sources: list[Replica], known_memory: frozenset[bytes],
-                       known: frozenset[bytes], by_number: bool) -> bytes:
+                       known: frozenset[bytes], by_number: bool, packed: bool, lease_id: str) -> bytes:
         """The holders part of an answer to a member of a group, encoded once for
         the members that ask the same (the same list, what they know alike) while
         the version's holders and their chunks stand (its change counter): the
         other members' asks cost a lookup and a send. Their read counts are the
         first member's (a hint for ranking, not a promise)."""
-        key = (id(sources), self.changes.seen(model, version), hash(known), hash(known_memory), by_number)
+        key = (id(sources), self.changes.seen(model, version), hash(known), hash(known_memory), by_number, packed)
         kept = self._group_answers.get(key)
         control = self.state.control
         if kept is not None and kept[0] is sources and kept[2] == known and kept[3] == known_memory:
@@ -583,8 +595,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             control.holders_lean += kept[5]
             return kept[1]
         full, lean = control.holders_full, control.holders_lean
-        encoded = wire.embedded_fields(RESOLVE_REPLICAS_FIELD, [self._replica_info(r, known_memory, known, by_number)
-                                                                for r in sources])
+        encoded = self._holders(sources, known_memory, known, by_number, packed, lease_id)
         if len(self._group_answers) >= _GROUP_ANSWERS_KEPT:
             self._group_answers.pop(next(iter(self._group_answers)))
         # The list kept alive with it: its id stays its own while the key names it.
@@ -656,8 +667,9 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             without_memory = per_version + static
             full = without_memory + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
             cached = replica.wire_info = (agent, digest, layout.digest(), per_version, without_memory, full,
-                                          self._numbering_generation, by_number_bytes)
-        _, digest, layout_key, per_version, without_memory, full_bytes, _, by_number_bytes = cached
+                                          self._numbering_generation, by_number_bytes,
+                                          _packable(replica, number, suffix if "replica_suffix" in named else ""))
+        _, digest, layout_key, per_version, without_memory, full_bytes, _, by_number_bytes, _ = cached
         if layout_key in known:
             self.state.control.holders_lean += 1
             fixed = by_number_bytes if by_number else per_version
@@ -665,6 +677,30 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             self.state.control.holders_full += 1
             fixed = without_memory if digest in known_memory else full_bytes
         return fixed + _changing(replica)
+
+    def _holders(self, sources: list[Replica], known_memory: frozenset[bytes], known: frozenset[bytes],
+                 by_number: bool, packed: bool, lease_id: str) -> bytes:
+        """The holders part of a Resolve answer: a ReplicaInfo each, or, for a
+        reader that asked for ``packed`` and has the numbering, the lean holders
+        that fit as rows of one PackedHolders (~7 bytes a holder instead of ~16;
+        the others stay messages). A packed row's reads leave out the answer's
+        own lease (``lease_id``): the asker knows it reads."""
+        messages, rows = [], []
+        for replica in sources:
+            info = self._replica_info(replica, known_memory, known, by_number)
+            row = replica.wire_info[8] if packed and by_number and replica.wire_info[2] in known else None
+            if row is None:
+                messages.append(info)
+                continue
+            number, suffix, crc = row
+            reads = len(replica.leases) - (lease_id in replica.leases)
+            rows.append((number, suffix, replica.complete, crc, b"" if replica.complete else bytes(replica.bitmap),
+                         reads))
+        encoded = wire.embedded_fields(RESOLVE_REPLICAS_FIELD, messages)
+        if rows:
+            encoded += wire.embedded_fields(RESOLVE_PACKED_FIELD,
+                                            [wire.packed_holders_to_wire(rows).SerializeToString()])
+        return encoded
 
     async def AcquireReadLease(self, request: pb.AcquireReadLeaseRequest, context: Any) -> pb.AcquireReadLeaseResponse:
         async def go() -> pb.AcquireReadLeaseResponse:

@@ -174,6 +174,10 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         assert row["steady_server_cpu_s"] < 1.0
         assert row["steady_holders_full"] == 0 and row["steady_holders_lean"] > 0
         assert row["steady_answer_bytes_max"] <= 4096 < row["resolve_response_bytes_max"]
+        # Every holder of the largest steady answer sent packed, ~7 bytes each (one CRC a chunk is 4 of
+        # them): at Kimi-K2's 512 holders that keeps the answer under 4 KiB (issue 47).
+        assert row["steady_answer_holders_packed"] == row["steady_answer_holders"] > 0
+        assert row["steady_answer_bytes_per_holder"] <= 8, row["steady_answer_bytes_per_holder"]
         assert row["steady_server_cpu_s"] >= 0 and row["steady_predicted_s"] <= row["predicted_s"]
     tp, ep = rows["tp"], rows["ep"]
     assert ep["bytes_per_gpu"] == tp["bytes_per_gpu"]  # 1/8 of every expert's bytes either way

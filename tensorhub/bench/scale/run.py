@@ -293,6 +293,9 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
         steady_messages=sum(steady["messages"].values()), steady_messages_by_method=steady["messages"],
         steady_server_cpu_s=steady["server_cpu_s"], steady_answer_bytes_max=steady["answer_bytes_max"],
+        # the largest steady answer: its holders, how many of them packed, and its bytes a holder
+        steady_answer_holders=steady["answer_holders"], steady_answer_holders_packed=steady["answer_holders_packed"],
+        steady_answer_bytes_per_holder=steady["answer_bytes_per_holder"],
         steady_request_bytes_max=steady["request_bytes_max"], steady_resolves=steady["resolves"],
         steady_holders_full=steady["holders_full"], steady_holders_lean=steady["holders_lean"],
         steady_server_cpu_publish_s=steady["publish_cpu_s"], steady_server_cpu_resolve_s=steady["resolve_cpu_s"],
@@ -323,6 +326,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     workers = [(e, w) for e in range(engines) for w in range(cuts.TP)]
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
+    per_holder = (0.0, 0, 0)  # the largest answer's bytes a holder, its holders, how many packed
     parse_s = 0.0
     # What each engine was told of the version before (``knows``: as it started; not measured, that was
     # that version's cost), then once relays held it: the trainer's holders and the relays its answer named,
@@ -354,6 +358,13 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         for e in range(engines):
             answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests)
             answers.append(answer.ByteSize())
+            holders = len(answer.replicas) + len(answer.packed.flags)
+            if answers[-1] == max(answers) and holders:  # the largest answer's bytes a holder (packed or not)
+                bare = pb.ResolveResponse()
+                bare.CopyFrom(answer)
+                bare.ClearField("replicas")
+                bare.ClearField("packed")
+                per_holder = ((answers[-1] - bare.ByteSize()) / holders, holders, len(answer.packed.flags))
             knows[e] |= {info.layout for info in answer.replicas if info.layout}  # as a Hub keeps them
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
@@ -367,6 +378,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     return {"messages": messages,
             "server_cpu_s": publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu, "resolve_cpu_s": resolve_cpu,
             "answer_bytes_max": max(answers), "request_bytes_max": max(requests), "resolves": len(answers),
+            "answer_bytes_per_holder": per_holder[0], "answer_holders": per_holder[1],
+            "answer_holders_packed": per_holder[2],
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
 
 
@@ -397,9 +410,9 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
-                                layout_ids=numbering.get(e, ""))
+                                layout_ids=numbering.get(e, ""), packed_holders=e in numbering)
     answer = stub.Resolve(request, timeout=120)
-    numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number from the next answer on
+    numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
     stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
                           timeout=120)
     if sizes is not None:
