@@ -58,8 +58,10 @@ def test_fp8_readers_read_half_the_bytes_and_bf16_readers_never_see_them(hubs):
     # the companion goes with its version; a version published without one has none
     trainer.call("unpublish", model="m", version=1)
     trainer.call("publish", model="m", version=2, specs=SPECS, seed=8)
-    with pytest.raises(RemoteError):
-        fp8_reader.call("pull", model="m", version=2, specs=SPECS, fp8=True, timeout=3)
+    for version in (1, 2):
+        with pytest.raises(RemoteError, match="VersionNotFound"):
+            fp8_reader.call("pull", model="m", version=version, specs=SPECS, fp8=True, timeout=3)
+    assert fp8_reader.call("versions", model="m@fp8") == []
 
 
 def test_bad_fp8_input_moves_nothing(hubs):
