@@ -68,6 +68,8 @@ def _bench_pull(args: argparse.Namespace) -> int:
 
     if args.layout == "moe" or args.reader_slice == "tp8":
         return _bench_pull_moe(args)
+    if args.fp8:
+        return _bench_pull_fp8(args)
     for readers in args.readers:
         cfg = pull.PullBenchConfig(size=parse_size(args.size), readers=readers, publishers=args.publishers or 1,
                                    reader_slice=args.reader_slice, reps=args.reps,
@@ -75,6 +77,22 @@ def _bench_pull(args: argparse.Namespace) -> int:
                                    verify=not args.no_verify)
         json_path = args.json if len(args.readers) == 1 else (args.json and args.json.replace(".json", f"-r{readers}.json"))
         pull.run(cfg, json_path=json_path)
+    return 0
+
+
+def _bench_pull_fp8(args: argparse.Namespace) -> int:
+    from tensorhub.bench import fp8pull
+    from tensorhub.bench.payload import parse_size
+
+    if args.publishers not in (None, 1) or args.reader_slice != "whole" or args.no_verify or args.versions != 1:
+        print("tensorhub bench pull --fp8: one trainer publishes the whole model (no --publishers, --reader-slice, "
+              "--no-verify or --versions)", file=sys.stderr)
+        return 2
+    for readers in args.readers:
+        cfg = fp8pull.Fp8PullBenchConfig(size=parse_size(args.size), readers=readers, reps=args.reps,
+                                         chunk_size=parse_size(args.chunk_size), read_workers=args.read_workers)
+        json_path = args.json if len(args.readers) == 1 else (args.json and args.json.replace(".json", f"-r{readers}.json"))
+        fp8pull.run(cfg, json_path=json_path)
     return 0
 
 
@@ -353,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--no-verify", action="store_true",
                       help="chunk checksums off (HubConfig.verify_chunks=False); by default they are on, and a "
                            "tensorhub-unchecked row shows what they cost")
+    pull.add_argument("--fp8", action="store_true",
+                      help="dense layout: the trainer publishes --size bytes of bf16 with its block-FP8 companion "
+                           "(Hub.publish(fp8=True)); readers pull bf16 and FP8 in the same run: bytes read, time, "
+                           "and the trainer's quantization time apart")
     pull.add_argument("--json", help="write the results here as JSON")
     pull.set_defaults(func=_bench_pull)
 

@@ -32,6 +32,7 @@ from tensorhub.client.delta import (
     publish_with_delta,
 )
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
+from tensorhub.client.fp8companion import check_fp8_pull, publish_with_fp8
 from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.landed import LandedReports
@@ -54,6 +55,7 @@ from tensorhub.errors import (
     TensorHubError,
     VersionNotFound,
 )
+from tensorhub.fp8 import fp8_model
 from tensorhub.manifest import Manifest
 from tensorhub.shard import Entry
 from tensorhub.topology import Labels
@@ -220,7 +222,7 @@ class Hub:
                 manifest: Manifest | Mapping[str, Entry] | None = None, chunk_size: int | None = None,
                 delta_from: int | None = None, previous: Mapping[str, Entry] | None = None,
                 delta: Delta | None = None, cut: Literal["readers"] | None = None, cut_group: Any = None,
-                cut_gather_bytes: int | None = None) -> Publication:
+                cut_gather_bytes: int | None = None, fp8: bool = False) -> Publication:
         """Make ``tensors`` pullable as ``version`` of ``model``, in place (their
         memory is registered with NIXL, not copied). Do not modify them until
         the returned publication is unpublished.
@@ -254,6 +256,14 @@ class Hub:
         No readers yet (the first version): the shards only. The cost is in
         ``publication.cut_report``; the cut is ``publication.cut``, withdrawn
         with the publication.
+
+        ``fp8=True`` also publishes the version's block-FP8 companion
+        (``tensorhub.fp8``: 2-D floating ``*.weight`` tensors as float8_e4m3fn
+        plus fp32 ``*.weight_scale_inv`` per 128x128 block, rounded as vLLM
+        rounds, quantized on the tensors' device; the rest as it is) as model
+        ``<model>@fp8``, withdrawn with this publication; readers that want FP8
+        pull it with ``pull(model, v, fp8=True)``, at about half the bytes. It
+        needs the whole model as whole tensors in this process, and no cut or delta.
         """
         model, version = _check_model(model), _check_version(version)
         if manifest is None:
@@ -269,6 +279,12 @@ class Hub:
         if not parts:
             raise InvalidRequest(f"publish {model!r} version {version}: no tensor or region to publish")
         chunk_size = chunk_size or self.config.chunk_size
+        if fp8:
+            if cut is not None or delta_from is not None:
+                raise InvalidRequest(f"publish {model!r} version {version}: fp8=True goes with neither cut= nor "
+                                     "delta_from= (not built yet). Nothing was published.")
+            return publish_with_fp8(self._holdings, model=model, version=version, manifest=manifest, parts=parts,
+                                    tensors=tensors, chunk_size=chunk_size)
         if cut is not None:
             return self._publish_with_cut(model, version, manifest, parts, chunk_size, cut=cut, group=cut_group,
                                           gather_bytes=cut_gather_bytes,
@@ -404,7 +420,7 @@ class Hub:
              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
              serve: bool = False, group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
              timeout: float | None = None, before_write: Callable[[], None] | None = None,
-             have: int | None = None, answer: GroupAnswer | None = None) -> PullResult:
+             have: int | None = None, answer: GroupAnswer | None = None, fp8: bool = False) -> PullResult:
         """Pull a visible version of ``model`` from whoever holds it.
 
         ``into``: destination per tensor name: a tensor (the whole tensor) or
@@ -433,8 +449,14 @@ class Hub:
         the reader serves the deltas it read too.
         ``answer``: what another member of this process's group resolved for it
         (``resolve_for_group``): no Resolve is sent unless it is unusable here.
+        ``fp8=True``: pull the version's block-FP8 companion (``publish(fp8=True)``,
+        model ``<model>@fp8``) instead; ``into``'s float8 tensors must be 2-D with
+        their fp32 ``_scale_inv`` beside them, checked before any byte moves.
         """
         model = _check_model(model)
+        if fp8:
+            check_fp8_pull(model, into)
+            model = fp8_model(model)
         wanted = None if version == "latest" else _check_version(version)
         start = time.perf_counter()
         resolved = self._first_resolve(model, wanted, group, group_round, answer)

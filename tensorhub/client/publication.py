@@ -80,6 +80,7 @@ class Publication:
         self.trainer_cut = trainer_cut
         self.cut: Publication | None = None
         self.cut_report = None
+        self.fp8_quantize_s: float | None = None  # publish(fp8=True): the companion's quantization time
         index = manifest.index()
         self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
         num_chunks = -(-self.nbytes // chunk_size)

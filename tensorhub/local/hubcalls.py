@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tensorhub.fp8 import companion_specs, companion_tensors
 from tensorhub.local.seeded import (
     empty_like_specs,
     make_tensors,
@@ -25,11 +26,16 @@ from tensorhub.regions import Region
 from tensorhub.shard import Shard
 
 
-def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, chunk_size: int | None = None) -> str:
+def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, chunk_size: int | None = None,
+             fp8: bool = False) -> Any:
+    """The manifest's fingerprint; with ``fp8``: and the companion's bytes and quantization seconds."""
     tensors = make_tensors(specs, seed)
-    pub = hub.publish(model, version, tensors, chunk_size=chunk_size)
+    pub = hub.publish(model, version, tensors, chunk_size=chunk_size, fp8=fp8)
     held[(model, version)] = pub
     held[("tensors", model, version)] = (specs, tensors)  # kept after unpublish, for _overwrite
+    if fp8:
+        return {"fingerprint": pub.manifest.fingerprint, "fp8_bytes": sum(c.nbytes for c in pub.companions),
+                "quantize_s": pub.fp8_quantize_s}
     return pub.manifest.fingerprint
 
 
@@ -193,7 +199,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
           read: tuple[str, int, int] | None = None, keep: str | None = None, have: int | None = None,
           unpublish_first: int | None = None, expect_step: tuple[int, float] | None = None,
           expect_saved: tuple[str, int] | None = None, start_at: float | None = None,
-          answer: Any = None) -> dict:
+          answer: Any = None, fp8: bool = False) -> dict:
     """``read``: ("tp" | "flat" | "whole", rank, world) pulls that slice (see read_region).
     ``answer``: a ``GroupAnswer`` another member resolved (``resolve_for_group``).
     ``expect_seed="version"``: the publisher seeded each version with its number.
@@ -205,7 +211,13 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
     that saved version (``specs`` then default to its tensors'). ``start_at``: a
     ``time.monotonic()`` instant (the clock is the machine's, shared by every
     process) to start at once the destination is ready, so that readers sent
-    their pulls one after another start together, as the raw NIXL rows do."""
+    their pulls one after another start together, as the raw NIXL rows do.
+    ``fp8``: pull the FP8 companion (``specs`` are the bf16 version's; the
+    destination is the companion's, and ``expect_seed`` compares with
+    ``tensorhub.fp8.companion_tensors`` of the seeded tensors)."""
+    bf16_specs = specs
+    if fp8 and specs is not None:
+        specs = companion_specs(specs)
     if expect_saved is not None and specs is None:
         specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                  for n, t in _saved(held, expect_saved[0])[expect_saved[1]].items()]
@@ -232,7 +244,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
 
     result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s or progress_file else None,
                       group=group, group_round=group_round, timeout=timeout, have=have, before_write=before_write,
-                      answer=answer)
+                      answer=answer, fp8=fp8)
     end = time.monotonic()
     if serve:
         held[(model, result.version)] = result.publication
@@ -248,12 +260,21 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
             expected = _saved(held, expect_saved[0])[expect_saved[1]]
         elif expect_step is not None:
             expected = stepped_tensors(specs, expect_step[0], result.version, expect_step[1])
+        elif fp8:
+            expected = companion_tensors(make_tensors(bf16_specs, result.version if expect_seed == "version" else expect_seed))
         else:
             expected = make_tensors(specs, result.version if expect_seed == "version" else expect_seed)
         if regions:
             expected = {k: take(v, regions[k]) for k, v in expected.items()}
-        out["mismatched"] = [k for k in expected if not torch.equal(result.tensors[k].flatten(), expected[k].flatten())]
+        out["mismatched"] = [k for k in expected if not _same_bits(result.tensors[k], expected[k])]
     return out
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.dtype != want.dtype or got.numel() != want.numel():
+        return False
+    # float8 has no eq on CPU; every dtype compares as bytes here, which is what a pull must keep
+    return torch.equal(got.flatten().view(torch.uint8), want.flatten().view(torch.uint8))
 
 
 def _resolve_for_group(hub: Any, held: dict, *, model: str, version: Any = "latest", group: str,

@@ -55,6 +55,21 @@ def test_bench_pull_writes_rows_for_both_methods(tmp_path):
     assert "whoever does it" in proc.stdout  # and the raw-pieces rows': the floor under that cost
 
 
+def test_bench_pull_fp8_reads_half_the_bytes_of_the_bf16_pull(tmp_path):
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorhub.cli", "bench", "pull", "--fp8", "--size", "16MiB", "--reps", "1",
+         "--chunk-size", "4MiB", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    read = {r["method"]: r["read_bytes_per_reader"] for r in report["results"]}
+    assert read["bf16"] == 16 << 20 and 0.49 < read["fp8"] / read["bf16"] <= 0.55, read  # both checked bit for bit
+    assert report["quantize_s"] > 0 and report["companion_bytes"] == read["fp8"]
+    assert "goal <= 0.55" in proc.stdout and "the trainer's quantization" in proc.stdout
+
+
 def test_bench_pull_from_shard_holders_reads_only_the_tp_slice(tmp_path):
     out = tmp_path / "pull.json"
     proc = subprocess.run(

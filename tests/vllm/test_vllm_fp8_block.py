@@ -1,7 +1,8 @@
-"""Block-FP8 quantization of bf16 weights on the receiver (CPU, no engine):
-what ``tensorhub_vllm.fp8`` makes must be, bit for bit, what vLLM's own
-``per_block_cast_to_fp8`` makes (a fresh block-FP8 engine runs it on every
-layer), and that must be the math spelled out below, so a change of vLLM's
+"""Block-FP8 quantization of bf16 weights (CPU, no engine): what
+``tensorhub_vllm.fp8`` makes on the receiver must be, bit for bit, what vLLM's
+own ``per_block_cast_to_fp8`` makes (a fresh block-FP8 engine runs it on every
+layer), and so must the trainer's ``tensorhub.fp8`` (the FP8 companion on the
+wire: torch alone, written independently of vLLM), so a change of vLLM's
 rounding shows up here and not as a silent mismatch with a fresh engine."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 
 # odd shapes (not multiples of 128): partial edge blocks in both dimensions
 SHAPES = [(1, 1), (127, 129), (130, 257), (300, 200)]
-FP8_MAX = 448.0  # float8_e4m3fn
 
 
 def bf16_weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -28,21 +28,6 @@ def bf16_weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
-def spelled_out(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM 0.32's block-FP8 math, written independently of vLLM: pad to
-    whole blocks with zeros, amax per 128x128 block clamped at 1e-4, scale =
-    amax / 448, elements times 1 / scale, cast to e4m3."""
-    n, k = w.shape
-    bn, bk = math.ceil(n / 128), math.ceil(k / 128)
-    padded = torch.zeros(bn * 128, bk * 128, dtype=w.dtype)
-    padded[:n, :k] = w
-    blocks = padded.view(bn, 128, bk, 128)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = amax / FP8_MAX
-    quantized = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
-    return quantized.view(bn * 128, bk * 128)[:n, :k].contiguous(), scale.view(bn, bk)
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
@@ -51,6 +36,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_block_fp8_is_vllms_quantization_bit_for_bit(shape):
     from tensorhub_vllm.fp8 import quantize_block_fp8
     from vllm.utils.deep_gemm import per_block_cast_to_fp8  # vLLM's, not through our module
+
+    from tensorhub.fp8 import quantize_block_fp8 as trainer_quantize
 
     w = bf16_weight(shape, seed=shape[0] * 1000 + shape[1])
     quantized, scale_inv = quantize_block_fp8(w)
@@ -61,7 +48,7 @@ def test_block_fp8_is_vllms_quantization_bit_for_bit(shape):
     vllm_q, vllm_scale = per_block_cast_to_fp8(w, [128, 128])
     assert torch.equal(bits(quantized), bits(vllm_q))
     assert torch.equal(bits(scale_inv), bits(vllm_scale))
-    ref_q, ref_scale = spelled_out(w)
+    ref_q, ref_scale = trainer_quantize(w)
     assert torch.equal(bits(quantized), bits(ref_q))
     assert torch.equal(bits(scale_inv), bits(ref_scale))
 
@@ -83,3 +70,21 @@ def test_checkpoint_names_and_refusals():
         block_fp8_tensors("model.layers.0.mlp.down_proj.bias", w)
     with pytest.raises(ValueError, match="2-D floating point"):
         block_fp8_tensors("model.norm.weight", w[0])
+
+
+@pytest.mark.parametrize("shape", [(1, 300), (129, 1), (255, 383), (384, 130)])
+@pytest.mark.parametrize("spread", [1e-3, 1.0, 300.0])
+def test_the_trainers_companion_is_vllms_quantization_on_random_bf16(shape, spread):
+    """``tensorhub.fp8`` (what ``Hub.publish(fp8=True)`` sends) against vLLM's
+    function on random bf16 of odd shapes and magnitudes, with the names a checkpoint has."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from tensorhub.fp8 import companion_tensors
+
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    w = (torch.randn(shape, generator=gen) * spread).to(torch.bfloat16)
+    companion = companion_tensors({"layers.0.proj.weight": w, "layers.0.proj.bias": w[0]})
+    vllm_q, vllm_scale = per_block_cast_to_fp8(w, [128, 128])
+    assert torch.equal(bits(companion["layers.0.proj.weight"]), bits(vllm_q))
+    assert torch.equal(bits(companion["layers.0.proj.weight_scale_inv"]), bits(vllm_scale))
+    assert companion["layers.0.proj.bias"] is not None and companion["layers.0.proj.bias"].dtype == torch.bfloat16

@@ -8,18 +8,16 @@ block's scale is ``max(amax, 1e-4) / 448`` and its elements are multiplied by
 the scale's reciprocal before the cast. Other kernels (verl's ``448 / amax``)
 round some elements differently, so only this one reproduces, bit for bit, the
 bytes a fresh block-FP8 engine quantizes from the same bf16 weights.
+The trainer's ``tensorhub.fp8`` (the FP8 companion on the wire) is the same
+math in torch alone; tests/vllm/test_vllm_fp8_block.py holds the two equal.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from tensorhub.fp8 import BLOCK, SCALE_SUFFIX, scale_shape
 from tensorhub_vllm.vllm_internals import per_block_cast_to_fp8
-
-BLOCK = (128, 128)
-SCALE_SUFFIX = "_scale_inv"
 
 
 def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +28,7 @@ def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"block FP8 quantizes 2-D floating point weights, got {weight.dtype} {list(weight.shape)}")
     quantized, scale_inv = per_block_cast_to_fp8(weight, list(BLOCK))
     n, k = weight.shape
-    expected = (math.ceil(n / BLOCK[0]), math.ceil(k / BLOCK[1]))
+    expected = scale_shape((n, k))
     # the layout the checkpoint loaders expect; vLLM's function is not promised to keep it
     assert quantized.dtype == torch.float8_e4m3fn and tuple(quantized.shape) == (n, k), quantized.shape
     assert scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == expected, scale_inv.shape
