@@ -3,9 +3,10 @@ checkpoint holds, quantized where the bytes are (the trainer's device), so that
 an FP8 reader reads about half the bytes of the bf16 version.
 
 The rule (``quantized``): a tensor is quantized when its name ends in
-``.weight``, it is 2-D and floating point, the tensors a block-FP8 checkpoint
-quantizes (linear layers; embeddings and lm_head too, which a reader that keeps
-them in bf16 pulls from the bf16 version). It becomes ``<name>`` in
+``.weight``, it is 2-D and floating point, and it is not one of those a
+block-FP8 checkpoint keeps as it is (``KEPT``: the token embeddings, lm_head
+and a MoE layer's router, ``mlp.gate``, as DeepSeek-V3 and Kimi-K2 ship them):
+the linear layers. It becomes ``<name>`` in
 float8_e4m3fn [N, K] plus ``<name>_scale_inv`` in fp32 [ceil(N/128),
 ceil(K/128)], the per-block dequantization multiplier. Every other tensor
 (norms, biases, buffers) goes into the companion unchanged, so the companion is
@@ -31,6 +32,9 @@ SCALE_SUFFIX = "_scale_inv"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: vLLM's get_fp8_min_max() off ROCm
 AMAX_FLOOR = 1e-4
+# Name endings of 2-D weights a block-FP8 checkpoint keeps unquantized (DeepSeek-V3, Kimi-K2): an engine
+# loading the companion as its checkpoint finds them in the dtype it expects ("mlp.gate_proj" is not "mlp.gate").
+KEPT = ("embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight")
 _TAG = "@fp8"
 
 
@@ -47,7 +51,8 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def quantized(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Whether the FP8 companion holds ``name`` in block FP8 (the module docstring's rule)."""
-    return name.endswith(".weight") and len(shape) == 2 and dtype.is_floating_point and dtype != FP8
+    return (name.endswith(".weight") and not name.endswith(KEPT) and len(shape) == 2 and dtype.is_floating_point
+            and dtype != FP8)
 
 
 def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

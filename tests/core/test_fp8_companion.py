@@ -9,14 +9,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorhub.fp8 import FP8, SCALE_SUFFIX, check_fp8_destination, companion_tensors, quantize_block_fp8
+from tensorhub.fp8 import FP8, SCALE_SUFFIX, check_fp8_destination, companion_specs, companion_tensors, quantize_block_fp8
 from tensorhub.testing import RemoteError
 
-# odd shapes (edge blocks), a norm and a bias (kept as they are), a 1-D ".weight" (not quantized)
-SPECS = [("embed.weight", "bfloat16", (300, 200)), ("layers.0.qkv.weight", "bfloat16", (384, 200)),
+# odd shapes (edge blocks), a norm and a bias (kept as they are), a 1-D ".weight" (not quantized), and the
+# 2-D weights a block-FP8 checkpoint keeps as they are (embeddings, lm_head, a MoE router)
+SPECS = [("model.embed_tokens.weight", "bfloat16", (64, 200)), ("layers.0.qkv.weight", "bfloat16", (384, 200)),
          ("layers.0.o.weight", "bfloat16", (200, 130)), ("layers.0.o.bias", "bfloat16", (200,)),
-         ("layers.0.norm.weight", "bfloat16", (200,)), ("lm_head.weight", "float32", (257, 200))]
-BF16_BYTES = sum(torch.tensor([], dtype=getattr(torch, d)).element_size() * torch.Size(s).numel() for _, d, s in SPECS)
+         ("layers.0.norm.weight", "bfloat16", (200,)), ("layers.0.mlp.gate.weight", "bfloat16", (8, 200)),
+         ("layers.0.mlp.up_proj.weight", "float32", (257, 200)), ("lm_head.weight", "bfloat16", (64, 200))]
+
+
+def _nbytes(specs) -> int:
+    return sum(torch.tensor([], dtype=getattr(torch, d)).element_size() * torch.Size(s).numel() for _, d, s in specs)
+
+
+BF16_BYTES = _nbytes(SPECS)
+FP8_BYTES = _nbytes(companion_specs(SPECS))
+
+
+def test_the_weights_a_block_fp8_checkpoint_keeps_are_kept():
+    kept = {name: dtype for name, dtype, _ in companion_specs(SPECS)}
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "layers.0.mlp.gate.weight", "layers.0.norm.weight"):
+        assert kept[name] == dict((n, d) for n, d, _ in SPECS)[name] and name + SCALE_SUFFIX not in kept
+    for name in ("layers.0.qkv.weight", "layers.0.o.weight", "layers.0.mlp.up_proj.weight"):
+        assert kept[name] == "float8_e4m3fn" and kept[name + SCALE_SUFFIX] == "float32"
 
 
 def test_quantization_rounds_per_block_and_keeps_the_rest():
@@ -49,7 +66,7 @@ def test_fp8_readers_read_half_the_bytes_and_bf16_readers_never_see_them(hubs):
     trainer, fp8_reader, bf16_reader = hubs("trainer"), hubs("fp8"), hubs("bf16")
     info = trainer.call("publish", model="m", version=1, specs=SPECS, seed=7, fp8=True)
     # the companion: e4m3 weights (1 byte), fp32 scales, the rest as is; counted by its publication
-    assert 0.4 * BF16_BYTES < info["fp8_bytes"] < 0.55 * BF16_BYTES and info["quantize_s"] > 0
+    assert info["fp8_bytes"] == FP8_BYTES < 0.55 * BF16_BYTES and info["quantize_s"] > 0
     got = fp8_reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=7, fp8=True)
     assert got["mismatched"] == [] and got["read_bytes"] == info["fp8_bytes"]  # bit-equal to companion_tensors
     plain = bf16_reader.call("pull", model="m", version=1, specs=SPECS, expect_seed=7)
