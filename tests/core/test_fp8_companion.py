@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorhub.fp8 import FP8, SCALE_SUFFIX, check_fp8_destination, companion_specs, companion_tensors, quantize_block_fp8
+from tensorhub.fp8 import (
+    FP8,
+    SCALE_SUFFIX,
+    check_fp8_destination,
+    companion_specs,
+    companion_tensors,
+    quantize_block_fp8,
+)
 from tensorhub.testing import RemoteError
 
 # odd shapes (edge blocks), a norm and a bias (kept as they are), a 1-D ".weight" (not quantized), and the
@@ -30,8 +37,9 @@ FP8_BYTES = _nbytes(companion_specs(SPECS))
 
 def test_the_weights_a_block_fp8_checkpoint_keeps_are_kept():
     kept = {name: dtype for name, dtype, _ in companion_specs(SPECS)}
+    given = {name: dtype for name, dtype, _ in SPECS}
     for name in ("model.embed_tokens.weight", "lm_head.weight", "layers.0.mlp.gate.weight", "layers.0.norm.weight"):
-        assert kept[name] == dict((n, d) for n, d, _ in SPECS)[name] and name + SCALE_SUFFIX not in kept
+        assert kept[name] == given[name] and name + SCALE_SUFFIX not in kept
     for name in ("layers.0.qkv.weight", "layers.0.o.weight", "layers.0.mlp.up_proj.weight"):
         assert kept[name] == "float8_e4m3fn" and kept[name + SCALE_SUFFIX] == "float32"
 
