@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tensorhub.client.rpc import RemoteReplica
+from tensorhub.client.rpc import RemoteReplica, own_chunks
 from tensorhub.planner import ring_offset
 from tensorhub.transport.nixl import NEWS_TAG
 
@@ -108,7 +108,7 @@ class PeerProgress:
     def heard(self, news: News, replica: RemoteReplica) -> RemoteReplica | None:
         """``replica`` with ``news`` applied; None if it adds nothing (or does
         not fit the replica: chunk numbers past its end)."""
-        own = _own_chunks(replica)
+        own = own_chunks(replica)
         if own == 0 or replica.source.complete or (len(news.chunks) and int(news.chunks.max()) >= own):
             return None
         landed, crcs = self._heard.get(replica.source.replica_id, (np.zeros(own, bool), None))
@@ -139,12 +139,6 @@ class PeerProgress:
         elif crcs is not None and out_crcs is None and replica.bitmap == b"":
             out_crcs = crcs.copy()
         return replace(replica, bitmap=np.packbits(both, bitorder="little").tobytes(), chunk_crc32=out_crcs)
-
-
-def _own_chunks(replica: RemoteReplica) -> int:
-    """How many chunks of its own a replica has (its bitmap's length in bits)."""
-    size = int(replica.regions[:, 1].sum()) if len(replica.regions) else 0
-    return -(-size // replica.chunk_size) if replica.chunk_size else 0
 
 
 class PeerNews:

@@ -522,9 +522,12 @@ class ReferenceClient:
                             f"listed as known; {broken}")
             return template
 
+        counts: dict[int, int] = {}  # per layout number: holders of one layout (a TP rank's relays) share it
+
         def chunks_of(number: int) -> int:
-            template = template_of(number)
-            return -(-int(template.regions[:, 1].sum()) // template.chunk_size)
+            if number not in counts:
+                counts[number] = own_chunks(template_of(number))
+            return counts[number]
 
         try:
             rows = wire.packed_holders_from_wire(packed, chunks_of)
@@ -653,6 +656,12 @@ class ReferenceClient:
                           pb.WaitForVersionRequest(model=model, at_least=at_least, timeout_s=timeout_s),
                           timeout=timeout_s + self.timeout_s)
         return resp.version if resp.found else None
+
+
+def own_chunks(replica: RemoteReplica) -> int:
+    """How many chunks of its own a replica has (its bitmap's length in bits, its CRCs' count)."""
+    size = int(replica.regions[:, 1].sum()) if len(replica.regions) else 0
+    return -(-size // replica.chunk_size) if replica.chunk_size else 0
 
 
 def _rebound(template: RemoteReplica, replica_id: str, complete: bool, reads: int, bitmap: bytes,
