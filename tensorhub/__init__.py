@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "GroupAnswer": "tensorhub.client.groupanswer",
+    "MemberReport": "tensorhub.client.groupanswer",
     "Hub": "tensorhub.client.hub",
     "HubConfig": "tensorhub.client.config",
     "Publication": "tensorhub.client.publication",
@@ -37,7 +38,7 @@ _EXPORTS = {
 
 __all__ = [
     "AlreadyPublished", "GroupAnswer", "Hub", "HubConfig", "IntegrityError", "InvalidRequest", "Labels", "Manifest", "ManifestMismatch",
-    "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "ShareUnusable", "SourceLost",
+    "MemberReport", "PermissionDenied", "Publication", "PullResult", "Region", "Reliability", "ServerUnavailable", "Shard", "ShareUnusable", "SourceLost",
     "TensorHubError", "TensorSpec", "TransferStalled", "TransportUnavailable", "UnpublishTimeout", "VersionNotFound", "__version__",
 ]
 
@@ -57,7 +58,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from tensorhub.client.config import HubConfig
-    from tensorhub.client.groupanswer import GroupAnswer
+    from tensorhub.client.groupanswer import GroupAnswer, MemberReport
     from tensorhub.client.hub import Hub, PullResult
     from tensorhub.client.publication import Publication
     from tensorhub.errors import (

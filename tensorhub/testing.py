@@ -31,7 +31,7 @@ from tensorhub.local.seeded import (
 from tensorhub.local.serverprocess import ServerProcess
 
 __all__ = ["GrantingLeases", "HubProcess", "RemoteError", "ServerProcess", "Spec", "ask_ranks", "cuts",
-           "empty_like_specs", "finish_transfer", "free_port", "make_tensors", "mixed_specs", "rank_result",
+           "empty_like_specs", "finish_transfer", "free_port", "join_group", "make_tensors", "mixed_specs", "rank_result",
            "read_region", "rendezvous", "shard_region", "stepped_tensors", "take", "wait_for_progress"]
 
 
@@ -82,6 +82,17 @@ def ask_ranks(ranks: Sequence[Any], line: str) -> list[Any]:
         proc.stdin.write(line + "\n")
         proc.stdin.flush()
     return [json.loads(rank_result(proc)) for proc in ranks]
+
+
+def join_group(procs: Sequence[HubProcess]) -> list[HubProcess]:
+    """Put the hub processes ``procs`` in one gloo process group (rank = their
+    order), as a trainer's ranks or an engine's workers are; returns them."""
+    with rendezvous(len(procs)) as env:
+        for rank, proc in enumerate(procs):
+            proc.send("init_group", rank=rank, world=len(procs), env=env)
+        for proc in procs:
+            proc.result()
+    return list(procs)
 
 
 def wait_for_progress(path: str, *, at_least: int = 1, timeout: float = 60.0) -> int:

@@ -149,7 +149,8 @@ class Holdings:
             # Entered under the lock that ends a drain: an unpublish that stops
             # draining sees every confirmation sent of it in ``confirmed_by()``.
             with self._lock:
-                pubs = [p for p in self._publications.values() if p.announced or p.draining]
+                pubs = [p for p in self._publications.values()
+                        if (p.announced or p.draining) and not p.announce_pending]
                 for pub in pubs:
                     confirming.enter_context(pub.confirming(timeout))
             instance, known, unknown, release = self._rpc.heartbeat(self.agent_id, [p.replica_id for p in pubs],
@@ -212,6 +213,7 @@ class Holdings:
                           manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
                           origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32,
                           deltas=deltas, companions=companions, trainer_cut=trainer_cut)
+        pub.announce_pending = not announce
         try:
             if announce:
                 self.announce(pub)
@@ -337,12 +339,31 @@ class Holdings:
             with self._lock:
                 self._unreported.add(pub.replica_id)
 
+    def hold_complete(self, pub: Publication, chunks: list[int]) -> bytes:
+        """``report_landed(complete=True)``, encoded instead of sent: another
+        member of the pull's group sends it with the others' (``Hub.send_group_reports``).
+        Until the server has it, the server lists ``pub`` as filling with the
+        chunks reported before; a report the group could not deliver goes with
+        the next heartbeat (``report_later``)."""
+        crcs = pub.chunk_crc32[chunks].tolist() if pub.derives_crc32 and chunks else None
+        with pub.lock:
+            if pub.state is PubState.FILLING:
+                pub.state = PubState.COMPLETE
+        return self._rpc.complete_report(self.agent_id, pub.replica_id, chunks, crcs)
+
+    def report_later(self, pub: Publication) -> None:
+        """A held report of ``pub`` did not reach the server: the next heartbeat
+        announces it again, its bitmap (complete) included."""
+        with self._lock:
+            self._unreported.add(pub.replica_id)
+
     def _announce(self, pub: Publication) -> None:
         with pub.lock:
             bitmap, complete = bytes(pub.bitmap), pub.complete
         try:
             with pub.confirming(self._rpc.timeout_s):
                 self._publish(pub, bitmap, complete)
+            pub.announce_pending = False
         except AlreadyPublished:
             # publish() sends pending withdraw notices first, but the server may
             # have been out of reach then and back by now (a serving pull
@@ -352,15 +373,48 @@ class Holdings:
                 raise
             with pub.confirming(self._rpc.timeout_s):
                 self._publish(pub, bitmap, complete)
+            pub.announce_pending = False
 
     def _publish(self, pub: Publication, bitmap: bytes, complete: bool) -> None:
-        self._rpc.publish(
-            agent_id=self.agent_id, replica_id=pub.replica_id, model=pub.model, version=pub.version,
-            manifest=pub.manifest, held=[] if pub.whole_model else pub.held, chunk_size=pub.chunk_size,
-            kind=pub.registration.kind, regions=pub.registration.regions, metadata=pub.registration.metadata,
-            complete=complete, bitmap=bitmap, origin=pub.origin, retained=pub.retained, chunk_crc32=pub.chunk_crc32,
-            deltas=pub.deltas, trainer_cut=pub.trainer_cut,
-        )
+        self._rpc.publish(**self._publish_args(pub, bitmap, complete))
+
+    def _publish_args(self, pub: Publication, bitmap: bytes, complete: bool) -> dict[str, Any]:
+        return {"agent_id": self.agent_id, "replica_id": pub.replica_id, "model": pub.model, "version": pub.version,
+                "manifest": pub.manifest, "held": [] if pub.whole_model else pub.held, "chunk_size": pub.chunk_size,
+                "kind": pub.registration.kind, "regions": pub.registration.regions,
+                "metadata": pub.registration.metadata, "complete": complete, "bitmap": bitmap, "origin": pub.origin,
+                "retained": pub.retained, "chunk_crc32": pub.chunk_crc32, "deltas": pub.deltas,
+                "trainer_cut": pub.trainer_cut}
+
+    def announce_together(self, pubs: list[Publication]) -> None:
+        """Announce ``pubs`` (published with ``announce=False``) in one message
+        where each goes lean (a trainer rank's cut and shards, every step from
+        the same buffers); else, and any the server did not take, one by one."""
+        lean = [self.lean_announce(p) for p in pubs]
+        taken = [False] * len(pubs)
+        if len(pubs) > 1 and all(lean):
+            try:
+                with contextlib.ExitStack() as confirming:
+                    for pub in pubs:
+                        confirming.enter_context(pub.confirming(self._rpc.timeout_s))
+                    errors, _, _ = self.with_agent(lambda: self._rpc.batch(self.agent_id, publishes=lean))
+                taken = [e is None for e in errors]
+            except TensorHubError as e:  # announced one by one below (a publish is idempotent)
+                log.info("announcing %d replicas in one message: %s; one by one", len(pubs), e)
+        for pub, ok in zip(pubs, taken, strict=True):
+            if ok:
+                pub.announce_pending = False
+            else:
+                self.announce(pub)
+
+    def lean_announce(self, pub: Publication) -> bytes:
+        """``announce(pub)`` encoded for another member of its group to send
+        with the others' (``Hub.pull(announce_with=)``), where it would go lean
+        (the server took this layout from this process before); b"": it would
+        go whole, and this process announces it itself."""
+        with pub.lock:
+            bitmap, complete = bytes(pub.bitmap), pub.complete
+        return self._rpc.lean_publish(**self._publish_args(pub, bitmap, complete))
 
     def find(self, model: str, version: int) -> list[Publication]:
         with self._lock:

@@ -16,7 +16,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,7 +33,7 @@ from tensorhub.client.delta import (
 )
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.fp8companion import check_fp8_pull, publish_with_fp8
-from tensorhub.client.groupanswer import GroupAnswer
+from tensorhub.client.groupanswer import GroupAnswer, MemberReport
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.landed import LandedReports
 from tensorhub.client.peernews import PeerNews, PullNews
@@ -122,10 +122,31 @@ class PullResult:
     # two why it did not replay.
     path: str = PLANNED
     not_replayed: str = ""
+    # ``pull(defer_complete=True)``, serving: the last report (complete), held
+    # for the group to send (``member_report``); b"": sent as usual
+    held_report: bytes = b""
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class _AnnounceOnce:
+    """``pull(announce_with=)``, called exactly once per pull (b"": nothing to
+    hand over); a failure of the group's channel means announcing alone."""
+
+    def __init__(self, announce_with: Callable[[bytes], bool] | None) -> None:
+        self._announce_with, self._called = announce_with, announce_with is None
+
+    def __call__(self, data: bytes) -> bool:
+        if self._called:
+            return False
+        self._called = True
+        try:
+            return bool(self._announce_with(data)) and bool(data)  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001  the announce goes alone, as without a group
+            log.warning("the group could not send this pull's announce (%s); sending it alone", e)
+            return False
 
 
 def _address(url: str) -> str:
@@ -286,8 +307,13 @@ class Hub:
             return publish_with_fp8(self._holdings, model=model, version=version, manifest=manifest, parts=parts,
                                     tensors=tensors, chunk_size=chunk_size)
         if cut is not None:
+            if delta_from is None:  # the cut and the shards announced together (a delta publish announces its own)
+                return self._publish_with_cut(
+                    model, version, manifest, parts, chunk_size, cut=cut, group=cut_group,
+                    gather_bytes=cut_gather_bytes, together=True,
+                    shards=lambda: self._holdings.publish(model, version, manifest, parts, chunk_size, announce=False))
             return self._publish_with_cut(model, version, manifest, parts, chunk_size, cut=cut, group=cut_group,
-                                          gather_bytes=cut_gather_bytes,
+                                          gather_bytes=cut_gather_bytes, together=False,
                                           shards=lambda: self.publish(model, version, tensors, manifest=manifest,
                                                                       chunk_size=chunk_size, delta_from=delta_from,
                                                                       previous=previous, delta=delta))
@@ -305,9 +331,11 @@ class Hub:
                                   chunk_size=chunk_size, from_version=delta_from, delta=delta)
 
     def _publish_with_cut(self, model: str, version: int, manifest: Manifest, parts: list, chunk_size: int, *,
-                          cut: str, group: Any, gather_bytes: int | None,
+                          cut: str, group: Any, gather_bytes: int | None, together: bool,
                           shards: Callable[[], Publication]) -> Publication:
-        """``publish(cut=...)``: this rank's share of the readers' cut, then its shards."""
+        """``publish(cut=...)``: this rank's share of the readers' cut, then its
+        shards; ``together``: both published unannounced, then announced in one
+        message where both go lean (every step from the same buffers)."""
         if cut != "readers":
             raise InvalidRequest(f"publish {model!r} version {version}: cut must be 'readers' or None, not {cut!r}")
         gather_bytes = self.config.cut_gather_bytes if gather_bytes is None else gather_bytes
@@ -326,7 +354,8 @@ class Hub:
             return self._holdings.with_agent(lambda: self._rpc.reader_cuts(model, manifest))
 
         def publish(held: list) -> Publication:
-            return self._holdings.publish(model, version, manifest, held, chunk_size, trainer_cut=True)
+            return self._holdings.publish(model, version, manifest, held, chunk_size, trainer_cut=True,
+                                          announce=not together)
 
         import torch
 
@@ -348,11 +377,18 @@ class Hub:
                                       gather_bytes=gather_bytes, publish=publish, allocate=allocate)
         if cut_pub is not None and chosen:
             self._cut_buffers[model] = (chosen[-1], cut_pub)
+        pub = None
         try:
             pub = shards()
+            if together:
+                self._holdings.announce_together([p for p in (cut_pub, pub) if p is not None])
         except BaseException:
-            if cut_pub is not None:
-                cut_pub.unpublish(timeout=self._holdings.lease_ttl_s + 1)
+            for withdrawn in (cut_pub, pub):
+                if withdrawn is not None:
+                    try:
+                        withdrawn.unpublish(timeout=self._holdings.lease_ttl_s + 1)
+                    except TensorHubError as e:  # the error that brought us here is the one to raise
+                        log.warning("%r v%d: withdrawing %s: %s", model, version, withdrawn.replica_id, e)
             raise
         pub.cut, pub.cut_report = cut_pub, report
         if cut_pub is not None:
@@ -402,6 +438,62 @@ class Hub:
         waiting; it rides on this process's next resolve when one comes soon)."""
         self._rpc.release_shared(self.agent_id, answer.lease_id)
 
+    def send_group_announces(self, announces: Sequence[bytes]) -> list[bool]:
+        """The member that resolved: every member's announce (handed to
+        ``pull(announce_with=)``; b"": none) in one message. Per member,
+        whether the server took it; one it did not take, its member announces
+        alone. Never raises."""
+        sent = [(i, a) for i, a in enumerate(announces) if a]
+        taken = [False] * len(announces)
+        if not sent:
+            return taken
+        try:
+            errors, _, _ = self._rpc.batch(self.agent_id, publishes=[a for _, a in sent])
+        except TensorHubError as e:
+            log.info("the group's announces did not reach the server (%s); each member announces alone", e)
+            return taken
+        for (i, _), error in zip(sent, errors, strict=True):
+            taken[i] = error is None
+            if error is not None:
+                log.info("the server did not take a member's announce in the group's Batch: %s", error)
+        return taken
+
+    def member_report(self, result: PullResult | None) -> MemberReport:
+        """This member's end of a group's update: the last report its pull
+        held (``pull(defer_complete=True)``; ``result`` None: the pull failed)
+        and the bytes its pulls read, for the member that resolved to send
+        with the others' (``send_group_reports``)."""
+        return MemberReport(self.agent_id, result.held_report if result is not None else b"",
+                            self._rpc.take_pulled_report(self.agent_id))
+
+    def send_group_reports(self, answer: GroupAnswer | None, reports: Sequence[MemberReport]) -> list[str]:
+        """The member that resolved: every member's report (``member_report``,
+        its own included) and the release of ``answer``'s lease in one message.
+        Returns per member why its report was not taken ("" if it was); that
+        member then calls ``report_later``. Never raises: a call that failed
+        as a whole leaves every report to its member's heartbeat."""
+        held = [(i, r) for i, r in enumerate(reports) if r.report]
+        pulled = [r.pulled for r in reports if r.pulled]
+        why = [""] * len(reports)
+        if not held and not pulled and answer is None:
+            return why
+        try:
+            _, report_errors, _ = self._rpc.batch(self.agent_id, reports=[r.report for _, r in held],
+                                                  releases=pulled,
+                                                  lease_id=answer.lease_id if answer is not None else "")
+        except TensorHubError as e:
+            log.info("the group's reports did not reach the server (%s); each member's heartbeat sends its own", e)
+            return [f"not sent: {e}" if r.report else "" for r in reports]
+        for (i, _), error in zip(held, report_errors, strict=True):
+            why[i] = str(error) if error is not None else ""
+        return why
+
+    def report_later(self, result: PullResult | None) -> None:
+        """A report ``result`` held was not taken (``send_group_reports``): this
+        process's next heartbeat announces its replica again, complete."""
+        if result is not None and result.held_report and result.publication is not None:
+            self._holdings.report_later(result.publication)
+
     def _first_resolve(self, model: str, wanted: int | None, group: str, group_round: int,
                        answer: GroupAnswer | None) -> Resolved:
         if answer is not None:
@@ -420,7 +512,8 @@ class Hub:
              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
              serve: bool = False, group: str = "", group_round: int = 0, progress: ProgressFn | None = None,
              timeout: float | None = None, before_write: Callable[[], None] | None = None,
-             have: int | None = None, answer: GroupAnswer | None = None, fp8: bool = False) -> PullResult:
+             have: int | None = None, answer: GroupAnswer | None = None, fp8: bool = False,
+             defer_complete: bool = False, announce_with: Callable[[bytes], bool] | None = None) -> PullResult:
         """Pull a visible version of ``model`` from whoever holds it.
 
         ``into``: destination per tensor name: a tensor (the whole tensor) or
@@ -449,10 +542,34 @@ class Hub:
         the reader serves the deltas it read too.
         ``answer``: what another member of this process's group resolved for it
         (``resolve_for_group``): no Resolve is sent unless it is unusable here.
+        ``defer_complete=True`` (a member of a group, with ``answer``): the
+        serving pull's last report and the bytes read are not sent but held
+        (``result.held_report``), for the member that resolved to send with
+        the others' in one message (``member_report``, ``send_group_reports``).
+        ``announce_with`` (a member of a group): the serving pull's announce,
+        encoded, is handed to it before any byte is read; it returns whether the
+        server took it (the group's first member sends every member's in one
+        Batch: ``groupshare``). It is called exactly once per pull, with b""
+        where there is nothing to hand over (not serving, a delta pull, an
+        announce that must go whole, a failure before it), so that a
+        collective behind it sees every member.
         ``fp8=True``: pull the version's block-FP8 companion (``publish(fp8=True)``,
         model ``<model>@fp8``) instead; ``into``'s float8 tensors must be 2-D with
         their fp32 ``_scale_inv`` beside them, checked before any byte moves.
         """
+        share = _AnnounceOnce(announce_with)
+        try:
+            return self._pull(model, version, into, serve=serve, group=group, group_round=group_round,
+                              progress=progress, timeout=timeout, before_write=before_write, have=have, answer=answer,
+                              fp8=fp8, defer_complete=defer_complete, share=share)
+        finally:
+            share(b"")
+
+    def _pull(self, model: str, version: int | Literal["latest"],
+              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None, *, serve: bool,
+              group: str, group_round: int, progress: ProgressFn | None, timeout: float | None,
+              before_write: Callable[[], None] | None, have: int | None, answer: GroupAnswer | None, fp8: bool,
+              defer_complete: bool, share: _AnnounceOnce) -> PullResult:
         model = _check_model(model)
         if fp8:
             check_fp8_pull(model, into)
@@ -462,6 +579,8 @@ class Hub:
         resolved = self._first_resolve(model, wanted, group, group_round, answer)
         if serve:
             self._refuse_second_replica(model, resolved)
+        else:
+            share(b"")  # nothing to announce: the group goes on at once
         manifest = resolved.manifest
         # Chunks as the publishers cut theirs: a serving reader's chunk i then
         # lines up with its sources', and the pull is paced as they chose.
@@ -483,6 +602,7 @@ class Hub:
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             raise
         if names is not None:
+            share(b"")  # a patched destination is published whole, on its own
             # The version's own holders are not read: their lease goes now.
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             wrote = [False]
@@ -516,7 +636,12 @@ class Hub:
             # their unpublish for a whole TTL although no byte will be read.
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             raise
-        reports = LandedReports(self._holdings, publication) if publication is not None else None
+        reports = None
+        if publication is not None:
+            with publication.confirming(self._rpc.timeout_s):
+                announced = share(self._holdings.lean_announce(publication))
+            publication.announce_pending = not announced  # else its reports thread announces it first
+            reports = LandedReports(self._holdings, publication, announced=announced)
         layout = self._read_sets.layout(read_set, manifest, registration.regions, chunk_size)
         job = PullJob(
             rpc=self._holdings.control_plane(), nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels,
@@ -535,8 +660,9 @@ class Hub:
             reports.tell = job.news.tell
         try:
             stats = job.run()
+            held_report = b""
             if publication is not None:
-                reports.finish()  # the last report says complete
+                held_report = reports.finish(hold_last=defer_complete)  # the last report says complete
         except BaseException:
             if publication is not None:
                 reports.abandon()
@@ -547,7 +673,7 @@ class Hub:
             else:
                 self._destinations.release(registration, cached=into is not None)
             raise
-        self._rpc.report_pulled(self.agent_id, _bytes_by_kind(stats))
+        self._rpc.report_pulled(self.agent_id, _bytes_by_kind(stats), flush=not defer_complete)
         path = path_of(earlier_pulls=job.plans.pulls, holders_read=stats.lean_sources.items(),
                        lost=stats.lost_sources, plans_made=stats.plans_made)
         job.plans.pulls += 1
@@ -563,7 +689,7 @@ class Hub:
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
                           chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused,
                           refreshes=stats.refreshes, news_heard=stats.news_heard, path=path.path,
-                          not_replayed=path.why)
+                          not_replayed=path.why, held_report=held_report)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:

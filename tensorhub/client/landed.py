@@ -47,6 +47,8 @@ class Reporter(Protocol):
 
     def report_landed(self, pub: object, chunks: list[int], complete: bool = False) -> None: ...
 
+    def hold_complete(self, pub: object, chunks: list[int]) -> bytes: ...
+
 
 class LandedReports:
     """Reports of one serving pull, on a thread of their own (see the module
@@ -54,8 +56,11 @@ class LandedReports:
     is left as the complete report and raises what a report raised;
     ``abandon`` lets the report on the wire end and drops the rest."""
 
-    def __init__(self, reporter: Reporter, publication: object) -> None:
+    def __init__(self, reporter: Reporter, publication: object, *, announced: bool = False) -> None:
+        """``announced``: the server has the announce already (the pull's
+        group sent it with the others'): only reports follow."""
         self._reporter, self._publication = reporter, publication
+        self._announced = announced
         # The pull's chunk news to its peers (``PullNews.tell``), set before it runs
         self.tell: Callable[[list[int], Any], bool] | None = None
         # While news reaches peers, the server hears at most this often (its
@@ -63,7 +68,8 @@ class LandedReports:
         self.pace_s = REPORT_WITH_NEWS_S
         self._wake = threading.Condition()
         self._pending: list[int] = []
-        self._finishing = self._dropped = False
+        self._finishing = self._dropped = self._hold_last = False
+        self.held = b""  # the last report, held for the group (``finish(hold_last=True)``)
         self._error: BaseException | None = None
         self.reports = 0  # sent after the announce, the complete one included
         self._thread = threading.Thread(target=self._send, name="tensorhub-landed", daemon=True)
@@ -74,14 +80,18 @@ class LandedReports:
             self._pending.extend(chunks)
             self._wake.notify()
 
-    def finish(self) -> None:
-        """Send what landed since the last report, with ``complete``; wait for it."""
+    def finish(self, *, hold_last: bool = False) -> bytes:
+        """Send what landed since the last report, with ``complete``; wait for it.
+        ``hold_last``: that last report is not sent but returned, encoded, for
+        the pull's group to send with its other members' (``Hub.send_group_reports``)."""
         with self._wake:
             self._finishing = True
+            self._hold_last = hold_last
             self._wake.notify()
         self._thread.join()
         if self._error is not None:
             raise self._error
+        return self.held
 
     def abandon(self) -> None:
         """The pull failed: the report on the wire ends (before the replica is withdrawn), the rest is dropped."""
@@ -92,7 +102,8 @@ class LandedReports:
 
     def _send(self) -> None:
         try:
-            self._reporter.announce(self._publication)
+            if not self._announced:
+                self._reporter.announce(self._publication)
             unreported: list[int] = []
             report_at = 0.0  # the next report waits until then (paced while news reaches peers)
             while True:
@@ -103,9 +114,12 @@ class LandedReports:
                     if self._dropped:
                         return
                     chunks, self._pending = self._pending, []
-                    last = self._finishing
+                    last, hold = self._finishing, self._hold_last
                 told = bool(chunks) and self._reporter.landed_here(self._publication, chunks, tell=self.tell)
                 unreported.extend(chunks)
+                if last and hold:
+                    self.held = self._reporter.hold_complete(self._publication, unreported)
+                    return
                 if last or (unreported and time.monotonic() >= report_at):
                     self._reporter.report_landed(self._publication, unreported, complete=last)
                     unreported = []

@@ -69,6 +69,11 @@ class Publication:
         # layout is its own): it computes each chunk's as the chunk lands and
         # reports it with the chunk; ``chunk_crc32`` is zero for chunks not landed.
         self.derives_crc32 = False
+        # Published with announce=False and not announced yet (a serving pull's
+        # announce may wait for its group's Batch): heartbeats leave it out
+        # until then, or the server, not knowing it yet, would have it
+        # announced a second time.
+        self.announce_pending = False
         # Delta models (tensorhub.delta) that hold this version's changes from an
         # earlier one for this replica's regions, announced with it; and their
         # publications here, unpublished after this one (its readers find them by it).

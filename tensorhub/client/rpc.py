@@ -232,7 +232,10 @@ class ReferenceClient:
             raise self._translate(e, not_found) from None
 
     def _translate(self, e: grpc.RpcError, not_found: Callable[[str], Exception] | None) -> Exception:
-        code, detail = e.code(), e.details() or ""
+        return self._error(e.code(), e.details() or "", not_found)
+
+    def _error(self, code: grpc.StatusCode, detail: str, not_found: Callable[[str], Exception] | None) -> Exception:
+        """The typed error of a call the server answered ``code`` (alone or in a Batch)."""
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             # gRPC's wording when no connection could be made: the request was never sent.
             never_sent = code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in detail
@@ -285,6 +288,53 @@ class ReferenceClient:
         ``chunk_crc32``: CRC-32 of each of the replica's chunks, for its readers to check.
         Both go packed (``HeldRegions``, memory as address gaps) where the
         regions lie on one device: a few bytes per region for the server to keep."""
+        request = self._publish_request(
+            agent_id=agent_id, replica_id=replica_id, model=model, version=version, manifest=manifest, held=held,
+            chunk_size=chunk_size, kind=kind, regions=regions, metadata=metadata, complete=complete, bitmap=bitmap,
+            origin=origin, retained=retained, chunk_crc32=chunk_crc32, deltas=deltas, trainer_cut=trainer_cut)
+        # A manifest this server acknowledged goes by its fingerprint (megabytes
+        # of names for 10^5 tensors); the server says when it does not have it.
+        fingerprint = manifest.fingerprint
+        if fingerprint in self._manifests_sent:
+            request.manifest_fingerprint = fingerprint
+            try:
+                self._publish_lean(request, model, version)
+                return
+            except TensorHubError as e:
+                if "manifest unknown" not in str(e):
+                    raise
+            request.ClearField("manifest_fingerprint")
+        request.manifest.CopyFrom(wire.manifest_to_wire(manifest))
+        self._publish_lean(request, model, version)
+        with self._cache_lock:
+            self._manifests_sent[fingerprint] = None
+            while len(self._manifests_sent) > _MANIFESTS_CACHED:
+                self._manifests_sent.pop(next(iter(self._manifests_sent)))
+
+    def lean_publish(self, **publish: Any) -> bytes:
+        """What ``publish(**publish)`` would send, encoded, where it would go
+        lean (this server took the manifest and a publish of the same layout
+        from this client): for another member of the group to send in one
+        Batch (``batch(publishes=)``). b"": it would go whole; ``publish`` it."""
+        request = self._publish_request(**publish)
+        fingerprint = publish["manifest"].fingerprint
+        request.manifest_fingerprint = fingerprint
+        layout = wire.publish_layout(request)
+        with self._cache_lock:
+            if fingerprint not in self._manifests_sent or (request.agent_id, layout) not in self._layouts_sent:
+                return b""
+        for name in ("held", "held_table", "memory"):
+            request.ClearField(name)
+        request.layout = layout
+        return request.SerializeToString()
+
+    @staticmethod
+    def _publish_request(*, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
+                         held: list[tuple[int, Region]], chunk_size: int, kind: MemoryKind,
+                         regions: list[MemoryRegion], metadata: bytes, complete: bool, bitmap: bytes, origin: bool,
+                         retained: bool = False, chunk_crc32: np.ndarray | None = None, deltas: Sequence[str] = (),
+                         trainer_cut: bool = False) -> pb.PublishRequest:
+        """The whole PublishRequest of ``publish``, its manifest left out."""
         shapes = shapes_of(manifest)
         if regions and all(r.device_id == regions[0].device_id for r in regions):
             memory = wire.memory_packed_to_wire(kind, np.array([r.addr for r in regions], np.int64),
@@ -308,24 +358,7 @@ class ReferenceClient:
             deltas=list(deltas),
             trainer_cut=trainer_cut,
         )
-        # A manifest this server acknowledged goes by its fingerprint (megabytes
-        # of names for 10^5 tensors); the server says when it does not have it.
-        fingerprint = manifest.fingerprint
-        if fingerprint in self._manifests_sent:
-            request.manifest_fingerprint = fingerprint
-            try:
-                self._publish_lean(request, model, version)
-                return
-            except TensorHubError as e:
-                if "manifest unknown" not in str(e):
-                    raise
-            request.ClearField("manifest_fingerprint")
-        request.manifest.CopyFrom(wire.manifest_to_wire(manifest))
-        self._publish_lean(request, model, version)
-        with self._cache_lock:
-            self._manifests_sent[fingerprint] = None
-            while len(self._manifests_sent) > _MANIFESTS_CACHED:
-                self._manifests_sent.pop(next(iter(self._manifests_sent)))
+        return request
 
     def _publish_lean(self, request: pb.PublishRequest, model: str, version: int) -> None:
         """Send ``request``, naming its layout instead of its regions and memory
@@ -360,6 +393,54 @@ class ReferenceClient:
             agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=complete,
             chunk_crc32=chunk_crc32 or []),
             not_found=lambda d: ReplicaUnknown(d))
+
+    # ---------------------------------------------------------------- a group's messages in one
+
+    @staticmethod
+    def complete_report(agent_id: str, replica_id: str, chunks: list[int],
+                        chunk_crc32: list[int] | None = None) -> bytes:
+        """A serving pull's last report (``complete``), encoded for another
+        member of its group to send in one ``batch`` with the others'."""
+        return pb.ReportChunksRequest(agent_id=agent_id, replica_id=replica_id, chunks=chunks, complete=True,
+                                      chunk_crc32=chunk_crc32 or []).SerializeToString()
+
+    def take_pulled_report(self, agent_id: str) -> bytes:
+        """The bytes of finished pulls not reported yet (``report_pulled``),
+        encoded for a ``batch``, and taken: b"" when there are none."""
+        pulled = self._take_pulled()
+        if not pulled:
+            return b""
+        return pb.ReleaseReadLeaseRequest(agent_id=agent_id, pulled=pulled).SerializeToString()
+
+    def batch(self, agent_id: str, *, publishes: Sequence[bytes] = (), reports: Sequence[bytes] = (),
+              releases: Sequence[bytes] = (), lease_id: str = ""
+              ) -> tuple[list[Exception | None], list[Exception | None], list[Exception | None]]:
+        """Send the group's ``publishes`` (``lean_publish``), ``reports``
+        (``complete_report``) and ``releases`` (``take_pulled_report``), and
+        this agent's release of ``lease_id``, in one call: the server handles
+        each as it would alone. Returns the typed error of each publish, report
+        and release (None: taken), in order; raises only what the call as a
+        whole met (``ServerUnavailable``, ...)."""
+        request = pb.BatchRequest(publishes=[pb.PublishRequest.FromString(p) for p in publishes],
+                                  reports=[pb.ReportChunksRequest.FromString(r) for r in reports],
+                                  releases=[pb.ReleaseReadLeaseRequest.FromString(r) for r in releases])
+        if lease_id:
+            with self._cache_lock:
+                self._shared_leases.pop(lease_id, None)
+            request.releases.append(pb.ReleaseReadLeaseRequest(agent_id=agent_id, lease_id=lease_id))
+        answer = self._call(self._stub.Batch, request)
+        sent = (len(request.publishes), len(request.reports), len(request.releases))
+        if (len(answer.publishes), len(answer.reports), len(answer.releases)) != sent:
+            raise TensorHubError(f"reference server at {self.address} answered {len(answer.publishes)} publishes, "
+                                 f"{len(answer.reports)} reports and {len(answer.releases)} releases of a Batch of "
+                                 f"{sent[0]}, {sent[1]} and {sent[2]}")
+
+        def errors(outcomes: Any, not_found: Callable[[str], Exception]) -> list[Exception | None]:
+            return [self._error(getattr(grpc.StatusCode, o.code, grpc.StatusCode.UNKNOWN), o.detail, not_found)
+                    if o.code else None for o in outcomes]
+
+        return (errors(answer.publishes, TensorHubError), errors(answer.reports, ReplicaUnknown),
+                errors(answer.releases, TensorHubError)[:len(releases)])
 
     def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float, *,
                   force: bool = False, call_slack_s: float | None = None) -> tuple[bool, int, bool]:
@@ -568,15 +649,17 @@ class ReferenceClient:
         with self._cache_lock:
             self._pull_paths[0 if replayed else 1] += 1
 
-    def report_pulled(self, agent_id: str, by_kind: dict[tuple[int, bool], int]) -> None:
+    def report_pulled(self, agent_id: str, by_kind: dict[tuple[int, bool], int], *, flush: bool = True) -> None:
         """Bytes a finished pull read, by (``Labels.tier`` of the source, from an
         origin), for the server's metrics. Sent without waiting, with the pull's
-        lease release (or the next resolve); lost if that call fails (counts only)."""
+        lease release (or the next resolve); lost if that call fails (counts only).
+        ``flush=False``: kept for ``take_pulled_report`` (a group's batch) or the next call."""
         with self._cache_lock:
             for kind, n in by_kind.items():
                 if n:
                     self._pulled[kind] = self._pulled.get(kind, 0) + n
-        self._background.submit(self._flush_releases, agent_id)
+        if flush:
+            self._background.submit(self._flush_releases, agent_id)
 
     def _take_releases(self) -> list[str]:
         with self._cache_lock:

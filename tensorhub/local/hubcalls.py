@@ -199,7 +199,8 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
           read: tuple[str, int, int] | None = None, keep: str | None = None, have: int | None = None,
           unpublish_first: int | None = None, expect_step: tuple[int, float] | None = None,
           expect_saved: tuple[str, int] | None = None, start_at: float | None = None,
-          answer: Any = None, fp8: bool = False) -> dict:
+          answer: Any = None, fp8: bool = False, defer_complete: bool = False,
+          announce_with: Any = None) -> dict:
     """``read``: ("tp" | "flat" | "whole", rank, world) pulls that slice (see read_region).
     ``answer``: a ``GroupAnswer`` another member resolved (``resolve_for_group``).
     ``expect_seed="version"``: the publisher seeded each version with its number.
@@ -212,6 +213,8 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
     ``time.monotonic()`` instant (the clock is the machine's, shared by every
     process) to start at once the destination is ready, so that readers sent
     their pulls one after another start together, as the raw NIXL rows do.
+    ``defer_complete``: the serving pull's last report is held (kept for
+    ``member_report``), as a member of an engine's group holds it.
     ``fp8``: pull the FP8 companion (``specs`` are the bf16 version's; the
     destination is the companion's, and ``expect_seed`` compares with
     ``tensorhub.fp8.companion_tensors`` of the seeded tensors)."""
@@ -244,10 +247,12 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
 
     result = hub.pull(model, version, into=into, serve=serve, progress=pace if pace_s or progress_file else None,
                       group=group, group_round=group_round, timeout=timeout, have=have, before_write=before_write,
-                      answer=answer, fp8=fp8)
+                      answer=answer, fp8=fp8, defer_complete=defer_complete, announce_with=announce_with)
     end = time.monotonic()
     if serve:
         held[(model, result.version)] = result.publication
+    if defer_complete:
+        held[("result", model, result.version)] = result
     out = {"version": result.version, "nbytes": result.nbytes, "seconds": result.seconds, "start": start,
            "end": end, "sources": result.bytes_by_source, "lost": result.lost_sources,
            "read_again": result.sources_read_again,
@@ -284,6 +289,45 @@ def _resolve_for_group(hub: Any, held: dict, *, model: str, version: Any = "late
 
 def _release_group_answer(hub: Any, held: dict, *, answer: Any) -> None:
     hub.release_group_answer(answer)
+
+
+def _engine_update(hub: Any, held: dict, *, model: str, version: int, specs: list, rank: int, world: int,
+                   seed: int, unpublish_first: int | None = None) -> dict:
+    """One worker of an engine (every worker at once, in the process group of
+    ``init_group``) takes ``version`` as vLLM's workers do
+    (``tensorhub.client.engineshare``): the first resolves for all, each pulls
+    its TP slice serving into the same buffers as before, the announces and
+    the last reports going to the server in one message each."""
+    from tensorhub.client.engineshare import EngineShare
+
+    share = held.get("engine share")
+    if share is None:
+        share = held["engine share"] = EngineShare(None, rank, world, model=model, engine="engine0",
+                                                   pull_timeout_s=60.0)
+    answer, failure = share.exchange(hub, version)
+    out = None
+    try:
+        if failure is not None:
+            raise failure
+        out = _pull(hub, held, model=model, version=version, specs=specs, expect_seed=seed, serve=True,
+                    read=("tp", rank, world), keep="engine", answer=answer, defer_complete=True,
+                    announce_with=share.announcer(hub), unpublish_first=unpublish_first)
+        return out
+    finally:
+        share.finish(hub, answer, held.get(("result", model, version)) if out is not None else None)
+
+
+def _member_report(hub: Any, held: dict, *, model: str, version: int) -> Any:
+    """This member's end of a group's update (its pull with ``defer_complete``; none: it failed)."""
+    return hub.member_report(held.get(("result", model, version)))
+
+
+def _send_group_reports(hub: Any, held: dict, *, answer: Any, reports: list) -> list[str]:
+    return hub.send_group_reports(answer, reports)
+
+
+def _report_later(hub: Any, held: dict, *, model: str, version: int) -> None:
+    hub.report_later(held.get(("result", model, version)))
 
 
 def _pull_latest_loop(hub: Any, held: dict, *, model: str, specs: list, times: int,
@@ -338,6 +382,8 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
 
 
 HANDLERS = {"resolve_for_group": _resolve_for_group, "release_group_answer": _release_group_answer,
+            "engine_update": _engine_update, "member_report": _member_report, "send_group_reports": _send_group_reports,
+            "report_later": _report_later,
             "publish": _publish, "publish_at": _publish_at, "publish_shard": _publish_shard, "init_group": _init_group,
             "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,
             "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,

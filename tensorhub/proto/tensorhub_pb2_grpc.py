@@ -84,6 +84,11 @@ class ReferenceServiceStub:
                 request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReportLostRequest.SerializeToString,
                 response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReportLostResponse.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/tensorhub.v1.ReferenceService/Batch',
+                request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.BatchRequest.SerializeToString,
+                response_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.BatchResponse.FromString,
+                _registered_method=True)
         self.ListVersions = channel.unary_unary(
                 '/tensorhub.v1.ReferenceService/ListVersions',
                 request_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ListVersionsRequest.SerializeToString,
@@ -169,6 +174,12 @@ class ReferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListVersions(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -245,6 +256,11 @@ def add_ReferenceServiceServicer_to_server(servicer, server):
                     servicer.ReportLost,
                     request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReportLostRequest.FromString,
                     response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.ReportLostResponse.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=tensorhub_dot_proto_dot_tensorhub__pb2.BatchRequest.FromString,
+                    response_serializer=tensorhub_dot_proto_dot_tensorhub__pb2.BatchResponse.SerializeToString,
             ),
             'ListVersions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVersions,
@@ -537,6 +553,33 @@ class ReferenceService:
             '/tensorhub.v1.ReferenceService/ReportLost',
             tensorhub_dot_proto_dot_tensorhub__pb2.ReportLostRequest.SerializeToString,
             tensorhub_dot_proto_dot_tensorhub__pb2.ReportLostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.ReferenceService/Batch',
+            tensorhub_dot_proto_dot_tensorhub__pb2.BatchRequest.SerializeToString,
+            tensorhub_dot_proto_dot_tensorhub__pb2.BatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

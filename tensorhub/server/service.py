@@ -81,6 +81,7 @@ _MANIFESTS_KEPT = 8
 _RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP worker's, per manifest)
 _MANIFESTS_KEPT = 16  # encoded manifests kept by fingerprint
 MAX_SHARED_MEMBERS = 64  # ResolveRequest.members: an engine's workers (TP x PP), a few dozen at most
+MAX_BATCH = 4 * MAX_SHARED_MEMBERS  # messages in one Batch: an engine's workers', a few each
 _GROUP_ANSWERS_KEPT = 1024  # encoded holder lists of groups (_group_holders): an engine's, per what it knows
 _LAYOUT_NUMBERS_KEPT = 1 << 20  # ReplicaInfo.layout_id: past this many layouts the numbering starts anew
 _LAYOUTS_KEPT = 8192  # publish layouts (``_known_layout``): two per agent of a 4,096-agent job
@@ -352,104 +353,106 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
     # ------------------------------------------------------------ holders
 
     async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
-        async def go() -> pb.PublishResponse:
-            agent_id = _require_id(request.agent_id, "agent_id")
-            replica_id = _require_id(request.replica_id, "replica_id")
-            model = _require_model(request.model)
-            version = _require_version(request.version)
-            if request.HasField("manifest"):
-                manifest = _manifest(request.manifest, self._manifests)
-            elif request.manifest_fingerprint:
-                manifest = self._known_manifest(request.manifest_fingerprint)
-            else:
-                raise Invalid("manifest is missing")
-            if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
-                raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-            if request.layout:
-                held, wire_held, total, memory = self._known_layout(agent_id, request, manifest)
-            else:
-                held, sizes, wire_held = self._held_of(manifest, request)
-                total, memory = _check_memory(manifest, held, request.memory,
-                                              whole_model=not request.held and not request.HasField("held_table"),
-                                              sizes=sizes)
-            if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
-                raise Invalid("state must be FILLING or COMPLETE")
-            num_chunks = -(-total // request.chunk_size)
-            if len(request.chunk_bitmap) > -(-num_chunks // 8):
-                raise Invalid(f"chunk_bitmap is longer than the replica's {num_chunks} chunks")
-            if request.chunk_crc32 and len(request.chunk_crc32) != num_chunks:
-                raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for the replica's {num_chunks} chunks")
-            if len(request.deltas) > MAX_DELTAS:
-                raise Invalid(f"{len(request.deltas)} delta models, more than {MAX_DELTAS}")
-            deltas = [_require_model(name) for name in request.deltas]
-            if request.trainer_cut and (not request.origin or request.retained):
-                raise Invalid("a trainer cut is published by its producer (origin), and is not a retained copy")
-            replica = self.state.publish(
-                agent_id=agent_id,
-                replica_id=replica_id,
-                model=model,
-                version=version,
-                manifest=manifest,
-                held=held,
-                chunk_size=request.chunk_size,
-                memory=memory,
-                complete=request.state == pb.REPLICA_STATE_COMPLETE,
-                bitmap=request.chunk_bitmap,
-                origin=request.origin,
-                retained=request.retained,
-                total_bytes=total,
-                trainer_cut=request.trainer_cut,
-            )
-            # A whole-model replica goes out with an empty held list, to keep Resolve small.
-            if replica.held is None:
-                replica.wire_held = b""
-            else:
-                replica.wire_held = wire_held or wire.held_table_field(
-                    wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
-            if request.layout:
-                self.state.control.publishes_lean += 1
-            else:
-                self.state.control.publishes_full += 1
-                self._remember_layout(agent_id, request, (manifest.fingerprint, request.chunk_size, held,
-                                                          replica.wire_held, total, memory))
-            replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
-            replica.deltas = deltas
-            entry = self.state.models[model][version]
-            if entry.wire_manifest is None:  # encoded once per manifest, not per version
-                entry.wire_manifest = self._wire_manifests.get(entry.fingerprint)
-                if entry.wire_manifest is None:
-                    entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
-                    if len(self._wire_manifests) >= _MANIFESTS_KEPT:
-                        self._wire_manifests.pop(next(iter(self._wire_manifests)))
-                    self._wire_manifests[entry.fingerprint] = entry.wire_manifest
-            self.changes.bump(model, version)
-            return pb.PublishResponse(replica_id=replica_id)
+        return await self._run(context, lambda: _done(self._publish(request)))
 
-        return await self._run(context, go)
+    def _publish(self, request: pb.PublishRequest) -> pb.PublishResponse:
+        agent_id = _require_id(request.agent_id, "agent_id")
+        replica_id = _require_id(request.replica_id, "replica_id")
+        model = _require_model(request.model)
+        version = _require_version(request.version)
+        if request.HasField("manifest"):
+            manifest = _manifest(request.manifest, self._manifests)
+        elif request.manifest_fingerprint:
+            manifest = self._known_manifest(request.manifest_fingerprint)
+        else:
+            raise Invalid("manifest is missing")
+        if not MIN_CHUNK_SIZE <= request.chunk_size <= MAX_CHUNK_SIZE:
+            raise Invalid(f"chunk_size {request.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+        if request.layout:
+            held, wire_held, total, memory = self._known_layout(agent_id, request, manifest)
+        else:
+            held, sizes, wire_held = self._held_of(manifest, request)
+            total, memory = _check_memory(manifest, held, request.memory,
+                                          whole_model=not request.held and not request.HasField("held_table"),
+                                          sizes=sizes)
+        if request.state not in (pb.REPLICA_STATE_FILLING, pb.REPLICA_STATE_COMPLETE):
+            raise Invalid("state must be FILLING or COMPLETE")
+        num_chunks = -(-total // request.chunk_size)
+        if len(request.chunk_bitmap) > -(-num_chunks // 8):
+            raise Invalid(f"chunk_bitmap is longer than the replica's {num_chunks} chunks")
+        if request.chunk_crc32 and len(request.chunk_crc32) != num_chunks:
+            raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for the replica's {num_chunks} chunks")
+        if len(request.deltas) > MAX_DELTAS:
+            raise Invalid(f"{len(request.deltas)} delta models, more than {MAX_DELTAS}")
+        deltas = [_require_model(name) for name in request.deltas]
+        if request.trainer_cut and (not request.origin or request.retained):
+            raise Invalid("a trainer cut is published by its producer (origin), and is not a retained copy")
+        replica = self.state.publish(
+            agent_id=agent_id,
+            replica_id=replica_id,
+            model=model,
+            version=version,
+            manifest=manifest,
+            held=held,
+            chunk_size=request.chunk_size,
+            memory=memory,
+            complete=request.state == pb.REPLICA_STATE_COMPLETE,
+            bitmap=request.chunk_bitmap,
+            origin=request.origin,
+            retained=request.retained,
+            total_bytes=total,
+            trainer_cut=request.trainer_cut,
+        )
+        # A whole-model replica goes out with an empty held list, to keep Resolve small.
+        if replica.held is None:
+            replica.wire_held = b""
+        else:
+            replica.wire_held = wire_held or wire.held_table_field(
+                wire.held_to_wire(replica.held, replica.shapes).SerializeToString())
+        if request.layout:
+            self.state.control.publishes_lean += 1
+        else:
+            self.state.control.publishes_full += 1
+            self._remember_layout(agent_id, request, (manifest.fingerprint, request.chunk_size, held,
+                                                      replica.wire_held, total, memory))
+        replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
+        replica.deltas = deltas
+        entry = self.state.models[model][version]
+        if entry.wire_manifest is None:  # encoded once per manifest, not per version
+            entry.wire_manifest = self._wire_manifests.get(entry.fingerprint)
+            if entry.wire_manifest is None:
+                entry.wire_manifest = wire.manifest_to_wire(entry.manifest)
+                if len(self._wire_manifests) >= _MANIFESTS_KEPT:
+                    self._wire_manifests.pop(next(iter(self._wire_manifests)))
+                self._wire_manifests[entry.fingerprint] = entry.wire_manifest
+        self.changes.bump(model, version)
+        return pb.PublishResponse(replica_id=replica_id)
+
 
     async def ReportChunks(self, request: pb.ReportChunksRequest, context: Any) -> pb.ReportChunksResponse:
-        async def go() -> pb.ReportChunksResponse:
-            replica = self.state.replicas.get(request.replica_id)
-            if replica is not None and len(request.chunks) > replica.num_chunks:
-                raise Invalid(f"{len(request.chunks)} chunks reported; replica {request.replica_id} has "
-                              f"{replica.num_chunks}")
-            if request.chunk_crc32 and len(request.chunk_crc32) != len(request.chunks):
-                raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for {len(request.chunks)} chunks reported")
-            was_complete = replica is not None and replica.complete
-            self.state.report_chunks(
-                _require_id(request.agent_id, "agent_id"),
-                _require_id(request.replica_id, "replica_id"),
-                np.array(request.chunks, dtype=np.int64),  # one copy in C (list() is a Python step per chunk)
-                request.complete,
-                list(request.chunk_crc32),
-            )
-            if replica is not None and replica.complete and not was_complete and not replica.origin:
-                self.metrics.served()
-            if replica is not None:
-                self.changes.bump(replica.model, replica.version)
-            return pb.ReportChunksResponse()
+        return await self._run(context, lambda: _done(self._report_chunks(request)))
 
-        return await self._run(context, go)
+    def _report_chunks(self, request: pb.ReportChunksRequest) -> pb.ReportChunksResponse:
+        replica = self.state.replicas.get(request.replica_id)
+        if replica is not None and len(request.chunks) > replica.num_chunks:
+            raise Invalid(f"{len(request.chunks)} chunks reported; replica {request.replica_id} has "
+                          f"{replica.num_chunks}")
+        if request.chunk_crc32 and len(request.chunk_crc32) != len(request.chunks):
+            raise Invalid(f"{len(request.chunk_crc32)} chunk checksums for {len(request.chunks)} chunks reported")
+        was_complete = replica is not None and replica.complete
+        self.state.report_chunks(
+            _require_id(request.agent_id, "agent_id"),
+            _require_id(request.replica_id, "replica_id"),
+            np.array(request.chunks, dtype=np.int64),  # one copy in C (list() is a Python step per chunk)
+            request.complete,
+            list(request.chunk_crc32),
+        )
+        if replica is not None and replica.complete and not was_complete and not replica.origin:
+            self.metrics.served()
+        if replica is not None:
+            self.changes.bump(replica.model, replica.version)
+        return pb.ReportChunksResponse()
+
 
     async def Unpublish(self, request: pb.UnpublishRequest, context: Any) -> pb.UnpublishResponse:
         async def go() -> pb.UnpublishResponse:
@@ -719,15 +722,15 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         return await self._run(context, go)
 
     async def ReleaseReadLease(self, request: pb.ReleaseReadLeaseRequest, context: Any) -> pb.ReleaseReadLeaseResponse:
-        async def go() -> pb.ReleaseReadLeaseResponse:
-            agent_id = _require_id(request.agent_id, "agent_id")
-            pulled = _pulled(request.pulled)
-            if request.lease_id or not pulled:  # a request may only report pulled bytes
-                self._release_own(agent_id, [request.lease_id])
-            self.metrics.pulled(pulled)
-            return pb.ReleaseReadLeaseResponse()
+        return await self._run(context, lambda: _done(self._release_lease(request)))
 
-        return await self._run(context, go)
+    def _release_lease(self, request: pb.ReleaseReadLeaseRequest) -> pb.ReleaseReadLeaseResponse:
+        agent_id = _require_id(request.agent_id, "agent_id")
+        pulled = _pulled(request.pulled)
+        if request.lease_id or not pulled:  # a request may only report pulled bytes
+            self._release_own(agent_id, [request.lease_id])
+        self.metrics.pulled(pulled)
+        return pb.ReleaseReadLeaseResponse()
 
     async def ReportLost(self, request: pb.ReportLostRequest, context: Any) -> pb.ReportLostResponse:
         async def go() -> pb.ReportLostResponse:
@@ -756,6 +759,29 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             return pb.ReportLostResponse()
 
         return await self._run(context, go)
+
+    async def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
+        """Several agents' publishes, reports and releases, each handled as it
+        would be alone (its own checks, its own outcome), in the request's order."""
+        async def go() -> pb.BatchResponse:
+            count = len(request.publishes) + len(request.reports) + len(request.releases)
+            if count > MAX_BATCH:
+                raise Invalid(f"{count} messages in one Batch, more than {MAX_BATCH}")
+            return pb.BatchResponse(publishes=[self._outcome(self._publish, m) for m in request.publishes],
+                                    reports=[self._outcome(self._report_chunks, m) for m in request.reports],
+                                    releases=[self._outcome(self._release_lease, m) for m in request.releases])
+
+        return await self._run(context, go)
+
+    def _outcome(self, handle: Callable[[Any], Any], message: Any) -> pb.BatchOutcome:
+        """What ``handle`` answered ``message``, as the status it would have had alone."""
+        try:
+            handle(message)
+        except Invalid as e:
+            return pb.BatchOutcome(code=grpc.StatusCode.INVALID_ARGUMENT.name, detail=str(e))
+        except StateError as e:
+            return pb.BatchOutcome(code=e.code, detail=str(e))
+        return pb.BatchOutcome()
 
     # ------------------------------------------------------------ queries
 
@@ -841,6 +867,11 @@ class _Undecodable:
 
     def __init__(self, type_name: str, error: str) -> None:
         self.type_name, self.error = type_name, error
+
+
+async def _done(response: Resp) -> Resp:
+    """A handler's answer computed already, as ``ReferenceService._run`` awaits it."""
+    return response
 
 
 def _lenient(cls: Any) -> Callable[[bytes], Any]:

@@ -18,7 +18,7 @@ from tensorhub.errors import InvalidRequest
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.regions import Region
-from tensorhub.testing import HubProcess, RemoteError, read_region, rendezvous
+from tensorhub.testing import HubProcess, RemoteError, join_group, read_region
 
 # A TP reader ("tp", w, world) reads rows of even-numbered tensors and columns
 # of odd-numbered ones (read_region); the trainer's ranks hold uneven rows.
@@ -31,13 +31,7 @@ CHUNK = 64 << 10
 
 
 def _trainer(hubs, world: int = 2) -> list[HubProcess]:
-    ranks = [hubs(f"rank{r}") for r in range(world)]
-    with rendezvous(world) as env:
-        for r, hub in enumerate(ranks):
-            hub.send("init_group", rank=r, world=world, env=env)
-        for hub in ranks:
-            hub.result()
-    return ranks
+    return join_group([hubs(f"rank{r}") for r in range(world)])
 
 
 def _publish(ranks: list[HubProcess], version: int, how: str = "rows", **kw) -> list[dict]:
@@ -288,3 +282,41 @@ def test_a_reader_takes_a_chunk_that_two_cut_holders_share_from_them_not_from_th
     for w in range(2):
         got = pull(f"e1w{w}", 2, w)
         assert got["read_bytes"] == got["nbytes"] == first[w]["nbytes"], (w, got["read_bytes"], got["nbytes"])
+
+
+def _republish(ranks: list[HubProcess], version: int) -> None:
+    """Every rank's step from the same buffers (its shards and its cut buffer), with the cut."""
+    for hub in ranks:
+        hub.call("unpublish", model="m", version=version - 1)  # the cut first, then the shards
+        hub.call("overwrite", model="m", version=version - 1, seed=version)
+    for r, hub in enumerate(ranks):
+        hub.send("republish", model="m", version=version, of=version - 1, how="rows", rank=r, world=len(ranks),
+                 chunk_size=CHUNK, cut="readers")
+    for hub in ranks:
+        hub.result()
+
+
+def test_a_steady_step_announces_each_ranks_cut_and_shards_in_one_message(server, hubs):
+    ranks = _trainer(hubs)
+    for r, hub in enumerate(ranks):
+        hub.send("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=r, world=2,
+                 chunk_size=CHUNK)
+    for hub in ranks:
+        hub.result()
+    for w in range(2):
+        _pull(hubs(f"w{w}"), 1, ("tp", w, 2), serve=True)
+    _republish(ranks, 2)  # the first cut: sent whole, alone; the shards by their layout
+    client = ReferenceClient(server.address)
+    try:
+        before = dict(client.describe().control.calls)
+        _republish(ranks, 3)
+        after = dict(client.describe().control.calls)
+    finally:
+        client.close()
+    sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0) and k != "Heartbeat"}
+    # Per rank: its withdrawals, rank 0's ask for the readers' cut, one Batch of the cut and the shards.
+    assert sent.get("Batch") == 2 and "Publish" not in sent, sent
+    assert sorted(r.trainer_cut for r in _replicas(server.address, 3) if r.origin) == [False, False, True, True]
+    for w in range(2):  # and what they hold is version 3, exactly
+        got = _pull(hubs(f"e1w{w}"), 3, ("tp", w, 2))
+        assert got["read_bytes"] == got["nbytes"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorhub.testing import HubProcess, RemoteError, rendezvous, wait_for_progress
+from tensorhub.testing import HubProcess, RemoteError, join_group, wait_for_progress
 
 SPECS = [("a", "bfloat16", (512, 256)), ("b", "bfloat16", (512, 256)), ("c", "float32", (384, 128)),
          ("d", "float32", (256, 96)), ("norm", "float32", (256,)), ("scale", "float32", ())]
@@ -32,12 +32,7 @@ CHUNK = 16 << 10
 def _cut_version(hubs) -> list[HubProcess]:
     """Two trainer ranks; version 1 read by two TP relays (the read sets the
     ranks learn), version 2 published with its cut."""
-    ranks = [hubs(f"rank{r}") for r in range(2)]
-    with rendezvous(2) as env:
-        for r, hub in enumerate(ranks):
-            hub.send("init_group", rank=r, world=2, env=env)
-        for hub in ranks:
-            hub.result()
+    ranks = join_group([hubs(f"rank{r}") for r in range(2)])
 
     def publish(version: int) -> list[dict]:
         for r, hub in enumerate(ranks):

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from tensorhub import GroupAnswer, Hub, HubConfig, ManifestMismatch, Publication, PullResult, experts
 from tensorhub.manifest import Manifest
 from tensorhub_vllm.config import TensorHubInitInfo
-from tensorhub_vllm.groupshare import EngineShare
+from tensorhub_vllm.groupshare import engine_share
 from tensorhub_vllm.readset import ReadSet
 
 # safetensors header dtype names -> torch
@@ -95,10 +95,10 @@ class VersionReceiver:
         self.version: int | None = None  # the version applied last
         self._withdrawals = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-withdraw")
         self.hub = Hub.connect(info.hub, config=HubConfig.from_dict({"name": name, **info.hub_config}))
-        # One Resolve for the engine's ``world_size`` workers (None: each asks on its own).
-        self._share = EngineShare.of_engine(world_size, model=info.model, engine=group,
-                                            pull_timeout_s=self.hub.config.pull_timeout_s) \
-            if info.share_resolve else None
+        # One Resolve, one Batch of announces and one of last reports for the
+        # engine's ``world_size`` workers (None: each sends its own).
+        self._share = engine_share(world_size, model=info.model, engine=group,
+                                   pull_timeout_s=self.hub.config.pull_timeout_s) if info.share_resolve else None
 
     def receive(self, version: int | str) -> PullResult:
         """Pull the read set of ``version`` (or ``"latest"``) completely; the
@@ -113,12 +113,14 @@ class VersionReceiver:
         if self._share is None:
             return self._receive(version, withdrawn, None)
         answer, failure = self._share.exchange(self.hub, version)
+        result = None
         try:
             if failure is not None:
                 raise failure
-            return self._receive(version, withdrawn, answer)
+            result = self._receive(version, withdrawn, answer)
+            return result
         finally:
-            self._share.finish(self.hub, answer)
+            self._share.finish(self.hub, answer, result)
 
     def _receive(self, version: int | str, withdrawn: Callable[[], None], answer: GroupAnswer | None) -> PullResult:
         if not self.info.serve:
@@ -150,7 +152,10 @@ class VersionReceiver:
             return experts.onto(staging, manifest)
 
         try:
+            # In an engine's share, the announce and the last report go with the others' (one message per engine).
             return self.hub.pull(self.info.model, version, into=onto, group=self.group, group_round=self._round,
+                                 defer_complete=self._share is not None,
+                                 announce_with=self._share.announcer(self.hub) if self._share is not None else None,
                                  **kwargs)
         except ManifestMismatch as e:
             hint = experts.mismatch_hint(list(staging), seen[0]) if seen else None

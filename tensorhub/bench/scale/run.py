@@ -320,10 +320,11 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
     version-1 answers, the workers announce what they pull as relays (naming
-    their layouts too) and report it complete (``relay_chunks``: worker w's
-    chunks), and every engine resolves again. Every message is sent
+    their layouts too: one Batch per engine), each engine reports them
+    complete in another (``relay_chunks``: worker w's chunks; with their
+    pulled bytes and the answer's lease: ``engineshare``), and every engine resolves
+    again. Every message is sent
     for real, none sampled, and the server's CPU for all of them is measured."""
-    workers = [(e, w) for e in range(engines) for w in range(cuts.TP)]
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
     per_holder = (0.0, 0, 0)  # the largest answer's bytes a holder, its holders, how many packed
@@ -340,23 +341,31 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
         stub.ReaderCuts(pb.ReaderCutsRequest(model="m", fingerprint=fingerprint), timeout=120)
     for r in range(ranks):
-        if cut_request is not None:  # as Hub.publish(cut=...): the rank's share of the cut, then its shards;
-            if version > 2:  # in full the first time, then naming its layout
-                _publish_lean(stub, cut_request(r))
-            else:
-                stub.Publish(cut_request(r), timeout=120)
+        if cut_request is not None and version > 2:  # as Hub.publish(cut=...): the rank's share of the cut and
+            # its shards, both naming their layouts, in one message (``Holdings.announce_together``)
+            announced = stub.Batch(pb.BatchRequest(publishes=[_lean(cut_request(r)), _lean(trainer_request(r))]),
+                                   timeout=120)
+            if any(o.code for o in announced.publishes):
+                raise RuntimeError(f"the server refused rank {r}'s publishes: {announced.publishes}")
+            continue
+        if cut_request is not None:  # the first cut goes whole, alone; then the shards by their layout
+            stub.Publish(cut_request(r), timeout=120)
         _publish_lean(stub, trainer_request(r))
     publish_cpu = _cpu(pid) - cpu0
+    leases: dict[int, str] = {}  # each engine's first answer's lease: it goes with the engine's Batch
     for stage in range(2):
         if stage == 1:
             cpu = _cpu(pid)
-            for e, w in workers:
-                _relay_messages(stub, relay_request(e, w), relay_chunks[w])
+            for e in range(engines):
+                _relay_messages(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
             publish_cpu += _cpu(pid) - cpu
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
         for e in range(engines):
-            answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests)
+            answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests,
+                                     release=stage == 1)
+            if stage == 0:
+                leases[e] = answer.lease_id
             answers.append(answer.ByteSize())
             holders = len(answer.replicas) + len(answer.packed.flags)
             if answers[-1] == max(answers) and holders:  # the largest answer's bytes a holder (packed or not)
@@ -390,31 +399,48 @@ def _calls(stub) -> dict[str, int]:
     return calls
 
 
-def _relay_messages(stub, request: pb.PublishRequest, chunks: int) -> None:
-    """A relay's messages for a version, the fewest a serving pull sends
-    (``client/landed.py``): its announce (Publish FILLING, naming its layout),
-    then one report of its chunks, complete. A pull slower than the server's
-    answers sends more reports between them (``tensorhub bench cluster
-    --versions`` counts them for real)."""
-    request.state = pb.REPLICA_STATE_FILLING
-    _publish_lean(stub, request)
-    stub.ReportChunks(pb.ReportChunksRequest(agent_id=request.agent_id, replica_id=request.replica_id,
-                                             chunks=range(chunks), complete=True), timeout=120)
+def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: str) -> None:
+    """An engine's relays' messages for a version, the fewest serving pulls
+    send, as vLLM's workers share them (``tensorhub.client.engineshare``):
+    one Batch of every worker's announce (Publish FILLING, naming its
+    layout), then one of every worker's last report (all its chunks,
+    complete) and the bytes it read, and the release of the engine's
+    answer's lease. A pull slower than the server's answers sends reports
+    between them (``tensorhub bench cluster --versions`` counts them for
+    real), and each worker withdraws its previous version (an Unpublish,
+    not counted here)."""
+    for request in requests:
+        request.state = pb.REPLICA_STATE_FILLING
+    announced = stub.Batch(pb.BatchRequest(publishes=[_lean(r) for r in requests]), timeout=120)
+    refused = [o.detail for o in announced.publishes if o.code]
+    if refused:
+        raise RuntimeError(f"the server refused an engine's announces in part: {refused[:3]}")
+    pulled = wire.pulled_to_wire({(1, True): 1 << 30})  # from a peer on its host (tier 1) and the trainer
+    batch = pb.BatchRequest(
+        reports=[pb.ReportChunksRequest(agent_id=r.agent_id, replica_id=r.replica_id, chunks=range(chunks[w]),
+                                        complete=True) for w, r in enumerate(requests)],
+        releases=[pb.ReleaseReadLeaseRequest(agent_id=r.agent_id, pulled=pulled) for r in requests])
+    batch.releases.append(pb.ReleaseReadLeaseRequest(agent_id=requests[0].agent_id, lease_id=lease_id))
+    answer = stub.Batch(batch, timeout=120)
+    refused = [o.detail for o in (*answer.reports, *answer.releases) if o.code]
+    if refused:
+        raise RuntimeError(f"the server refused an engine's Batch in part: {refused[:3]}")
 
 
 def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
-                    sizes: list[int] | None = None) -> pb.ResolveResponse:
+                    sizes: list[int] | None = None, release: bool = True) -> pb.ResolveResponse:
     """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
     of them with a read lease (``Hub.resolve_for_group``), released as the
-    pulls end (in a run it rides on the next Resolve)."""
+    pulls end (``release``; else the caller releases it with the engine's Batch)."""
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
                                 layout_ids=numbering.get(e, ""), packed_holders=e in numbering)
     answer = stub.Resolve(request, timeout=120)
     numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
-    stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
-                          timeout=120)
+    if release:
+        stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
+                              timeout=120)
     if sizes is not None:
         sizes.append(request.ByteSize())
     return answer
@@ -422,11 +448,16 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
 
 def _publish_lean(stub, request: pb.PublishRequest) -> None:
     """Publish naming the layout of the request's earlier version (it must be known)."""
+    stub.Publish(_lean(request), timeout=120)
+
+
+def _lean(request: pb.PublishRequest) -> pb.PublishRequest:
+    """``request`` naming its layout instead of its regions and memory (in place)."""
     layout = wire.publish_layout(request)
     for name in ("held", "held_table", "memory"):
         request.ClearField(name)
     request.layout = layout
-    stub.Publish(request, timeout=120)
+    return request
 
 
 def _spread(engines: int, sample: int) -> list[tuple[int, int]]:

@@ -1,0 +1,104 @@
+"""One engine, one control message per step: the workers of an engine share
+its Resolve, its relays' announces and their last reports over the engine's
+own channel (a ``torch.distributed`` CPU group: vLLM's world group among its
+TP workers, ``tensorhub_vllm.groupshare``), and its first worker sends each
+for all of them (``groupanswer`` draws the Hub's side).
+
+    every worker, each update, in the same order (collective):
+      exchange   first worker ── Hub.resolve_for_group ──▶ answer ─┐
+                                                                    ├─ broadcast ─▶ all: pull(answer=)
+                 a failed resolve: None, each resolves on its own ─┘
+      announce   all (inside pull, before any READ): lean announce ── gather ─▶ first worker
+                 first worker ── one Batch of the announces ──▶ server ── taken? ─▶ broadcast
+                 (not taken, or none lean: that worker announces alone, as without a group)
+      finish     all: barrier (bounded) ─▶ gather the last reports (held) and pulled bytes
+                 first worker ── one Batch: reports, pulled bytes, the answer's lease ──▶ server
+                 a report the server did not take: its worker's heartbeat sends it
+
+So a steady version costs the server three messages per engine (Resolve,
+announces, end), not three per worker. The answer is a few KiB in the steady
+state (holders come lean), so its broadcast costs less than the Resolve each
+worker would send. The lease must outlive every worker's reads, hence the
+barrier before its release; it is bounded by the pull's own deadline, so a
+worker that died cannot hang the others past it. Until the end's Batch
+arrives the server lists the relays as filling with the chunks they reported
+on the way, so peers read what they have.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from tensorhub.client.groupanswer import GroupAnswer
+from tensorhub.client.hub import Hub, PullResult
+
+log = logging.getLogger(__name__)
+
+_BARRIER_SLACK_S = 60.0  # beyond the pull's own deadline: the slowest worker's apply-free end of its pull
+
+
+class EngineShare:
+    """This worker's part in sharing its engine's control messages: ``group``
+    is the engine's CPU process group (None: the default one), ``rank`` and
+    ``world`` this worker's place in it."""
+
+    def __init__(self, group: Any, rank: int, world: int, *, model: str, engine: str, pull_timeout_s: float) -> None:
+        self._group, self.rank, self.world = group, rank, world
+        self._model, self._engine = model, engine
+        self._timeout = datetime.timedelta(seconds=pull_timeout_s + _BARRIER_SLACK_S)
+        self._members: list[str] | None = None  # every worker's agent id, learnt at the first update
+
+    def exchange(self, hub: Hub, version: int | str) -> tuple[GroupAnswer | None, BaseException | None]:
+        """Every worker calls this once per update: the first resolves for all.
+        Returns (the answer or None, the first worker's own failure to raise)."""
+        if self._members is None:
+            members: list[Any] = [None] * self.world
+            dist.all_gather_object(members, hub.agent_id, group=self._group)
+            self._members = [str(m) for m in members]
+        failure: BaseException | None = None
+        sent: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                sent[0] = hub.resolve_for_group(self._model, version, group=self._engine, members=self._members)
+            except Exception as e:  # noqa: BLE001  the others resolve on their own and meet it too
+                failure = e
+        dist.broadcast_object_list(sent, src=0, group=self._group)
+        return sent[0], failure
+
+    def announcer(self, hub: Hub) -> Callable[[bytes], bool]:
+        """``pull(announce_with=)`` for this worker: every worker's announce
+        goes to the first, which sends them in one message."""
+
+        def announce(data: bytes) -> bool:
+            everyone: list[Any] = [None] * self.world
+            dist.all_gather_object(everyone, data, group=self._group)
+            taken: list[Any] = [hub.send_group_announces(everyone) if self.rank == 0 else None]
+            dist.broadcast_object_list(taken, src=0, group=self._group)
+            return bool(taken[0][self.rank])
+
+        return announce
+
+    def finish(self, hub: Hub, answer: GroupAnswer | None, result: PullResult | None) -> None:
+        """Every worker's pull is over (``result``; None: it failed): the
+        workers' last reports and the lease go to the server in one message."""
+        mine = hub.member_report(result)
+        gathered: list[Any] = [None] * self.world
+        try:
+            dist.monitored_barrier(group=self._group, timeout=self._timeout)
+            dist.all_gather_object(gathered, mine, group=self._group)
+        except BaseException:
+            # A worker is gone: each sends its own (the lease with the first worker's).
+            if hub.send_group_reports(answer if self.rank == 0 else None, [mine])[0]:
+                hub.report_later(result)
+            raise
+        why: list[Any] = [hub.send_group_reports(answer, gathered) if self.rank == 0 else None]
+        dist.broadcast_object_list(why, src=0, group=self._group)
+        if why[0][self.rank]:
+            log.info("the server did not take this worker's last report (%s); the heartbeat sends it",
+                     why[0][self.rank])
+            hub.report_later(result)

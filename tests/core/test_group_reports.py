@@ -1,0 +1,175 @@
+"""The end of an engine's update in one message (``Hub.send_group_reports``):
+each worker's serving pull holds its last report (``pull(defer_complete=True)``),
+the member that resolved sends them all, the workers' pulled bytes and the
+answer's lease release in one Batch; a report the server does not take goes
+with its worker's heartbeat. Real NIXL between real processes, a real gRPC
+server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tensorhub.client.rpc import ReferenceClient
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.proto import wire
+from tensorhub.testing import HubProcess, join_group
+
+SPECS = [("a", "bfloat16", (1024, 256)), ("b", "bfloat16", (1024, 256))]
+CHUNK = 128 << 10
+
+
+def _status(address: str):
+    client = ReferenceClient(address)
+    try:
+        return client.describe("m")
+    finally:
+        client.close()
+
+
+def _relays(address: str, version: int) -> dict[str, bool]:
+    """Per relay agent of ``version``: whether the server lists its replica complete."""
+    (model,) = _status(address).models
+    (view,) = [v for v in model.versions if v.version == version]
+    return {r.agent_id: r.complete for r in view.replicas if not r.origin}
+
+
+def _calls(address: str) -> dict[str, int]:
+    return dict(_status(address).control.calls)
+
+
+def _engine_update(ranks, workers, version: int) -> tuple[object, list[dict]]:
+    """The trainer's ranks publish ``version``; the engine's first worker
+    resolves for all, every worker pulls its TP slice serving, its last
+    report held."""
+    for rank, hub in enumerate(ranks):
+        hub.call("publish_shard", model="m", version=version, specs=SPECS, seed=version, how="rows", rank=rank,
+                 world=len(ranks), chunk_size=CHUNK)
+    answer = workers[0].call("resolve_for_group", model="m", version=version, group="engine0",
+                             members=[w.agent_id for w in workers])
+    got = [w.call("pull", model="m", version=version, specs=SPECS, expect_seed=version, read=("tp", i, len(workers)),
+                  serve=True, answer=answer, defer_complete=True) for i, w in enumerate(workers)]
+    for g in got:
+        assert g["mismatched"] == [], g["mismatched"]
+    return answer, got
+
+
+def test_an_engines_last_reports_pulled_bytes_and_lease_go_in_one_message(server, hubs):
+    ranks = [hubs("rank0"), hubs("rank1")]
+    workers = [hubs("w0"), hubs("w1"), hubs("w2")]
+    before = _calls(server.address)
+    answer, _ = _engine_update(ranks, workers, 1)
+    # Held: the server still lists the relays filling (with what they reported before).
+    assert _relays(server.address, 1) == {w.agent_id: False for w in workers}
+    reports = [w.call("member_report", model="m", version=1) for w in workers]
+    assert all(r.report and r.pulled for r in reports)
+    assert workers[0].call("send_group_reports", answer=answer, reports=reports) == ["", "", ""]
+    assert _relays(server.address, 1) == {w.agent_id: True for w in workers}
+    calls = _calls(server.address)
+    sent = {k: n - before.get(k, 0) for k, n in calls.items() if n > before.get(k, 0)}
+    assert sent.get("Batch") == 1
+    # No worker released a lease or reported its pulled bytes on its own: they rode the Batch.
+    assert "ReleaseReadLease" not in sent, sent
+    (lease_view,) = [v for v in _status(server.address).leases if v.lease_id == answer.lease_id] or [None]
+    assert lease_view is None  # the answer's lease went with it
+
+
+def test_a_report_the_group_could_not_deliver_goes_with_the_workers_heartbeat(server, hubs):
+    ranks = [hubs("rank0")]
+    workers = [hubs("w0"), hubs("w1")]
+    answer, _ = _engine_update(ranks, workers, 1)
+    # The gather lost w1's report (its worker is slow to the barrier, or the channel failed):
+    # the first worker sends its own, w1 hands its to the heartbeat.
+    mine = workers[0].call("member_report", model="m", version=1)
+    assert workers[0].call("send_group_reports", answer=answer, reports=[mine]) == [""]
+    w0, w1 = (w.agent_id for w in workers)
+    assert _relays(server.address, 1) == {w0: True, w1: False}
+    workers[1].call("report_later", model="m", version=1)
+    deadline = time.monotonic() + 10
+    while not _relays(server.address, 1)[w1]:
+        assert time.monotonic() < deadline, "the heartbeat never completed w1's replica"
+        time.sleep(0.2)
+
+
+def test_each_message_of_a_batch_is_answered_as_it_would_be_alone(server, hubs):
+    ranks = [hubs("rank0")]
+    workers = [hubs("w0"), hubs("w1")]
+    answer, _ = _engine_update(ranks, workers, 1)
+    good = workers[1].call("member_report", model="m", version=1)
+    w1 = workers[1].agent_id
+    stranger = type(good)(agent_id=w1, report=ReferenceClient.complete_report(w1, "no-such-replica", [0]))
+    why = workers[0].call("send_group_reports", answer=None, reports=[stranger, good])
+    assert why[1] == "" and "no-such-replica" in why[0], why
+    assert _relays(server.address, 1)[w1] is True
+    # Raw: a report of too many chunks is refused alone, the release beside it taken.
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        metadata = wire.auth_metadata("")
+        (replica,) = [r.replica_id for v in _status(server.address).models[0].versions for r in v.replicas
+                      if r.agent_id == w1]
+        got = stub.Batch(pb.BatchRequest(
+            reports=[pb.ReportChunksRequest(agent_id=w1, replica_id=replica, chunks=range(10**6), complete=True)],
+            releases=[pb.ReleaseReadLeaseRequest(agent_id=workers[0].agent_id, lease_id=answer.lease_id)]),
+            timeout=10, metadata=metadata)
+        assert got.reports[0].code == "INVALID_ARGUMENT" and "chunks reported" in got.reports[0].detail
+        assert got.releases[0].code == ""
+        assert answer.lease_id not in {v.lease_id for v in _status(server.address).leases}
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Batch(pb.BatchRequest(releases=[pb.ReleaseReadLeaseRequest(agent_id="w0")] * 1000), timeout=10,
+                       metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than" in e.value.details()
+    finally:
+        channel.close()
+
+
+def _engine(hubs, world: int) -> list[HubProcess]:
+    """``world`` workers of one engine in a gloo group, as vLLM's TP workers are."""
+    return join_group([hubs(f"w{r}") for r in range(world)])
+
+
+def _update(workers: list[HubProcess], version: int) -> list[dict]:
+    for r, hub in enumerate(workers):
+        hub.send("engine_update", model="m", version=version, specs=SPECS, rank=r, world=len(workers), seed=version,
+                 unpublish_first=version - 1 if version > 1 else None)
+    got = [hub.result() for hub in workers]
+    for g in got:
+        assert g["mismatched"] == [], g["mismatched"]
+    return got
+
+
+def test_an_engines_steady_step_costs_the_server_three_messages_not_three_per_worker(server, hubs):
+    ranks = [hubs("rank0"), hubs("rank1")]
+    workers = _engine(hubs, 3)
+    for rank, hub in enumerate(ranks):
+        hub.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=rank, world=2,
+                 chunk_size=CHUNK)
+    _update(workers, 1)  # the first announces go whole, each alone (the server has no layout of them yet)
+    assert set(_relays(server.address, 1).values()) == {True}
+    for version in (2, 3):
+        for hub in ranks:
+            hub.call("unpublish", model="m", version=version - 1)
+            hub.call("overwrite", model="m", version=version - 1, seed=version)
+        for rank, hub in enumerate(ranks):
+            hub.call("republish", model="m", version=version, of=version - 1, how="rows", rank=rank, world=2,
+                     chunk_size=CHUNK)
+        before = _calls(server.address)
+        got = _update(workers, version)
+        sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+        sent.pop("Describe", None)
+        sent.pop("Heartbeat", None)  # on their clock, not per step
+        refreshes = sum(g["refreshes"] for g in got)
+        # The engine's Resolve, its workers' announces in one Batch and their last reports, pulled bytes and
+        # the lease in another; each worker's withdrawal of its previous version stays its own.
+        assert sent.pop("Resolve") == 1 + refreshes
+        assert sent.pop("Batch") == 2
+        assert sent.pop("Unpublish") == len(workers)
+        # Reports on the way are the pull's own (none on a quick pull); nothing else per worker.
+        sent.pop("ReportChunks", None)
+        ctl = _status(server.address).control
+        assert sent == {}, (sent, ctl.publishes_full, ctl.publishes_lean, [g.get("announce_debug") for g in got])
+        assert set(_relays(server.address, version).values()) == {True}
+        assert all(g["path"] == "replayed" for g in got), [g["not_replayed"] for g in got]
