@@ -31,7 +31,7 @@ def test_the_adapter_is_an_all_linear_lora_of_the_decoder_that_fills_the_base():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["scenario=elastic", "lora_rank=8"], "runs scenario standalone"),
+    (["scenario=crossdc", "lora_rank=8"], "not crossdc"),
     (["lora_rank=8", "delta=true"], "no delta"),
     (["lora_rank=-1"], "lora_rank >= 0"),
 ])
@@ -73,3 +73,23 @@ def test_the_trainer_sends_about_one_adapter_per_step_not_the_base(tmp_path):
     # gloo's broadcast sends the adapter to each of the 2 rollouts
     assert 1.5 <= base["egress_per_step_vs_adapter"] <= 2 * 1.15
     assert "trainer sent / step (adapters)" in (out / "rl-standalone.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_elastic_joiners_load_the_base_and_the_newest_adapter(tmp_path):
+    """A replacement joins mid-run: it needs the base (which the others pulled
+    before the run) and the newest adapter, from the trainer (p2p) or from
+    whoever holds them (tensorhub). One host, no link caps: no egress counters."""
+    from tensorhub import cli
+
+    out = tmp_path / "rl"
+    assert cli.main(["bench", "rl", "--no-live", "--hosts", "local", "--scenario", "elastic", "--readers", "2",
+                     "--size", "8MiB", "--lora-rank", "4", "steps=2", "step_s=0.5", "gen_median_s=0.3", "spot=1",
+                     "wave=1", "waves=1", "replace_after_s=0.3", f"out={out}"]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "rl-elastic.json").read_text())["results"]}
+    adapter = lora.matrix_bytes(compose(["size=8MiB", "lora_rank=4"]))
+    for method, row in rows.items():
+        assert row["joins"] == 1 and row["timeline"]["r0#1"][-1][1] == 2, method  # the joiner holds the last
+        # during the run: the joiner's base and adapters, never another base
+        assert (8 << 20) + adapter <= row["bytes_received"] < 2 * (8 << 20), method
+    assert rows["p2p"]["bytes_from_rollouts"] == 0  # p2p: everything from the trainer

@@ -18,7 +18,7 @@ Scenarios (``recipes/bench/scenario/*.yaml``) and their metric:
   each new version across once, and the rollouts move to the newest version
   their zone holds, ``Hub.latest_near``). ``rollout_stall_s``.
 
-LoRA mode (``lora_rank > 0``, standalone; ``tensorhub.bench.rl.lora``): the
+LoRA mode (``lora_rank > 0``, standalone and elastic; ``tensorhub.bench.rl.lora``): the
 base reaches the rollouts once before the run, each step makes only an adapter
 version, and the run ends once every rollout holds the last one.
 

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="netns: emulated hosts with capped links (root); local: this host, no caps")
     parser.add_argument("--lora-rank", dest="lora_rank", type=int,
                         help="> 0: LoRA mode, the base published once and each step only an all-linear adapter "
-                             "of this rank (standalone)")
+                             "of this rank (standalone, elastic)")
     parser.add_argument("--out", help="folder for the JSON, Markdown table and PNG plot")
     parser.add_argument("--json", help="also write the results here as JSON")
     parser.add_argument("--config-dir", help="the recipes folder (default: recipes/bench of the source tree)")

@@ -44,9 +44,9 @@ class RLBenchConfig:
     # one), rollouts pulling only that where they hold the version before.
     changed: float = 1.0
     delta: bool = False
-    # LoRA mode (tensorhub.bench.rl.lora): > 0, the base (``size`` bytes) is
-    # frozen and each step makes only an all-linear adapter of this rank, of a
-    # decoder of ``lora_layers`` layers filling the base.
+    # LoRA mode (tensorhub.bench.rl.lora; standalone, elastic): > 0, the base
+    # (``size`` bytes) is frozen and each step makes only an all-linear adapter
+    # of this rank, of a decoder of ``lora_layers`` layers filling the base.
     lora_rank: int = 0
     lora_layers: int = 28
 
@@ -74,8 +74,8 @@ class RLBenchConfig:
         if self.lora_rank < 0 or self.lora_layers < 1:
             raise ValueError("need lora_rank >= 0 (0: off) and lora_layers >= 1")
         if self.lora_rank:
-            if self.scenario != "standalone":
-                raise ValueError(f"LoRA mode (lora_rank > 0) runs scenario standalone, not {self.scenario}")
+            if self.scenario == "crossdc":
+                raise ValueError("LoRA mode (lora_rank > 0) runs scenarios standalone and elastic, not crossdc")
             if self.delta or self.changed != 1:
                 raise ValueError("LoRA mode writes the whole adapter each step: no delta, changed=1")
 

@@ -1,5 +1,6 @@
 """LoRA mode of ``tensorhub bench rl`` (``lora_rank > 0``): the base weights
-(``size`` bytes) are frozen and reach the rollouts once, before the run; each
+(``size`` bytes) are frozen and reach the rollouts once, before the run (a
+joiner, elastic: when it joins); each
 trainer step makes only a new adapter version, and that is what every method
 moves per step.
 

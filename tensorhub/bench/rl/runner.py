@@ -172,7 +172,8 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
             def rollout(slot: int, who: str, join_at: float | None, incarnation: int) -> None:
                 run.preempts[who] = run.notice()
                 run.start(who, via_p2p.rollout, where[slots[slot]], cfg, _gens(schedule, slot, incarnation), slot,
-                          gate, ready["metadata"], ready["addr"], join_at, run.go, run.stop, run.preempts[who])
+                          gate, ready["metadata"], ready["addr"], ready["adapter_addr"], join_at, run.go, run.stop,
+                          run.preempts[who])
 
         for i, who in enumerate(slots):
             rollout(i, who, None, 0)

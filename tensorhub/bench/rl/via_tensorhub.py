@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tensorhub.bench.rl import proc, trace
+from tensorhub.bench.rl import lora, proc, trace
 
 RETRIES = 3
 NOTICE_S = 30.0  # a spot notice's length: the longest a preempted rollout waits for its readers
@@ -247,7 +247,8 @@ def lone_copy_s(cfg: Any, where: dict, reps: int = 3) -> float:
     from tensorhub.local.serverprocess import ServerProcess
 
     server_place, trainer_place, joiner_place = where["server"], where["trainer"], where["r0"]
-    specs = [("w", "uint8", (cfg.size,))]
+    # what a join pulls: the version (LoRA mode: the base and an adapter, one buffer here)
+    specs = [("w", "uint8", (cfg.size + (lora.matrix_bytes(cfg) if cfg.lora_rank else 0),))]
     with ServerProcess(host=server_place.addr, netns=server_place.netns, retain=0,
                        lease_ttl_s=cfg.lease_ttl_s) as server, \
             HubProcess(server.address, name="lone-trainer", netns=trainer_place.netns, env=trainer_place.env,

@@ -49,7 +49,7 @@ class Adapter:
 
 def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: list[float], spot: bool,
             join_at: float | None, go: Any, stop: Any, preempt: Any) -> None:
-    """As ``via_tensorhub.rollout`` (one zone): its first update also pulls the base."""
+    """As ``via_tensorhub.rollout`` (one zone): its first update, at the start or on joining, also pulls the base."""
     proc.enter(place)
     trace.install(cfg.trace, "tensorhub", who)
     from tensorhub.lora import pull_adapter
