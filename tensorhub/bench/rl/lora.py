@@ -1,8 +1,7 @@
 """LoRA mode of ``tensorhub bench rl`` (``lora_rank > 0``): the base weights
 (``size`` bytes) are frozen and reach the rollouts once, before the run (a
-joiner, elastic: when it joins); each
-trainer step makes only a new adapter version, and that is what every method
-moves per step.
+joiner, elastic: when it joins); each trainer step makes only a new adapter
+version, and that is what every method moves per step.
 
 The adapter's shape comes from a decoder of Qwen3's proportions that fills the
 base: ``lora_layers`` layers of hidden size h, attention q/o of width h, k/v
