@@ -11,11 +11,16 @@ in ``size``. The adapter is PEFT's all-linear LoRA of that decoder: for each of
 q/k/v/o/gate/up/down of every layer, A (rank x fan_in) and B (fan_out x rank),
 bf16, under PEFT's saved names. At 16 GiB and 36 layers that is h = 4544, and
 a rank-32 adapter is 1.1% of the base (Qwen3-8B's is about 1.1% too).
+
+``Adapter`` is TensorHub's trainer side (``via_tensorhub.trainer``); the
+rollouts' is ``via_tensorhub_lora``, the baselines' in their own modules.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tensorhub.bench.rl import proc
 
 MODEL = "bench/rl/lora"  # the adapter's own model key, beside the base's (proc.MODEL)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -93,8 +98,6 @@ def write_version(tensors: dict[str, Any], version: int) -> None:
     """The optimizer step on the adapter: every byte of every matrix becomes ``version``'s marker."""
     import torch
 
-    from tensorhub.bench.rl import proc
-
     for t in tensors.values():
         proc.write_version(t.view(-1).view(dtype=torch.uint8), version)
 
@@ -103,11 +106,37 @@ def holds(tensors: dict[str, Any], version: int) -> bool:
     """Every matrix's first and last byte carry ``version``'s marker."""
     import torch
 
-    from tensorhub.bench.rl import proc
-
     mark = proc.marker(version)
     for t in tensors.values():
         b = t.contiguous().view(-1).view(dtype=torch.uint8)
         if int(b[0]) != mark or int(b[-1]) != mark:
             return False
     return True
+
+
+class Adapter:
+    """What the trainer makes each step in LoRA mode (``via_tensorhub.trainer``
+    publishes it): the adapter's matrices, as a PEFT trainer holds them, over a
+    frozen base that its first publish makes available once."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.base = proc.weights(cfg.size)
+        proc.write_version(self.base, 0)
+        self.matrices = matrices(cfg)
+        write_version(self.matrices, 0)
+        self.config = peft_config(cfg.lora_rank)
+        self.base_pub: Any = None
+
+    def publish(self, hub: Any, version: int) -> Any:
+        from tensorhub.lora import publish_adapter
+
+        if self.base_pub is None:  # frozen: published once, never again
+            self.base_pub = hub.publish(proc.MODEL, 0, {"w": self.base})
+        return publish_adapter(hub, MODEL, version, self.matrices, self.config)
+
+    def step(self, report: Any, version: int) -> None:
+        write_version(self.matrices, version)
+
+    def close(self) -> None:
+        if self.base_pub is not None:
+            self.base_pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)

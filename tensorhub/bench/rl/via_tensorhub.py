@@ -60,10 +60,9 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
     proc.enter(place)
     trace.install(cfg.trace, "tensorhub", who)
     from tensorhub import Hub
-    from tensorhub.bench.rl.via_tensorhub_lora import Adapter  # imports this module: not at the top
 
     with proc.reporting(events, who) as report:
-        made = Adapter(cfg) if cfg.lora_rank else Weights(cfg)
+        made = lora.Adapter(cfg) if cfg.lora_rank else Weights(cfg)
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size) as hub:
             pub = made.publish(hub, 0)
             report("ready", version=0)

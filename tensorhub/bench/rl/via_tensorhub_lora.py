@@ -1,5 +1,5 @@
 """Method ``tensorhub`` in LoRA mode (``lora_rank > 0``): the trainer
-(``via_tensorhub.trainer`` with ``Adapter``) publishes the frozen base once
+(``via_tensorhub.trainer`` with ``lora.Adapter``) publishes the frozen base once
 (version 0 of its model) and each step only an adapter version
 (``tensorhub.lora.publish_adapter``: its live LoRA matrices in place, as a
 PEFT trainer does); a rollout pulls the base once, serving it, and after
@@ -17,34 +17,6 @@ from typing import Any
 
 from tensorhub.bench.rl import lora, proc, trace
 from tensorhub.bench.rl.via_tensorhub import NOTICE_S, retried, rollout_hub
-
-
-class Adapter:
-    """What the trainer makes each step in LoRA mode (``via_tensorhub.trainer``
-    publishes it): the adapter's matrices, as a PEFT trainer holds them, over a
-    frozen base that its first publish makes available once."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.base = proc.weights(cfg.size)
-        proc.write_version(self.base, 0)
-        self.matrices = lora.matrices(cfg)
-        lora.write_version(self.matrices, 0)
-        self.config = lora.peft_config(cfg.lora_rank)
-        self.base_pub: Any = None
-
-    def publish(self, hub: Any, version: int) -> Any:
-        from tensorhub.lora import publish_adapter
-
-        if self.base_pub is None:  # frozen: published once, never again
-            self.base_pub = hub.publish(proc.MODEL, 0, {"w": self.base})
-        return publish_adapter(hub, lora.MODEL, version, self.matrices, self.config)
-
-    def step(self, report: Any, version: int) -> None:
-        lora.write_version(self.matrices, version)
-
-    def close(self) -> None:
-        if self.base_pub is not None:
-            self.base_pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)
 
 
 def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: list[float], spot: bool,
