@@ -18,6 +18,10 @@ Scenarios (``recipes/bench/scenario/*.yaml``) and their metric:
   each new version across once, and the rollouts move to the newest version
   their zone holds, ``Hub.latest_near``). ``rollout_stall_s``.
 
+LoRA mode (``lora_rank > 0``, standalone and elastic; ``tensorhub.bench.rl.lora``): the
+base reaches the rollouts once before the run, each step makes only an adapter
+version, and the run ends once every rollout holds the last one.
+
 Spot preemption (elastic) is a notice, then a kill at the rollout's next batch:
 on its notice a ``tensorhub`` rollout withdraws what it serves first.
 
@@ -39,6 +43,7 @@ Output, in ``out`` (default ``bench-results/rl``): ``rl-<scenario>.json``,
         "bytes_received", "bytes_from_trainer", "bytes_from_rollouts",  # null where unknown (gloo)
         "retries", "failed_pulls",        # pulls retried (the version was let go mid-pull...) and why
         "trainer_egress_bytes", "zone_link_bytes",   # the links' counters (null: hosts=local / one zone)
+        "adapter_bytes", "trainer_egress_per_step_bytes", "egress_per_step_vs_adapter",  # LoRA mode only
         "timeline": {"trainer" | "r0" | "r0#1" ...: [[seconds, version], ...]},  # version -1: preempted
         "params": {...}}]}                # every setting that shapes the run
 

@@ -11,7 +11,8 @@ import sys
 
 # flag -> config key; each given flag becomes the override KEY=VALUE
 FLAGS = {"scenario": "scenario", "size": "size", "readers": "rollouts", "rollouts": "rollouts", "link": "link",
-         "zone_link": "zone_link", "steps": "steps", "hosts": "hosts", "out": "out", "seed": "seed"}
+         "zone_link": "zone_link", "steps": "steps", "hosts": "hosts", "out": "out", "seed": "seed",
+         "lora_rank": "lora_rank"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of the stragglers and preemptions (same for every method)")
     parser.add_argument("--hosts", choices=["netns", "local"],
                         help="netns: emulated hosts with capped links (root); local: this host, no caps")
+    parser.add_argument("--lora-rank", dest="lora_rank", type=int,
+                        help="> 0: LoRA mode, the base published once and each step only an all-linear adapter "
+                             "of this rank (standalone, elastic)")
     parser.add_argument("--out", help="folder for the JSON, Markdown table and PNG plot")
     parser.add_argument("--json", help="also write the results here as JSON")
     parser.add_argument("--config-dir", help="the recipes folder (default: recipes/bench of the source tree)")

@@ -44,6 +44,11 @@ class RLBenchConfig:
     # one), rollouts pulling only that where they hold the version before.
     changed: float = 1.0
     delta: bool = False
+    # LoRA mode (tensorhub.bench.rl.lora; standalone, elastic): > 0, the base
+    # (``size`` bytes) is frozen and each step makes only an all-linear adapter
+    # of this rank, of a decoder of ``lora_layers`` layers filling the base.
+    lora_rank: int = 0
+    lora_layers: int = 28
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -65,6 +70,14 @@ class RLBenchConfig:
             raise ValueError("need 0 <= spot <= rollouts, wave >= 1 and waves >= 0")
         if self.scenario == "elastic" and self.waves and self.spot < self.wave:
             raise ValueError(f"a preemption wave of {self.wave} needs at least that many spot rollouts (spot={self.spot})")
+
+        if self.lora_rank < 0 or self.lora_layers < 1:
+            raise ValueError("need lora_rank >= 0 (0: off) and lora_layers >= 1")
+        if self.lora_rank:
+            if self.scenario == "crossdc":
+                raise ValueError("LoRA mode (lora_rank > 0) runs scenarios standalone and elastic, not crossdc")
+            if self.delta or self.changed != 1:
+                raise ValueError("LoRA mode writes the whole adapter each step: no delta, changed=1")
 
     @property
     def metric(self) -> str:
@@ -104,6 +117,8 @@ class RLBenchConfig:
                 out.pop(key)
         if self.scenario != "crossdc":
             out.pop("zone_link")
+        if not self.lora_rank:
+            out.pop("lora_layers")
         return out
 
 

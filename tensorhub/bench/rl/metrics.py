@@ -112,6 +112,17 @@ def summarize(scenario: str, method: str, events: list[dict], params: dict, carr
     return row
 
 
+def per_step_egress(row: dict, steps: int, adapter_bytes: int) -> dict:
+    """LoRA mode's figures: the adapter's bytes, and what the trainer's link sent
+    per step over them (goal about 1: only the adapter leaves the trainer,
+    once; null without link counters, hosts=local)."""
+    egress = row.get("trainer_egress_bytes")
+    per_step = None if egress is None else egress / steps
+    return {"adapter_bytes": adapter_bytes,
+            "trainer_egress_per_step_bytes": None if per_step is None else round(per_step),
+            "egress_per_step_vs_adapter": None if per_step is None else round(per_step / adapter_bytes, 3)}
+
+
 def _lag(published: dict[int, float], e: dict) -> int:
     """Versions the trainer had made available when this batch started that the batch's weights lack."""
     newest = max((v for v, at in published.items() if at <= e["start"]), default=0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tensorhub.bench.rl import metrics
+from tensorhub.bench.rl import lora, metrics
 from tensorhub.bench.rl.config import SCENARIOS, RLBenchConfig
 
 MEANING = {
@@ -37,11 +37,20 @@ def _copies(nbytes: int | None, size: int) -> str:
     return "n/a" if nbytes is None else f"{nbytes / size:.2f}"
 
 
+def _sent(cfg: RLBenchConfig, row: dict) -> str:
+    if cfg.lora_rank:
+        ratio = row.get("egress_per_step_vs_adapter")
+        return "n/a" if ratio is None else f"{ratio:.3f}"
+    return _copies(row.get("trainer_egress_bytes"), cfg.size)
+
+
 def markdown(cfg: RLBenchConfig, rows: list[dict]) -> str:
     metric, base = cfg.metric, baseline(cfg)
     cols = ["method", f"**{metric}**", f"vs {base}", "trainer stall / step", "rollout stall / step"]
     cols += ["joins"] if cfg.scenario == "elastic" else []
-    cols += ["seconds for the steps", "batches", "mean staleness", "trainer sent (versions)"]
+    # LoRA mode: a step makes an adapter, so the trainer's egress is counted in adapters per step
+    sent = "trainer sent / step (adapters)" if cfg.lora_rank else "trainer sent (versions)"
+    cols += ["seconds for the steps", "batches", "mean staleness", sent]
     cols += ["across zones (versions)"] if cfg.scenario == "crossdc" else []
     cols += ["MiB from trainer", "MiB from rollouts", "retries"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -51,7 +60,7 @@ def markdown(cfg: RLBenchConfig, rows: list[dict]) -> str:
                  f"{r['trainer_stall_s']:.2f} s", f"{r['rollout_stall_s']:.2f} s"]
         cells += [str(r["joins"])] if cfg.scenario == "elastic" else []
         cells += [f"{r['steps_s']:.1f} s", str(r["batches"]), str(r["mean_staleness"]),
-                  _copies(r.get("trainer_egress_bytes"), cfg.size)]
+                  _sent(cfg, r)]
         cells += [_copies(r.get("zone_link_bytes"), cfg.size)] if cfg.scenario == "crossdc" else []
         cells += [_mib(r["bytes_from_trainer"]), _mib(r["bytes_from_rollouts"]), str(r["retries"])]
         lines.append("| " + " | ".join(cells) + " |")
@@ -113,6 +122,8 @@ def print_summary(console: Console, cfg: RLBenchConfig, rows: list[dict], paths:
     links = f"links {cfg.link}" if cfg.hosts == "netns" else "one host, no link caps"
     console.print(f"[bold]{cfg.scenario}[/]: {cfg.rollouts} rollouts, {cfg.size / 2**20:,.0f} MiB versions, {links}"
                   + (f", {cfg.zone_link} between zones" if cfg.scenario == "crossdc" else "")
+                  + (f"; LoRA mode: the base once, then a rank-{cfg.lora_rank} adapter of "
+                     f"{lora.adapter_bytes(cfg) / 2**20:,.2f} MiB per step" if cfg.lora_rank else "")
                   + f"; {cfg.metric} = {MEANING[cfg.metric]}")
     console.print(markdown(cfg, rows), markup=False, highlight=False, soft_wrap=True)
     ratio = metrics.ratio(rows, cfg.metric, baseline(cfg))

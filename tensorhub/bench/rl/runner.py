@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 
 from tensorhub import processes
-from tensorhub.bench.rl import metrics, proc, via_broadcast, via_p2p, via_tensorhub
+from tensorhub.bench.rl import lora, metrics, proc, via_broadcast, via_p2p, via_tensorhub, via_tensorhub_lora
 from tensorhub.bench.rl.config import RLBenchConfig
 from tensorhub.bench.rl.live import Tracker
 from tensorhub.bench.rl.places import places
@@ -145,12 +145,14 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
         stack.callback(run.close)  # before the server stops: the processes close their hubs
         if method == "tensorhub":
             run.start("trainer", via_tensorhub.trainer, trainer_place, server.address, cfg, run.go, run.stop)
+            # LoRA mode: the base once, then adapter versions (standalone only: no seed)
+            via = via_tensorhub_lora if cfg.lora_rank else via_tensorhub
             if "seed" in where:  # crossdc: the far zone's seed
                 run.start("seed", via_tensorhub.seed, where["seed"], server.address, cfg, run.go, run.stop)
 
             def rollout(slot: int, who: str, join_at: float | None, incarnation: int) -> None:
                 run.preempts[who] = run.notice()
-                run.start(who, via_tensorhub.rollout, where[slots[slot]], server.address, cfg,
+                run.start(who, via.rollout, where[slots[slot]], server.address, cfg,
                           _gens(schedule, slot, incarnation), slot < cfg.spot, join_at, run.go, run.stop,
                           run.preempts[who])
         elif method == "broadcast":
@@ -170,7 +172,8 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
             def rollout(slot: int, who: str, join_at: float | None, incarnation: int) -> None:
                 run.preempts[who] = run.notice()
                 run.start(who, via_p2p.rollout, where[slots[slot]], cfg, _gens(schedule, slot, incarnation), slot,
-                          gate, ready["metadata"], ready["addr"], join_at, run.go, run.stop, run.preempts[who])
+                          gate, ready["metadata"], ready["addr"], ready["adapter_addr"], join_at, run.go, run.stop,
+                          run.preempts[who])
 
         for i, who in enumerate(slots):
             rollout(i, who, None, 0)
@@ -200,7 +203,15 @@ def run_method(cfg: RLBenchConfig, method: str, hosts: Any, where: dict, schedul
 
         def finished() -> bool:
             joined = all(run.has(w, "hold") for w in joiners)
-            return run.has("trainer", "done") and not pending and joined
+            return run.has("trainer", "done") and not pending and joined and delivered()
+
+        def delivered() -> bool:
+            """LoRA mode: every rollout holds the last version, so that the links'
+            counters hold every version's trip (trainer egress per step)."""
+            if not cfg.lora_rank:
+                return True
+            held = {e["who"] for e in run.events if e["kind"] == "hold" and e.get("version") == cfg.steps}
+            return all(w in held for w in current.values())
 
         run.until(finished, _run_timeout(cfg), "the run's end", tick=preempt)
         carried = {k: v - before[k] for k, v in _counters(hosts).items()}
@@ -232,6 +243,8 @@ def run(cfg: RLBenchConfig, *, live: bool = True, console: Console | None = None
                 Path(cfg.trace).mkdir(parents=True, exist_ok=True)  # no process of a baseline made it
                 Path(cfg.trace, f"{method}-events.json").write_text(json.dumps(events, default=str))
             row = metrics.summarize(cfg.scenario, method, events, cfg.params(), carried)
+            if cfg.lora_rank:
+                row.update(metrics.per_step_egress(row, cfg.steps, lora.adapter_bytes(cfg)))
             if method == "tensorhub" and cfg.scenario == "elastic":
                 # the joins against one joiner alone on the same hosts (what the links allow it)
                 row["lone_copy_s"] = round(via_tensorhub.lone_copy_s(cfg, where), 3)

@@ -6,6 +6,10 @@ the slowest of the others.
 
 Stall: the trainer's whole broadcast call; a rollout's time from the end of its
 batch until it holds the new version.
+
+LoRA mode (``lora_rank > 0``): the frozen base is broadcast once, before the
+run, and each step broadcasts only the adapter (its matrices as one flat
+buffer, as frameworks bucket them).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from tensorhub.bench.rl import proc
+from tensorhub.bench.rl import lora, proc
 
 
 def _join(place: Any, rank: int, world: int, master: str, port: int) -> Any:
@@ -29,13 +33,28 @@ def _join(place: Any, rank: int, world: int, master: str, port: int) -> Any:
     return dist
 
 
+def _version_0(dist: Any, cfg: Any, *, write: bool) -> Any:
+    """Everyone starts from version 0 (the trainer, ``write``, makes it); returns
+    the buffer each step broadcasts: the weights, or in LoRA mode the adapter
+    (after the base, broadcast once here)."""
+    buf = proc.weights(cfg.size)
+    if write:
+        proc.write_version(buf, 0)
+    dist.broadcast(buf, src=0)
+    if not cfg.lora_rank:
+        return buf
+    adapter = lora.flat(cfg)
+    if write:
+        proc.write_version(adapter, 0)
+    dist.broadcast(adapter, src=0)
+    return adapter
+
+
 def trainer(events: Any, who: str, place: Any, cfg: Any, world: int, master: str, port: int, go: Any,
             stop: Any) -> None:
     with proc.reporting(events, who) as report:
         dist = _join(place, 0, world, master, port)
-        buf = proc.weights(cfg.size)
-        proc.write_version(buf, 0)
-        dist.broadcast(buf, src=0)  # version 0: everyone starts from it
+        buf = _version_0(dist, cfg, write=True)
         report("ready", version=0)
         for version, t1 in proc.trainer_steps(report, cfg, go):
             proc.write_version(buf, version, cfg.changed)
@@ -53,8 +72,7 @@ def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], ran
             port: int, go: Any, stop: Any) -> None:
     with proc.reporting(events, who) as report:
         dist = _join(place, rank, world, master, port)
-        buf = proc.weights(cfg.size)
-        dist.broadcast(buf, src=0)
+        buf = _version_0(dist, cfg, write=False)
         report.check(buf, 0)
         report("hold", version=0)
         report("ready", version=0)
@@ -69,7 +87,7 @@ def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], ran
             dist.broadcast(buf, src=0)
             t2 = time.monotonic()
             report.check(buf, version)
-            report("stall", t1, t2, version=version, what="update", bytes=cfg.size)
+            report("stall", t1, t2, version=version, what="update", bytes=buf.numel())
             report("hold", t2, t2, version=version)
         report("done")
         dist.destroy_process_group()

@@ -7,6 +7,10 @@ read: here shared counters (``Gate``): the trainer closes the gate, waits until
 no READ is in flight, writes the new version and reopens it; a rollout waits
 for an open gate, marks itself reading, READs, unmarks. That is what direct
 trainer-to-rollout paths do (the trainer waits for every reader).
+
+LoRA mode (``lora_rank > 0``): the trainer registers the frozen base and the
+adapter (its matrices as one flat buffer); a rollout READs the base once (never
+overwritten: outside the gate) and the adapter at every update (in the gate).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import time
 from typing import Any
 
-from tensorhub.bench.rl import proc
+from tensorhub.bench.rl import lora, proc
 
 CLOSED = -1
 
@@ -79,11 +83,16 @@ def trainer(events: Any, who: str, place: Any, cfg: Any, gate: Gate, go: Any, st
     from tensorhub.transport.nixl import new_agent
 
     with proc.reporting(events, who) as report:
-        buf = proc.weights(cfg.size)
+        base = proc.weights(cfg.size)
+        proc.write_version(base, 0)
+        # what each step overwrites: the weights, or in LoRA mode the adapter beside the frozen base
+        buf = lora.flat(cfg) if cfg.lora_rank else base
         proc.write_version(buf, 0)
         agent = new_agent(f"p2p-{who}")
-        agent.register_memory(buf)
-        report("ready", version=0, metadata=agent.get_agent_metadata(), addr=buf.data_ptr())
+        for b in {id(base): base, id(buf): buf}.values():
+            agent.register_memory(b)
+        report("ready", version=0, metadata=agent.get_agent_metadata(), addr=base.data_ptr(),
+               adapter_addr=buf.data_ptr() if cfg.lora_rank else None)
         for version, t1 in proc.trainer_steps(report, cfg, go):
             gate.close_and_drain(proc.WAIT_TIMEOUT_S)
             proc.write_version(buf, version, cfg.changed)
@@ -114,28 +123,40 @@ def _read_all(agent: Any, buf: Any, remote: str, addr: int, chunk: int) -> None:
 
 
 def rollout(events: Any, who: str, place: Any, cfg: Any, gen_s: list[float], slot: int, gate: Gate,
-            metadata: bytes, addr: int, join_at: float | None, go: Any, stop: Any, preempt: Any) -> None:
+            metadata: bytes, addr: int, adapter_addr: int | None, join_at: float | None, go: Any, stop: Any,
+            preempt: Any) -> None:
+    """``addr``: the trainer's weights (in LoRA mode its base); ``adapter_addr``: its adapter (LoRA mode)."""
     proc.enter(place)
     from tensorhub.transport.nixl import new_agent
 
     with proc.reporting(events, who) as report:
-        buf = proc.weights(cfg.size)
+        base = proc.weights(cfg.size)
+        buf = lora.flat(cfg) if cfg.lora_rank else base  # what each update reads
         agent = new_agent(f"p2p-{who}-{time.monotonic_ns()}")
-        agent.register_memory(buf)
+        for b in {id(base): base, id(buf): buf}.values():
+            agent.register_memory(b)
         remote = agent.add_remote_agent(metadata)
         remote = remote.decode() if isinstance(remote, bytes) else remote
+        need_base = bool(cfg.lora_rank)  # LoRA mode: the base once, at the first update
 
         def update(what: str) -> int:
+            nonlocal need_base
             t0 = time.monotonic()
             report("begin", what=what)
+            nbytes = 0
+            if need_base:
+                _read_all(agent, base, remote, addr, cfg.chunk_size)
+                report.check(base, 0)
+                need_base, nbytes = False, base.numel()
             version = gate.enter(slot, proc.WAIT_TIMEOUT_S)
             try:
-                _read_all(agent, buf, remote, addr, cfg.chunk_size)
+                _read_all(agent, buf, remote, adapter_addr if cfg.lora_rank else addr, cfg.chunk_size)
             finally:
                 gate.leave(slot)
             t1 = time.monotonic()
             report.check(buf, version)
-            report("stall", t0, t1, version=version, what=what, bytes=cfg.size, sources={"trainer": cfg.size})
+            nbytes += buf.numel()
+            report("stall", t0, t1, version=version, what=what, bytes=nbytes, sources={"trainer": nbytes})
             report("hold", t1, t1, version=version)
             return version
 

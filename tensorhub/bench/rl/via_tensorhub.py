@@ -21,11 +21,39 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tensorhub.bench.rl import proc, trace
+from tensorhub.bench.rl import lora, proc, trace
 
 RETRIES = 3
 NOTICE_S = 30.0  # a spot notice's length: the longest a preempted rollout waits for its readers
 NEAR_POLL_S = 0.2  # a far rollout waiting for its zone's first version asks this often
+
+
+class Weights:
+    """What the trainer makes each step: the whole weights buffer, published in
+    place (with ``delta``: and its delta from the last version)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.buf = proc.weights(cfg.size)
+        proc.write_version(self.buf, 0)
+        # delta: the last version's bytes, to take the next one's delta against
+        # (published in place, the buffer itself no longer has them)
+        self.prev = proc.weights(cfg.size) if cfg.delta else None
+
+    def publish(self, hub: Any, version: int) -> Any:
+        delta = {"delta_from": version - 1, "previous": {"w": self.prev}} if self.prev is not None and version else {}
+        return hub.publish(proc.MODEL, version, {"w": self.buf}, **delta)
+
+    def step(self, report: Any, version: int) -> None:
+        """The optimizer step, in place (its delta's copy of the last version first: a stall)."""
+        if self.prev is not None:
+            t0 = time.monotonic()
+            self.prev.copy_(self.buf)
+            report("stall", t0, time.monotonic(), version=version, what="delta copy")
+        proc.write_version(self.buf, version, self.cfg.changed)
+
+    def close(self) -> None:
+        pass
 
 
 def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, stop: Any) -> None:
@@ -34,24 +62,16 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
     from tensorhub import Hub
 
     with proc.reporting(events, who) as report:
-        buf = proc.weights(cfg.size)
-        proc.write_version(buf, 0)
-        # delta: the last version's bytes, to take the next one's delta against
-        # (published in place, the buffer itself no longer has them)
-        prev = proc.weights(cfg.size) if cfg.delta else None
+        made = lora.Adapter(cfg) if cfg.lora_rank else Weights(cfg)
         with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size) as hub:
-            pub = hub.publish(proc.MODEL, 0, {"w": buf})
+            pub = made.publish(hub, 0)
             report("ready", version=0)
             for version, t1 in proc.trainer_steps(report, cfg, go):
                 pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)  # the readers of the old version are done
                 t2 = time.monotonic()
-                if prev is not None:
-                    prev.copy_(buf)
-                    report("stall", t2, time.monotonic(), version=version, what="delta copy")
-                proc.write_version(buf, version, cfg.changed)
+                made.step(report, version)
                 t3 = time.monotonic()
-                pub = hub.publish(proc.MODEL, version, {"w": buf}, **(
-                    {"delta_from": version - 1, "previous": {"w": prev}} if prev is not None else {}))
+                pub = made.publish(hub, version)
                 t4 = time.monotonic()
                 report("stall", t1, t2, version=version, what="unpublish")
                 report("stall", t3, t4, version=version, what="publish")
@@ -59,18 +79,26 @@ def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, 
             report("done")
             stop.wait(proc.WAIT_TIMEOUT_S)  # stay a holder until every rollout is done
             pub.unpublish(timeout=proc.WAIT_TIMEOUT_S)
+            made.close()
 
 
-def _pull(hub: Any, version: Any, into: dict, have: int | None = None) -> tuple[Any, int, list[str]]:
-    """``hub.pull(..., serve=True)`` of ``version()`` (asked again on each try;
-    ``have``: the version ``into`` holds); returns the result, the retries and why each failed."""
+def rollout_hub(address: str, who: str, place: Any, cfg: Any, spot: bool = False) -> Any:
+    """A rollout's (or the seed's) Hub: its host's labels, the run's chunks, spot or reliable."""
+    from tensorhub import Hub
+
+    return Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
+                       chunk_timeout_s=cfg.chunk_timeout_s, reliability="spot" if spot else "reliable")
+
+
+def retried(pull: Any) -> tuple[Any, int, list[str]]:
+    """``pull(retry)`` until it succeeds, at most ``RETRIES`` times again; returns
+    its result, the retries and why each failed."""
     from tensorhub.errors import SourceLost, VersionNotFound
 
     failures: list[str] = []
     for retry in range(RETRIES + 1):
         try:
-            return hub.pull(proc.MODEL, version(), into=into, serve=True, have=have if retry == 0 else None), \
-                retry, failures
+            return pull(retry), retry, failures
         except (SourceLost, VersionNotFound, KeyError) as e:
             # SourceLost / VersionNotFound: the version was superseded mid-pull and its last
             # holder let it go (retention keeps the latest only): as a real rollout would,
@@ -80,6 +108,13 @@ def _pull(hub: Any, version: Any, into: dict, have: int | None = None) -> tuple[
             if retry == RETRIES:
                 raise
     raise AssertionError("unreachable")
+
+
+def _pull(hub: Any, version: Any, into: dict, have: int | None = None) -> tuple[Any, int, list[str]]:
+    """``hub.pull(..., serve=True)`` of ``version()`` (asked again on each try;
+    ``have``: the version ``into`` holds), retried."""
+    return retried(lambda retry: hub.pull(proc.MODEL, version(), into=into, serve=True,
+                                          have=have if retry == 0 else None))
 
 
 def _wait_near(hub: Any) -> None:
@@ -103,14 +138,11 @@ def rollout(events: Any, who: str, place: Any, address: str, cfg: Any, gen_s: li
     run starts), else the instant a replacement starts loading the newest version."""
     proc.enter(place)
     trace.install(cfg.trace, "tensorhub", who)
-    from tensorhub import Hub
-
     far = cfg.scenario == "crossdc"  # the far zone has a seed: move to what it holds
     with proc.reporting(events, who) as report:
         buf = proc.weights(cfg.size)
         into = {"w": buf}
-        with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
-                         chunk_timeout_s=cfg.chunk_timeout_s, reliability="spot" if spot else "reliable") as hub:
+        with rollout_hub(address, who, place, cfg, spot) as hub:
             served = None
             held: int | None = None  # the version ``buf`` holds whole
             newest = (lambda: hub.latest_near(proc.MODEL)) if far else (lambda: hub.latest(proc.MODEL))
@@ -161,14 +193,12 @@ def seed(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, sto
     show when each version reached the zone."""
     proc.enter(place)
     trace.install(cfg.trace, "tensorhub", who)
-    from tensorhub import Hub
     from tensorhub.errors import VersionNotFound
 
     with proc.reporting(events, who) as report:
         bufs = [proc.weights(cfg.size), proc.weights(cfg.size)]
         served: list[Any] = [None, None]
-        with Hub.connect(address, name=who, labels=place.labels, chunk_size=cfg.chunk_size,
-                         chunk_timeout_s=cfg.chunk_timeout_s) as hub:
+        with rollout_hub(address, who, place, cfg) as hub:
             held, slot = -1, 1
 
             def newer() -> int:
@@ -216,7 +246,8 @@ def lone_copy_s(cfg: Any, where: dict, reps: int = 3) -> float:
     from tensorhub.local.serverprocess import ServerProcess
 
     server_place, trainer_place, joiner_place = where["server"], where["trainer"], where["r0"]
-    specs = [("w", "uint8", (cfg.size,))]
+    # what a join pulls: the version (LoRA mode: the base and an adapter, one buffer here)
+    specs = [("w", "uint8", (cfg.size + (lora.matrix_bytes(cfg) if cfg.lora_rank else 0),))]
     with ServerProcess(host=server_place.addr, netns=server_place.netns, retain=0,
                        lease_ttl_s=cfg.lease_ttl_s) as server, \
             HubProcess(server.address, name="lone-trainer", netns=trainer_place.netns, env=trainer_place.env,
