@@ -34,6 +34,7 @@ from tensorhub.client.delta import (
 from tensorhub.client.destination import Destinations, destination_parts, result_tensors
 from tensorhub.client.fp8companion import check_fp8_pull, publish_with_fp8
 from tensorhub.client.groupanswer import GroupAnswer, MemberReport
+from tensorhub.client.groupmessages import AnnounceOnce, GroupMessages
 from tensorhub.client.holdings import Holdings
 from tensorhub.client.landed import LandedReports
 from tensorhub.client.peernews import PeerNews, PullNews
@@ -131,24 +132,6 @@ class PullResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-class _AnnounceOnce:
-    """``pull(announce_with=)``, called exactly once per pull (b"": nothing to
-    hand over); a failure of the group's channel means announcing alone."""
-
-    def __init__(self, announce_with: Callable[[bytes], bool] | None) -> None:
-        self._announce_with, self._called = announce_with, announce_with is None
-
-    def __call__(self, data: bytes) -> bool:
-        if self._called:
-            return False
-        self._called = True
-        try:
-            return bool(self._announce_with(data)) and bool(data)  # type: ignore[misc]
-        except Exception as e:  # noqa: BLE001  the announce goes alone, as without a group
-            log.warning("the group could not send this pull's announce (%s); sending it alone", e)
-            return False
-
-
 def _address(url: str) -> str:
     for scheme in ("tensorhub://", "grpc://"):
         url = url.removeprefix(scheme)
@@ -205,6 +188,7 @@ class Hub:
             raise
         self._holdings = Holdings(rpc=self._rpc, nixl=self._nixl, agent_id=self.agent_id, name=self.name,
                                   config=config)
+        self._group_messages = GroupMessages(self._rpc, self.agent_id)  # a group's Batches (engineshare)
         self._destinations = Destinations(self._nixl)
         self._news = PeerNews(self._nixl) if config.chunk_news else None  # chunk news between relaying peers
         self._read_sets = ReadSets()  # destinations checked, and their read layouts, kept while the same
@@ -440,53 +424,22 @@ class Hub:
 
     def send_group_announces(self, announces: Sequence[bytes]) -> list[bool]:
         """The member that resolved: every member's announce (handed to
-        ``pull(announce_with=)``; b"": none) in one message. Per member,
-        whether the server took it; one it did not take, its member announces
-        alone. Never raises."""
-        sent = [(i, a) for i, a in enumerate(announces) if a]
-        taken = [False] * len(announces)
-        if not sent:
-            return taken
-        try:
-            errors, _, _ = self._rpc.batch(self.agent_id, publishes=[a for _, a in sent])
-        except TensorHubError as e:
-            log.info("the group's announces did not reach the server (%s); each member announces alone", e)
-            return taken
-        for (i, _), error in zip(sent, errors, strict=True):
-            taken[i] = error is None
-            if error is not None:
-                log.info("the server did not take a member's announce in the group's Batch: %s", error)
-        return taken
+        ``pull(announce_with=)``; b"": none) in one message. Per member, whether
+        the server took it (one it did not, its member announces alone)."""
+        return self._group_messages.announces(announces)
 
     def member_report(self, result: PullResult | None) -> MemberReport:
-        """This member's end of a group's update: the last report its pull
-        held (``pull(defer_complete=True)``; ``result`` None: the pull failed)
-        and the bytes its pulls read, for the member that resolved to send
-        with the others' (``send_group_reports``)."""
-        return MemberReport(self.agent_id, result.held_report if result is not None else b"",
-                            self._rpc.take_pulled_report(self.agent_id))
+        """This member's end of a group's update: the last report its pull held
+        (``pull(defer_complete=True)``; ``result`` None: the pull failed) and
+        the bytes its pulls read, for the member that resolved to send."""
+        return self._group_messages.member_report(result.held_report if result is not None else b"")
 
     def send_group_reports(self, answer: GroupAnswer | None, reports: Sequence[MemberReport]) -> list[str]:
         """The member that resolved: every member's report (``member_report``,
         its own included) and the release of ``answer``'s lease in one message.
-        Returns per member why its report was not taken ("" if it was); that
-        member then calls ``report_later``. Never raises: a call that failed
-        as a whole leaves every report to its member's heartbeat."""
-        held = [(i, r) for i, r in enumerate(reports) if r.report]
-        pulled = [r.pulled for r in reports if r.pulled]
-        why = [""] * len(reports)
-        if not held and not pulled and answer is None:
-            return why
-        try:
-            _, report_errors, _ = self._rpc.batch(self.agent_id, reports=[r.report for _, r in held],
-                                                  releases=pulled,
-                                                  lease_id=answer.lease_id if answer is not None else "")
-        except TensorHubError as e:
-            log.info("the group's reports did not reach the server (%s); each member's heartbeat sends its own", e)
-            return [f"not sent: {e}" if r.report else "" for r in reports]
-        for (i, _), error in zip(held, report_errors, strict=True):
-            why[i] = str(error) if error is not None else ""
-        return why
+        Per member, why its report was not taken ("" if it was); that member
+        then calls ``report_later``. Never raises."""
+        return self._group_messages.reports(answer, reports)
 
     def report_later(self, result: PullResult | None) -> None:
         """A report ``result`` held was not taken (``send_group_reports``): this
@@ -557,7 +510,7 @@ class Hub:
         model ``<model>@fp8``) instead; ``into``'s float8 tensors must be 2-D with
         their fp32 ``_scale_inv`` beside them, checked before any byte moves.
         """
-        share = _AnnounceOnce(announce_with)
+        share = AnnounceOnce(announce_with)
         try:
             return self._pull(model, version, into, serve=serve, group=group, group_round=group_round,
                               progress=progress, timeout=timeout, before_write=before_write, have=have, answer=answer,
@@ -569,7 +522,7 @@ class Hub:
               into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None, *, serve: bool,
               group: str, group_round: int, progress: ProgressFn | None, timeout: float | None,
               before_write: Callable[[], None] | None, have: int | None, answer: GroupAnswer | None, fp8: bool,
-              defer_complete: bool, share: _AnnounceOnce) -> PullResult:
+              defer_complete: bool, share: AnnounceOnce) -> PullResult:
         model = _check_model(model)
         if fp8:
             check_fp8_pull(model, into)
