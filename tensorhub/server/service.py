@@ -638,6 +638,20 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         is left out when the reader says it has it (``known_memory``); every
         field that stays put from one version to the next when the reader
         says it has the holder's layout (``known``: the steady state)."""
+        _, digest, layout_key, per_version, without_memory, full_bytes, _, by_number_bytes, _ = self._wire_info(replica)
+        if layout_key in known:
+            self.state.control.holders_lean += 1
+            fixed = by_number_bytes if by_number else per_version
+        else:
+            self.state.control.holders_full += 1
+            fixed = without_memory if digest in known_memory else full_bytes
+        return fixed + _changing(replica)
+
+    def _wire_info(self, replica: Replica) -> tuple:
+        """The replica's ReplicaInfo parts that stay put while it is published,
+        serialized once (``replica.wire_info``): (agent, memory digest, layout
+        key, per-version fields, without memory, whole, numbering generation,
+        by number, packed row or None)."""
         agent = self.state.agents[replica.agent_id]
         cached = replica.wire_info
         # A re-registered agent may have new labels; a new numbering, new layout numbers.
@@ -672,14 +686,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             cached = replica.wire_info = (agent, digest, layout.digest(), per_version, without_memory, full,
                                           self._numbering_generation, by_number_bytes,
                                           _packable(replica, number, suffix if "replica_suffix" in named else ""))
-        _, digest, layout_key, per_version, without_memory, full_bytes, _, by_number_bytes, _ = cached
-        if layout_key in known:
-            self.state.control.holders_lean += 1
-            fixed = by_number_bytes if by_number else per_version
-        else:
-            self.state.control.holders_full += 1
-            fixed = without_memory if digest in known_memory else full_bytes
-        return fixed + _changing(replica)
+        return cached
 
     def _holders(self, sources: list[Replica], known_memory: frozenset[bytes], known: frozenset[bytes],
                  by_number: bool, packed: bool, lease_id: str) -> bytes:
@@ -690,11 +697,12 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         own lease (``lease_id``): the asker knows it reads."""
         messages, rows = [], []
         for replica in sources:
-            info = self._replica_info(replica, known_memory, known, by_number)
-            row = replica.wire_info[8] if packed and by_number and replica.wire_info[2] in known else None
+            cached = self._wire_info(replica) if packed and by_number else None
+            row = cached[8] if cached is not None and cached[2] in known else None
             if row is None:
-                messages.append(info)
+                messages.append(self._replica_info(replica, known_memory, known, by_number))
                 continue
+            self.state.control.holders_lean += 1  # a packed row: no message of it is built
             number, suffix, crc = row
             reads = len(replica.leases) - (lease_id in replica.leases)
             rows.append((number, suffix, replica.complete, crc, b"" if replica.complete else bytes(replica.bitmap),
