@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tensorhub.client.groupanswer import GroupAnswer
+from tensorhub.client.groupmessages import AnnounceOnce
 from tensorhub.client.hub import Hub, PullResult
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,26 @@ class EngineShare:
         self._model, self._engine = model, engine
         self._timeout = datetime.timedelta(seconds=pull_timeout_s + _BARRIER_SLACK_S)
         self._members: list[str] | None = None  # every worker's agent id, learnt at the first update
+
+    def update(self, hub: Hub, version: int | str,
+               pull: Callable[[GroupAnswer | None, Callable[[bytes], bool]], PullResult]) -> PullResult:
+        """One update of this worker in step with the engine's others: the
+        shared Resolve, then ``pull(answer, announce_with)`` (which passes both
+        to ``Hub.pull``, with ``defer_complete=True``), then the shared end.
+        Every worker takes part in every round whatever fails on its side (a
+        failed Resolve, a pull that raises before it announces), so that none
+        waits on a round another skipped."""
+        answer, failure = self.exchange(hub, version)
+        announce = AnnounceOnce(self.announcer(hub))
+        result = None
+        try:
+            if failure is not None:
+                raise failure
+            result = pull(answer, announce)
+            return result
+        finally:
+            announce(b"")  # this worker's turn in the announces' round, if its pull did not take it
+            self.finish(hub, answer, result)
 
     def exchange(self, hub: Hub, version: int | str) -> tuple[GroupAnswer | None, BaseException | None]:
         """Every worker calls this once per update: the first resolves for all.

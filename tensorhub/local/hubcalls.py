@@ -304,17 +304,16 @@ def _engine_update(hub: Any, held: dict, *, model: str, version: int, specs: lis
     if share is None:
         share = held["engine share"] = EngineShare(None, rank, world, model=model, engine="engine0",
                                                    pull_timeout_s=60.0)
-    answer, failure = share.exchange(hub, version)
-    out = None
-    try:
-        if failure is not None:
-            raise failure
-        out = _pull(hub, held, model=model, version=version, specs=specs, expect_seed=seed, serve=True,
-                    read=("tp", rank, world), keep="engine", answer=answer, defer_complete=True,
-                    announce_with=share.announcer(hub), unpublish_first=unpublish_first)
-        return out
-    finally:
-        share.finish(hub, answer, held.get(("result", model, version)) if out is not None else None)
+    out: dict = {}
+
+    def pull(answer: Any, announce_with: Any) -> Any:
+        out.update(_pull(hub, held, model=model, version=version, specs=specs, expect_seed=seed, serve=True,
+                         read=("tp", rank, world), keep="engine", answer=answer, defer_complete=True,
+                         announce_with=announce_with, unpublish_first=unpublish_first))
+        return held[("result", model, version)]
+
+    share.update(hub, version, pull)
+    return out
 
 
 def _member_report(hub: Any, held: dict, *, model: str, version: int) -> Any:

@@ -16,7 +16,7 @@ from tensorhub.client.rpc import ReferenceClient
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
-from tensorhub.testing import HubProcess, join_group
+from tensorhub.testing import HubProcess, RemoteError, join_group
 
 SPECS = [("a", "bfloat16", (1024, 256)), ("b", "bfloat16", (1024, 256))]
 CHUNK = 128 << 10
@@ -173,3 +173,30 @@ def test_an_engines_steady_step_costs_the_server_three_messages_not_three_per_wo
         assert sent == {}, (sent, ctl.publishes_full, ctl.publishes_lean, [g.get("announce_debug") for g in got])
         assert set(_relays(server.address, version).values()) == {True}
         assert all(g["path"] == "replayed" for g in got), [g["not_replayed"] for g in got]
+
+
+def test_a_worker_that_fails_keeps_the_engines_rounds_in_step(server, hubs):
+    """Every worker takes part in every round of the engine whatever fails on
+    its side: one worker whose destination does not match (its pull fails
+    before it announces) while the others pull byte-exact, then a version
+    nobody has (the first worker's Resolve fails). No worker waits forever."""
+    ranks = [hubs("rank0")]
+    workers = _engine(hubs, 3)
+    ranks[0].call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=0, world=1,
+                  chunk_size=CHUNK)
+    wrong = [("a", "bfloat16", (1024, 255)), SPECS[1]]
+    for r, hub in enumerate(workers):
+        hub.send("engine_update", model="m", version=1, specs=wrong if r == 1 else SPECS, rank=r, world=3, seed=1)
+    for r, hub in enumerate(workers):
+        if r == 1:
+            with pytest.raises(RemoteError, match="ManifestMismatch"):
+                hub.result(timeout=60)
+        else:
+            assert hub.result(timeout=60)["mismatched"] == []
+    relays = _relays(server.address, 1)
+    assert [relays.get(workers[r].agent_id) for r in (0, 2)] == [True, True]
+    for r, hub in enumerate(workers):
+        hub.send("engine_update", model="m", version=7, specs=SPECS, rank=r, world=3, seed=7)
+    for hub in workers:
+        with pytest.raises(RemoteError, match="VersionNotFound"):
+            hub.result(timeout=60)

@@ -112,22 +112,16 @@ class VersionReceiver:
         withdrawn = self._withdraw()
         if self._share is None:
             return self._receive(version, withdrawn, None)
-        answer, failure = self._share.exchange(self.hub, version)
-        result = None
-        try:
-            if failure is not None:
-                raise failure
-            result = self._receive(version, withdrawn, answer)
-            return result
-        finally:
-            self._share.finish(self.hub, answer, result)
+        return self._share.update(self.hub, version, lambda answer, announce_with: self._receive(
+            version, withdrawn, answer, announce_with))
 
-    def _receive(self, version: int | str, withdrawn: Callable[[], None], answer: GroupAnswer | None) -> PullResult:
+    def _receive(self, version: int | str, withdrawn: Callable[[], None], answer: GroupAnswer | None,
+                 announce_with: Callable[[bytes], bool] | None = None) -> PullResult:
         if not self.info.serve:
             # Fresh memory each time, dropped by the caller after the apply.
             self.staged = self.read_set.allocate(self.device)
             try:
-                return self._pull(version, self.staged, answer=answer)
+                return self._pull(version, self.staged, answer=answer, announce_with=announce_with)
             except BaseException:
                 self.staged = None  # nothing to apply: free it now, not at the next update
                 raise
@@ -136,7 +130,8 @@ class VersionReceiver:
         self.staged = self._staging
         have = self._staging_holds if self.info.delta == "auto" else None
         self._staging_holds = None  # until this pull ends: it writes into the staging
-        result = self._pull(version, self._staging, serve=True, before_write=withdrawn, have=have, answer=answer)
+        result = self._pull(version, self._staging, serve=True, before_write=withdrawn, have=have, answer=answer,
+                            announce_with=announce_with)
         self._publication = result.publication
         self._staging_holds = result.version
         return result
@@ -154,9 +149,7 @@ class VersionReceiver:
         try:
             # In an engine's share, the announce and the last report go with the others' (one message per engine).
             return self.hub.pull(self.info.model, version, into=onto, group=self.group, group_round=self._round,
-                                 defer_complete=self._share is not None,
-                                 announce_with=self._share.announcer(self.hub) if self._share is not None else None,
-                                 **kwargs)
+                                 defer_complete=self._share is not None, **kwargs)
         except ManifestMismatch as e:
             hint = experts.mismatch_hint(list(staging), seen[0]) if seen else None
             if hint is None:
