@@ -80,6 +80,11 @@ class AnnounceOnce:
     def __init__(self, announce_with: Callable[[bytes], bool] | None) -> None:
         self._announce_with, self._called = announce_with, announce_with is None
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a group waits for this pull's announce (else building it is wasted)."""
+        return not self._called
+
     def __call__(self, data: bytes) -> bool:
         """Whether the group had ``data`` taken by the server."""
         if self._called:

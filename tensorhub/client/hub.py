@@ -591,8 +591,10 @@ class Hub:
             raise
         reports = None
         if publication is not None:
-            with publication.confirming(self._rpc.timeout_s):
-                announced = share(self._holdings.lean_announce(publication))
+            announced = False
+            if share.waiting:  # a group takes the announce (its encoding is wasted otherwise)
+                with publication.confirming(self._rpc.timeout_s):
+                    announced = share(self._holdings.lean_announce(publication))
             publication.announce_pending = not announced  # else its reports thread announces it first
             reports = LandedReports(self._holdings, publication, announced=announced)
         layout = self._read_sets.layout(read_set, manifest, registration.regions, chunk_size)
