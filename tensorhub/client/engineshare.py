@@ -8,9 +8,9 @@ for all of them (``groupanswer`` draws the Hub's side).
       exchange   first worker ── Hub.resolve_for_group ──▶ answer ─┐
                                                                     ├─ broadcast ─▶ all: pull(answer=)
                  a failed resolve: None, each resolves on its own ─┘
-      announce   all (inside pull, before any READ): lean announce ── gather ─▶ first worker
+      announce   all (inside pull, before any READ): its announce ── gather ─▶ first worker
                  first worker ── one Batch of the announces ──▶ server ── taken? ─▶ broadcast
-                 (not taken, or none lean: that worker announces alone, as without a group)
+                 (lean by layout from the second version on; one not taken: that worker announces alone)
       finish     all: barrier (bounded) ─▶ gather the last reports (held) and pulled bytes
                  first worker ── one Batch: reports, pulled bytes, the answer's lease ──▶ server
                  a report the server did not take: its worker's heartbeat sends it

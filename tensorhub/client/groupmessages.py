@@ -1,7 +1,7 @@
 """The messages a group's members hand to its first member, who sends them in
 one ``Batch`` (``engineshare`` draws the whole step; ``Hub`` fronts these):
 
-    member: pull(announce_with=) ── its lean announce (AnnounceOnce: exactly once) ─┐
+    member: pull(announce_with=) ── its announce (AnnounceOnce: exactly once) ──────┐
                                                                                      ▼
     first member: announces(all) ──Batch(publishes)──▶ server ──▶ taken? per member (else it announces alone)
 

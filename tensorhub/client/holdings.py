@@ -390,7 +390,7 @@ class Holdings:
         """Announce ``pubs`` (published with ``announce=False``) in one message
         where each goes lean (a trainer rank's cut and shards, every step from
         the same buffers); else, and any the server did not take, one by one."""
-        lean = [self.lean_announce(p) for p in pubs]
+        lean = [self.group_announce(p, lean_only=True) for p in pubs]
         taken = [False] * len(pubs)
         if len(pubs) > 1 and all(lean):
             try:
@@ -407,14 +407,20 @@ class Holdings:
             else:
                 self.announce(pub)
 
-    def lean_announce(self, pub: Publication) -> bytes:
+    def group_announce(self, pub: Publication, *, lean_only: bool = False) -> bytes:
         """``announce(pub)`` encoded for another member of its group to send
-        with the others' (``Hub.pull(announce_with=)``), where it would go lean
-        (the server took this layout from this process before); b"": it would
-        go whole, and this process announces it itself."""
+        with the others' (``Hub.pull(announce_with=)``): lean where the server
+        took this layout from this process before, else whole with its manifest
+        named by fingerprint (``lean_only``: b"" then, and this process
+        announces it itself). ``group_announce_taken`` once the server took it."""
         with pub.lock:
             bitmap, complete = bytes(pub.bitmap), pub.complete
-        return self._rpc.lean_publish(**self._publish_args(pub, bitmap, complete))
+        return self._rpc.group_publish(lean_only=lean_only, **self._publish_args(pub, bitmap, complete))
+
+    def group_announce_taken(self, pub: Publication, data: bytes) -> None:
+        """The group's Batch delivered ``data`` (``group_announce``) for ``pub``."""
+        pub.announce_pending = False
+        self._rpc.group_publish_taken(data)
 
     def find(self, model: str, version: int) -> list[Publication]:
         with self._lock:

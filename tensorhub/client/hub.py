@@ -502,10 +502,9 @@ class Hub:
         ``announce_with`` (a member of a group): the serving pull's announce,
         encoded, is handed to it before any byte is read; it returns whether the
         server took it (the group's first member sends every member's in one
-        Batch: ``groupshare``). It is called exactly once per pull, with b""
-        where there is nothing to hand over (not serving, a delta pull, an
-        announce that must go whole, a failure before it), so that a
-        collective behind it sees every member.
+        Batch: ``engineshare``). It is called exactly once per pull, with b""
+        where there is nothing to hand over (not serving, a delta pull, a
+        failure before it), so that a collective behind it sees every member.
         ``fp8=True``: pull the version's block-FP8 companion (``publish(fp8=True)``,
         model ``<model>@fp8``) instead; ``into``'s float8 tensors must be 2-D with
         their fp32 ``_scale_inv`` beside them, checked before any byte moves.
@@ -593,8 +592,11 @@ class Hub:
         if publication is not None:
             announced = False
             if share.waiting:  # a group takes the announce (its encoding is wasted otherwise)
+                data = self._holdings.group_announce(publication)
                 with publication.confirming(self._rpc.timeout_s):
-                    announced = share(self._holdings.lean_announce(publication))
+                    announced = share(data)
+                if announced:
+                    self._holdings.group_announce_taken(publication, data)
             publication.announce_pending = not announced  # else its reports thread announces it first
             reports = LandedReports(self._holdings, publication, announced=announced)
         layout = self._read_sets.layout(read_set, manifest, registration.regions, chunk_size)

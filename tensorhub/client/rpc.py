@@ -311,22 +311,43 @@ class ReferenceClient:
             while len(self._manifests_sent) > _MANIFESTS_CACHED:
                 self._manifests_sent.pop(next(iter(self._manifests_sent)))
 
-    def lean_publish(self, **publish: Any) -> bytes:
-        """What ``publish(**publish)`` would send, encoded, where it would go
-        lean (this server took the manifest and a publish of the same layout
-        from this client): for another member of the group to send in one
-        Batch (``batch(publishes=)``). b"": it would go whole; ``publish`` it."""
+    def group_publish(self, *, lean_only: bool = False, **publish: Any) -> bytes:
+        """What ``publish(**publish)`` would send, encoded for another member of
+        the group to send in one Batch (``batch(publishes=)``): lean where this
+        server took a publish of the same layout from this client; else whole
+        but naming its manifest by fingerprint (a relay's version was published
+        with its manifest: a server without it refuses that message alone, and
+        the member publishes on its own). ``lean_only``: b"" rather than whole.
+        Once the server took it, ``group_publish_taken``."""
         request = self._publish_request(**publish)
         fingerprint = publish["manifest"].fingerprint
         request.manifest_fingerprint = fingerprint
         layout = wire.publish_layout(request)
         with self._cache_lock:
-            if fingerprint not in self._manifests_sent or (request.agent_id, layout) not in self._layouts_sent:
-                return b""
+            lean = fingerprint in self._manifests_sent and (request.agent_id, layout) in self._layouts_sent
+        if not lean:
+            return b"" if lean_only else request.SerializeToString()
         for name in ("held", "held_table", "memory"):
             request.ClearField(name)
         request.layout = layout
         return request.SerializeToString()
+
+    def group_publish_taken(self, data: bytes) -> None:
+        """The server took ``group_publish``'s ``data``: a whole one makes later
+        publishes of its layout go lean, as ``publish`` does."""
+        request = pb.PublishRequest.FromString(data)
+        if request.layout:
+            return
+        self._remember_sent(request.manifest_fingerprint, (request.agent_id, wire.publish_layout(request)))
+
+    def _remember_sent(self, fingerprint: str, layout_key: tuple[str, bytes]) -> None:
+        with self._cache_lock:
+            self._manifests_sent[fingerprint] = None
+            while len(self._manifests_sent) > _MANIFESTS_CACHED:
+                self._manifests_sent.pop(next(iter(self._manifests_sent)))
+            self._layouts_sent[layout_key] = None
+            while len(self._layouts_sent) > _LAYOUTS_SENT:
+                self._layouts_sent.pop(next(iter(self._layouts_sent)))
 
     @staticmethod
     def _publish_request(*, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
@@ -415,7 +436,7 @@ class ReferenceClient:
     def batch(self, agent_id: str, *, publishes: Sequence[bytes] = (), reports: Sequence[bytes] = (),
               releases: Sequence[bytes] = (), lease_id: str = ""
               ) -> tuple[list[Exception | None], list[Exception | None], list[Exception | None]]:
-        """Send the group's ``publishes`` (``lean_publish``), ``reports``
+        """Send the group's ``publishes`` (``group_publish``), ``reports``
         (``complete_report``) and ``releases`` (``take_pulled_report``), and
         this agent's release of ``lease_id``, in one call: the server handles
         each as it would alone. Returns the typed error of each publish, report

@@ -88,11 +88,11 @@ def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, tr
     after = _control(hub_server.address)
     assert after.answers_shared - before.answers_shared == 3
     assert 3 <= after.resolves - before.resolves < 6, after.resolves - before.resolves
-    # And each update ends in one message: both workers' last reports, their
-    # pulled bytes and the answer's lease in one Batch from the first worker;
-    # an update whose workers announced the same layouts before also sends
-    # their announces in one (here engine a's second update: 3 + 1).
-    assert after.calls.get("Batch", 0) - before.calls.get("Batch", 0) == 4
+    # And the rest of each update is two messages from the first worker: both
+    # workers' announces in one Batch before any READ, then their last reports,
+    # pulled bytes and the answer's lease in another; no worker publishes alone.
+    assert after.calls.get("Batch", 0) - before.calls.get("Batch", 0) == 6
+    assert after.calls.get("Publish", 0) - before.calls.get("Publish", 0) == 2  # the trainer's two versions only
 
 
 def _tokens(llm, lora=None) -> list[list[int]]:

@@ -207,11 +207,12 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         knows = {e: {info.layout for info in _engine_resolve(stub, e, 1, fingerprint, set(), numbering).replicas}
                  for e in range(engines)}
         rss0, cpu0 = _rss(pid), _cpu(pid)
-        for e in range(engines):
-            for w in range(cuts.TP):
-                agent = f"engine{e}.{w}"
-                stub.Publish(publish_request(agent, *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41, False,
-                                             False), timeout=120)
+        for e in range(engines):  # an engine's workers' first announces in one Batch (engineshare)
+            taken = stub.Batch(pb.BatchRequest(publishes=[
+                publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41, False,
+                                False) for w in range(cuts.TP)]), timeout=120)
+            if any(o.code for o in taken.publishes):
+                raise RuntimeError(f"the server refused engine {e}'s first announces: {taken.publishes}")
         relay_cpu = _cpu(pid) - cpu0
         out.update(server_cpu_relay_publish_per_replica_s=relay_cpu / readers,
                    server_bytes_per_relay_replica=(_rss(pid) - rss0) / readers)
