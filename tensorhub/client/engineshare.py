@@ -96,6 +96,9 @@ class EngineShare:
         goes to the first, which sends them in one message."""
 
         def announce(data: bytes) -> bool:
+            # Bounded: a worker that died before its turn fails this round at the
+            # pull's deadline (each then announces alone), not at the group's own timeout.
+            dist.monitored_barrier(group=self._group, timeout=self._timeout)
             everyone: list[Any] = [None] * self.world
             dist.all_gather_object(everyone, data, group=self._group)
             taken: list[Any] = [hub.send_group_announces(everyone) if self.rank == 0 else None]
