@@ -88,6 +88,30 @@ def test_parts_read_only_their_boxes_and_come_back_full_shaped(server):
     assert got.result.nbytes == whole + read + got.result.tensors[ADAPTER_CONFIG].numel()
 
 
+def test_later_versions_published_in_place_replay_the_readers_plans(server):
+    """A training loop publishes every step from the same memory; a rollout
+    pulls each into the staging it keeps. From the second version on nothing
+    about either side's memory is new, so the pull replays its plans (the
+    settings tensor too must be the same memory every version: a new one made
+    the trainer's layout new, and every pull planned afresh)."""
+    tensors = adapter()
+    staging: dict = {}
+    paths = []
+    with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:
+        pub = None
+        for version in range(1, 5):
+            if pub is not None:
+                pub.unpublish()
+            for name, t in adapter(seed=version).items():
+                tensors[name].copy_(t)
+            pub = publish_adapter(trainer, "policy/lora/steps", version, tensors, CONFIG)
+            got = pull_adapter(hub, "policy/lora/steps", version, staging=staging)
+            assert all(torch.equal(got.tensors[n], t) for n, t in tensors.items())
+            paths.append((got.result.path, got.result.not_replayed))
+        pub.unpublish()
+    assert [p for p, _ in paths[1:]] == ["replayed"] * 3, paths
+
+
 def test_peft_module_publishes_its_live_parameters_under_saved_names(server):
     model = PeftShaped()
     with Hub.connect(server.address, name="trainer") as trainer, Hub.connect(server.address, name="rollout") as hub:

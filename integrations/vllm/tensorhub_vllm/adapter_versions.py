@@ -7,11 +7,14 @@ that holds the engine (``vllm.LLM``, or anything with ``collective_rpc``).
         llm.generate(prompts, params, lora_request=lora)
 
 Several versions stay resident: ``load`` makes the new version current and
-retires the older ones, and a retired version is dropped from the workers
-(vLLM's adapter cache and our memory) once no ``use`` of it is open. Requests
-in flight therefore finish on the version they started with. The engine must
-hold the versions in use at once: ``max_loras`` (and ``max_cpu_loras``) >=
-the staleness allowed + 1.
+retires the older ones. A retired version is dropped from the workers (vLLM's
+adapter cache and our memory) when its last ``use`` ends, or, unused, by the
+next ``load``, in the same ``collective_rpc`` (dropped before the pull, so no
+more versions are resident at once than with a drop of its own: the previous
+version and the new one). One round trip to the workers per update, not two.
+Requests in flight therefore finish on the version they started with. The
+engine must hold the versions in use at once: ``max_loras`` (and
+``max_cpu_loras``) >= the staleness allowed + 1.
 """
 
 from __future__ import annotations
@@ -44,22 +47,30 @@ class AdapterVersions:
     def load(self, version: int | Literal["latest"] = "latest") -> LoRARequest:
         """Every worker pulls ``version`` (``"latest"`` is resolved here once,
         so all workers load the same one) and registers it; it becomes
-        current, and older versions are dropped as soon as they are unused.
+        current, and older versions are retired (dropped when their last use
+        ends, or by the next load where none is open).
         On an error (lost holder, checksum mismatch, an adapter the engine
         cannot serve) it raises and the current version stays current and served."""
         v = self._hub.latest(self.model) if version == "latest" else version
+        # Retired versions no use holds go with this load's RPC; out of
+        # _uses first, so no use() can take them meanwhile.
+        with self._lock:
+            drops = sorted(u for u in self._retired if self._uses.get(u) == 0 and u != v)
+            for u in drops:
+                self._retired.discard(u)
+                del self._uses[u]
         try:
-            self.llm.collective_rpc("tensorhub_adapters_load", args=(self.model, v))
+            self.llm.collective_rpc("tensorhub_adapters_load", args=(self.model, v, drops))
         except BaseException:
-            if v not in self._uses:  # a worker that did load it drops it again: all or none
-                self._drop(v)
+            # A worker that did load it drops it again (all or none); one that
+            # failed before its drops (the RPC never reached it) drops them now.
+            self._drop_all(drops if v in self._uses else [*drops, v])
             raise
         with self._lock:
             self._uses.setdefault(v, 0)
             self._retired.discard(v)
             self._retired.update(u for u in self._uses if u != v)
             self.current = v
-        self._drain()
         return adapter_request(self.model, v)
 
     def request(self, version: int | None = None) -> LoRARequest:
@@ -95,15 +106,16 @@ class AdapterVersions:
 
     def _drain(self) -> None:
         with self._lock:
-            done = [v for v in self._retired if self._uses.get(v) == 0]
+            done = sorted(v for v in self._retired if self._uses.get(v) == 0)
             for v in done:
                 self._retired.discard(v)
                 del self._uses[v]
-        for v in done:
-            self._drop(v)
+        if done:
+            self._drop_all(done)
 
-    def _drop(self, version: int) -> None:
-        self.llm.collective_rpc("tensorhub_adapters_drop", args=(self.model, version))
+    def _drop_all(self, versions: list[int]) -> None:
+        if versions:
+            self.llm.collective_rpc("tensorhub_adapters_drop", args=(self.model, versions))
 
     def base_updated(self) -> None:
         """Call after every base-weight update. vLLM 0.32 drops its adapters on

@@ -99,7 +99,7 @@ class WorkerAdapters:
         self.last = {"version": version, "nbytes": pulled.result.nbytes, "read_bytes": pulled.result.read_bytes,
                      "adapter_nbytes": pulled.nbytes, "parts": self._parts_of(pulled), "pull_s": pull_s,
                      "register_s": time.perf_counter() - start - pull_s,
-                     "bytes_by_source": dict(pulled.result.bytes_by_source)}
+                     "bytes_by_source": dict(pulled.result.bytes_by_source), "path": pulled.result.path}
         log.info("tensorhub: adapter %s loaded (%d bytes; pull %.3fs)", request.lora_name, pulled.result.nbytes, pull_s)
         return version
 

@@ -17,7 +17,8 @@ Methods alternate within each repetition; the first is a warm-up. After the
 last, both adapters generate from the same prompt: their tokens must match.
 JSON rows:
 
-    {"method": "tensorhub-adapter", "rank", "read_bytes", "share_bytes", "adapter_bytes", "pull_seconds", "register_seconds"}
+    {"method": "tensorhub-adapter", "rank", "read_bytes", "share_bytes", "adapter_bytes", "pull_seconds", "register_seconds",
+     "paths"}                                           each measured pull's path ("replayed", "planned")
     {"method": "tensorhub-adapter-update", "seconds"}    the load as the driver sees it (all workers)
     {"method": "disk-adapter", "seconds", "save_seconds", "load_seconds"}
     {"method": "tokens-match", "value": true|false}
@@ -134,7 +135,8 @@ def measure_lora(cfg) -> list[dict]:
         rows.append({"method": "tensorhub-adapter", "rank": rank, "read_bytes": last["read_bytes"],
                      "share_bytes": last["nbytes"] - side, "adapter_bytes": last["adapter_nbytes"],
                      "pull_seconds": statistics.median(s["pull_s"] for s in samples),
-                     "register_seconds": statistics.median(s["register_s"] for s in samples)})
+                     "register_seconds": statistics.median(s["register_s"] for s in samples),
+                     "paths": [s.get("path", "") for s in samples]})  # "replayed": the steady state
     rows.append({"method": "tensorhub-adapter-update", "seconds": statistics.median(updates), "samples": updates})
     disk_s = [s + lo for s, lo in zip(saves, loads)]
     rows.append({"method": "disk-adapter", "seconds": statistics.median(disk_s), "save_seconds": statistics.median(saves),

@@ -21,6 +21,7 @@ Every method starts with ``tensorhub_`` so none clashes with a worker attribute.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tensorhub_vllm.adapters import WorkerAdapters
@@ -116,12 +117,20 @@ class TensorHubWorkerExtension:
             raise RuntimeError("tensorhub: call collective_rpc('tensorhub_adapters_init', args=({...},)) first")
         return self._tensorhub_adapters
 
-    def tensorhub_adapters_load(self, model: str, version: int) -> int:
-        """Pull adapter ``model`` at ``version`` and register it; on error the held versions stay served."""
-        return self._tensorhub_adapters_or_fail().load(model, version)
+    def tensorhub_adapters_load(self, model: str, version: int, drop: Sequence[int] = ()) -> int:
+        """Drop the retired versions ``drop`` of ``model`` (the driver's, no use
+        holds them), then pull ``version`` and register it; on error the
+        versions held and not dropped stay served."""
+        adapters = self._tensorhub_adapters_or_fail()
+        for retired in drop:
+            adapters.drop(model, retired)
+        return adapters.load(model, version)
 
-    def tensorhub_adapters_drop(self, model: str, version: int) -> bool:
-        return self._tensorhub_adapters_or_fail().drop(model, version)
+    def tensorhub_adapters_drop(self, model: str, versions: int | Sequence[int]) -> bool:
+        """Forget ``versions`` of ``model`` (one, or several in one RPC); whether any was held."""
+        adapters = self._tensorhub_adapters_or_fail()
+        dropped = [adapters.drop(model, v) for v in ([versions] if isinstance(versions, int) else versions)]  # every one
+        return any(dropped)
 
     def tensorhub_adapters_stats(self) -> dict[str, Any]:
         """Adapter ids this worker holds in memory, those in vLLM's adapter
