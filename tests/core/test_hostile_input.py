@@ -61,23 +61,29 @@ def _strategies(victim_agent: str, victim_replica: str):
                         stop=st.lists(I64, max_size=3), flat=st.booleans())
     memory = st.builds(pb.ReplicaMemory, kind=st.integers(0, 3), nixl_metadata=st.binary(max_size=32),
                        regions=st.lists(st.builds(pb.MemoryRegion, addr=U64, size=U64, device_id=U32), max_size=4))
+    publishes = st.builds(pb.PublishRequest, agent_id=ids, replica_id=own_replicas, model=models, version=I64,
+                          manifest=manifests, chunk_size=I64 | st.just(1 << 20), memory=memory,
+                          state=st.integers(0, 4), chunk_bitmap=st.binary(max_size=8), origin=st.booleans(),
+                          retained=st.booleans(), held=st.lists(regions, max_size=3))
+    reports = st.builds(pb.ReportChunksRequest, agent_id=ids, replica_id=replica_ids, complete=st.booleans(),
+                        chunks=st.lists(U32, max_size=6), chunk_crc32=st.lists(U32, max_size=6))
+    releases = st.builds(pb.ReleaseReadLeaseRequest, agent_id=ids, lease_id=TEXT)
     return st.one_of(
         st.builds(pb.RegisterAgentRequest, agent_id=ids, name=TEXT, reliability=st.integers(0, 5),
                   labels=st.builds(pb.Labels, host=TEXT, rack=TEXT, zone=TEXT)),
         st.builds(pb.HeartbeatRequest, agent_id=ids, replica_ids=st.lists(replica_ids, max_size=4)),
-        st.builds(pb.PublishRequest, agent_id=ids, replica_id=own_replicas, model=models, version=I64,
-                  manifest=manifests, chunk_size=I64 | st.just(1 << 20), memory=memory, state=st.integers(0, 4),
-                  chunk_bitmap=st.binary(max_size=8), origin=st.booleans(), retained=st.booleans(),
-                  held=st.lists(regions, max_size=3)),
-        st.builds(pb.ReportChunksRequest, agent_id=ids, replica_id=replica_ids, complete=st.booleans(),
-                  chunks=st.lists(U32, max_size=6), chunk_crc32=st.lists(U32, max_size=6)),
+        publishes,
+        reports,
+        # Several of them in one: each answered as alone, none touching the victim either.
+        st.builds(pb.BatchRequest, publishes=st.lists(publishes, max_size=2), reports=st.lists(reports, max_size=2),
+                  releases=st.lists(releases, max_size=2)),
         st.builds(pb.UnpublishRequest, agent_id=ids, replica_id=replica_ids, drain_timeout_s=FLOATS.filter(
             lambda x: not 0.05 < x), force=st.booleans()),
         st.builds(pb.ResolveRequest, agent_id=ids, model=models | st.just("victim-model"), version=I64,
                   group=TEXT, group_round=I64, known_fingerprint=TEXT, release_leases=st.lists(TEXT, max_size=2)),
         st.builds(pb.AcquireReadLeaseRequest, agent_id=ids, replica_ids=st.lists(own_replicas, max_size=3)),
         st.builds(pb.RenewReadLeaseRequest, agent_id=ids, lease_id=TEXT),
-        st.builds(pb.ReleaseReadLeaseRequest, agent_id=ids, lease_id=TEXT),
+        releases,
         st.builds(pb.ReportLostRequest, agent_id=ids, replica_id=replica_ids, reason=TEXT),
         st.builds(pb.ListVersionsRequest, model=models),
         st.builds(pb.WaitForVersionRequest, model=models, at_least=I64, timeout_s=FLOATS.filter(lambda x: not 0.05 < x)),

@@ -300,6 +300,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_request_bytes_max=steady["request_bytes_max"], steady_resolves=steady["resolves"],
         steady_holders_full=steady["holders_full"], steady_holders_lean=steady["holders_lean"],
         steady_server_cpu_publish_s=steady["publish_cpu_s"], steady_server_cpu_resolve_s=steady["resolve_cpu_s"],
+        steady_server_cpu_withdraw_s=steady["withdraw_cpu_s"],
         steady_parse_s=steady["parse_s"], steady_predicted_s=ps.predicted_s,
         steady_predicted_over_limit=ps.predicted_s / ps.link_limit_s,
         # version 2, the first from the same buffers (``steady_*``: version 3)
@@ -317,7 +318,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             numbering: dict[int, str], version: int, relay_chunks: list[int],
             trainer_request, relay_request, cut_request=None) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
-    it: the trainer's ranks publish naming their earlier layout, every engine resolves once
+    it: every holder of the version before withdraws it (an Unpublish each: a
+    trainer rank's cut and shards, every relay worker's), the trainer's ranks
+    publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
     version-1 answers, the workers announce what they pull as relays (naming
@@ -338,6 +341,17 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         before = _engine_resolve(stub, e, version - 1, fingerprint, knows[e], numbering)
         knows[e] |= {info.layout for info in before.replicas}
     calls0 = _calls(stub)
+    # Every holder of the version before withdraws it before its buffers take this one (a trainer rank:
+    # its cut, then its shards; a relay: at the start of its update), each with an Unpublish of its own.
+    cpu0 = _cpu(pid)
+    for r in range(ranks):
+        if cut_request is not None and version > 2:
+            _withdraw(stub, f"rank{r}", f"rank{r}.{1000 + version - 1}")
+        _withdraw(stub, f"rank{r}", f"rank{r}.{version - 1}")
+    for e in range(engines):
+        for w in range(cuts.TP):
+            _withdraw(stub, f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}")
+    withdraw_cpu = _cpu(pid) - cpu0
     cpu0 = _cpu(pid)
     if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
         stub.ReaderCuts(pb.ReaderCutsRequest(model="m", fingerprint=fingerprint), timeout=120)
@@ -386,11 +400,20 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     calls = _calls(stub)
     messages = {name: n - calls0.get(name, 0) for name, n in calls.items() if n > calls0.get(name, 0)}
     return {"messages": messages,
-            "server_cpu_s": publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu, "resolve_cpu_s": resolve_cpu,
+            "server_cpu_s": withdraw_cpu + publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu,
+            "resolve_cpu_s": resolve_cpu, "withdraw_cpu_s": withdraw_cpu,
             "answer_bytes_max": max(answers), "request_bytes_max": max(requests), "resolves": len(answers),
             "answer_bytes_per_holder": per_holder[0], "answer_holders": per_holder[1],
             "answer_holders_packed": per_holder[2],
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
+
+
+def _withdraw(stub, agent: str, replica_id: str) -> None:
+    """``agent``'s Unpublish of its replica of the version before (nobody reads it by now: no drain)."""
+    answer = stub.Unpublish(pb.UnpublishRequest(agent_id=agent, replica_id=replica_id, drain_timeout_s=10),
+                            timeout=120)
+    if not answer.drained:
+        raise RuntimeError(f"{replica_id} did not drain: {answer}")
 
 
 def _calls(stub) -> dict[str, int]:
