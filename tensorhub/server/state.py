@@ -472,6 +472,10 @@ class State:
         replica = self.replicas.pop(replica_id, None)
         if replica is None:
             return
+        # A withdrawn replica counts for nothing already (``_counts``, ``_live``): the
+        # version's coverage was recomputed without it then, and need not be again
+        # (at 1,280 holders each recompute is ~8 ms, and every step withdraws them all).
+        counted = not replica.withdrawn
         self._holders_changed += 1
         versions = self.models.get(replica.model, {})
         entry = versions.get(replica.version)
@@ -482,7 +486,8 @@ class State:
                 mine.remove(replica_id)
                 if not mine:
                     del entry.by_agent[replica.agent_id]
-            self._refresh(entry)
+            if counted:
+                self._refresh(entry)
             if not entry.replicas:
                 del versions[replica.version]
         if not versions:
