@@ -306,10 +306,7 @@ class ReferenceClient:
             request.ClearField("manifest_fingerprint")
         request.manifest.CopyFrom(wire.manifest_to_wire(manifest))
         self._publish_lean(request, model, version)
-        with self._cache_lock:
-            self._manifests_sent[fingerprint] = None
-            while len(self._manifests_sent) > _MANIFESTS_CACHED:
-                self._manifests_sent.pop(next(iter(self._manifests_sent)))
+        self._remember_sent(fingerprint=fingerprint)
 
     def group_publish(self, *, lean_only: bool = False, **publish: Any) -> bytes:
         """What ``publish(**publish)`` would send, encoded for another member of
@@ -338,16 +335,18 @@ class ReferenceClient:
         request = pb.PublishRequest.FromString(data)
         if request.layout:
             return
-        self._remember_sent(request.manifest_fingerprint, (request.agent_id, wire.publish_layout(request)))
+        self._remember_sent(fingerprint=request.manifest_fingerprint,
+                            layout_key=(request.agent_id, wire.publish_layout(request)))
 
-    def _remember_sent(self, fingerprint: str, layout_key: tuple[str, bytes]) -> None:
+    def _remember_sent(self, *, fingerprint: str = "", layout_key: tuple[str, bytes] | None = None) -> None:
+        """What this server took from this client (a manifest, a publish's layout): later publishes go lean."""
         with self._cache_lock:
-            self._manifests_sent[fingerprint] = None
-            while len(self._manifests_sent) > _MANIFESTS_CACHED:
-                self._manifests_sent.pop(next(iter(self._manifests_sent)))
-            self._layouts_sent[layout_key] = None
-            while len(self._layouts_sent) > _LAYOUTS_SENT:
-                self._layouts_sent.pop(next(iter(self._layouts_sent)))
+            for kept, key, bound in ((self._manifests_sent, fingerprint or None, _MANIFESTS_CACHED),
+                                     (self._layouts_sent, layout_key, _LAYOUTS_SENT)):
+                if key is not None:
+                    kept[key] = None
+                    while len(kept) > bound:
+                        kept.pop(next(iter(kept)))
 
     @staticmethod
     def _publish_request(*, agent_id: str, replica_id: str, model: str, version: int, manifest: Manifest,
@@ -401,10 +400,7 @@ class ReferenceClient:
                 if "layout unknown" not in str(e):
                     raise
         self._call(self._stub.Publish, request, not_found=lambda d: VersionNotFound(model, version, d))
-        with self._cache_lock:
-            self._layouts_sent[key] = None
-            while len(self._layouts_sent) > _LAYOUTS_SENT:
-                self._layouts_sent.pop(next(iter(self._layouts_sent)))
+        self._remember_sent(layout_key=key)
 
     def report_chunks(self, agent_id: str, replica_id: str, chunks: list[int], complete: bool,
                       chunk_crc32: list[int] | None = None) -> None:

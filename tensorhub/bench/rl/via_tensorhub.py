@@ -53,7 +53,7 @@ class Weights:
         proc.write_version(self.buf, version, self.cfg.changed)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: its buffers are plain tensors (the LoRA trainer's close has work to do)."""
 
 
 def trainer(events: Any, who: str, place: Any, address: str, cfg: Any, go: Any, stop: Any) -> None:
