@@ -28,6 +28,7 @@ from tensorhub.regions import Bounds, Region, cut_out, intersect
 from tensorhub.regiontable import RegionTable, Shapes, unique_rows
 
 _Shape = tuple[int, ...]
+_TABLES_KEPT = 8192  # region tables a grouping remembers (refined by, keyed): 1,536 a step at paper scale
 _WHOLE = -1  # a holder's "region" of a group when it holds every tensor whole
 _NONE = -2  # ... when it holds nothing of it
 
@@ -41,11 +42,13 @@ class Grouping:
         n = len(shapes.ndim)
         self.of = np.zeros(n, np.int64)
         self.rep = np.zeros(0, np.int64)
+        self.sizes = np.zeros(0, np.int64)
         # Tables already refined by (kept alive here, so their ids stay theirs), and
         # their keys for this epoch: relays of one cut share one table (service.py).
         self._refined: dict[int, RegionTable] = {}
         self._keys: dict[int, tuple[RegionTable | None, HolderKeys]] = {}
         self.covers_memo: dict = {}  # ``covers``' answers for this epoch, by the set of keys asked about
+        self.complete_memo: dict = {}  # ``coverage_of``'s complete answers for this epoch, by the keys' prefix
         if n:
             _, self.of = unique_rows(np.column_stack([shapes.ndim, shapes.dims]))
             self._set_reps()
@@ -54,6 +57,7 @@ class Grouping:
         rep = np.full(int(self.of.max()) + 1 if len(self.of) else 0, -1, np.int64)
         rep[self.of[::-1]] = np.arange(len(self.of))[::-1]  # the first tensor of each group
         self.rep = rep
+        self.sizes = np.bincount(self.of, minlength=len(rep))  # tensors per group
 
     @property
     def count(self) -> int:
@@ -63,6 +67,12 @@ class Grouping:
         """Split groups so that ``table``'s regions are alike within each."""
         if table is None or not len(self.of) or id(table) in self._refined:
             return  # a table refines once: later splits keep its regions alike within groups
+        if len(self._refined) >= _TABLES_KEPT:
+            # A grouping outlives versions (State._groupings): tables published
+            # whole every version (no layout named) would pile up. Forgotten, a
+            # table refines again when it comes back, splitting nothing.
+            self._refined.clear()
+            self._keys.clear()
         self._refined[id(table)] = table
         key = region_keys(table, len(self.of))
         _, of = unique_rows(np.column_stack([self.of, key]))
@@ -76,6 +86,8 @@ class Grouping:
         """``HolderKeys(table, self)``, kept per table for this epoch."""
         kept = self._keys.get(id(table))
         if kept is None or kept[0] is not table:
+            if len(self._keys) >= _TABLES_KEPT:
+                self._keys.clear()
             kept = self._keys[id(table)] = (table, HolderKeys(table, self))
         return kept[1]
 
@@ -123,6 +135,8 @@ class HolderKeys:
         self.epoch = grouping.epoch
         self.table = table
         self.numel: np.ndarray | None = None  # group_numel's, once asked
+        self.elements: int | None = None  # held_elements', once asked
+        self.sizes = grouping.sizes
         shapes = grouping.shapes
         if table is None:
             self.first = np.full(grouping.count, _WHOLE, np.int64)
@@ -234,6 +248,8 @@ class Coverage:
     def missing(self, shown: int) -> tuple[list[tuple[int, Bounds]], int]:
         """The first ``shown`` uncovered (tensor, box) pairs, and how many there are."""
         open_ = np.flatnonzero(self.of)
+        if not len(open_):
+            return [], 0
         sizes = np.bincount(self.grouping.of, minlength=self.grouping.count)
         total = sum(int(sizes[g]) * len(self._classes[int(self.of[g])][1]) for g in open_)
         tensors = np.flatnonzero(self.of[self.grouping.of] != 0)
@@ -265,6 +281,42 @@ def group_numel(keys: HolderKeys) -> np.ndarray:
             out[g] = sum(int(np.prod([b - a for a, b in box])) for box in boxes)
         keys.numel = out
     return keys.numel
+
+
+def coverage_of(grouping: Grouping, keys: Sequence[HolderKeys]) -> Coverage:
+    """What the holders (``keys``, in the order to add them) leave uncovered;
+    adding stops once nothing is. A version's visibility is asked again at
+    every withdrawal, of much the same holders: a complete answer is kept per
+    grouping epoch by the keys that completed it, and is shared (nothing
+    changes a complete coverage), so asking again costs a few lookups."""
+    memo = grouping.complete_memo
+    if memo.get("epoch") != grouping.epoch or len(memo) > _COVERS_KEPT:
+        memo.clear()
+        memo["epoch"] = grouping.epoch
+    prefix: tuple[int, ...] = ()
+    for k in keys[:_PREFIX_KEPT]:
+        prefix += (id(k),)
+        hit = memo.get(prefix)
+        if hit is not None:
+            return hit[0]
+    coverage = Coverage(grouping)
+    for n, k in enumerate(keys, 1):
+        coverage.add(k)
+        if coverage.complete:
+            if n <= _PREFIX_KEPT:
+                memo[prefix[:n]] = (coverage, tuple(keys[:n]))  # the keys kept alive: their ids stay theirs
+            break
+    return coverage
+
+
+_PREFIX_KEPT = 32  # the longest run of holders whose complete coverage ``coverage_of`` remembers
+
+
+def held_elements(keys: HolderKeys) -> int:
+    """Elements the holder has of the whole version; kept on the keys."""
+    if keys.elements is None:
+        keys.elements = int((group_numel(keys) * keys.sizes).sum())
+    return keys.elements
 
 
 def covering_prefix(grouping: Grouping, base: list[HolderKeys], more: Sequence[HolderKeys]) -> int | None:

@@ -32,7 +32,15 @@ from tensorhub.manifest import Manifest
 from tensorhub.regions import Bounds, Region, describe_box, intersect
 from tensorhub.regiontable import RegionTable, Shapes, shapes_of, whole_table
 from tensorhub.server.config import ServerConfig
-from tensorhub.server.coverage import Coverage, Grouping, HolderKeys, covering_prefix, covers
+from tensorhub.server.coverage import (
+    Coverage,
+    Grouping,
+    HolderKeys,
+    coverage_of,
+    covering_prefix,
+    covers,
+    held_elements,
+)
 from tensorhub.status import AgentView, ControlView, HubStatus, LeaseView, ModelView, ReplicaView, VersionView
 from tensorhub.topology import Labels, Reliability
 
@@ -184,6 +192,10 @@ class Version:
     # Agent id -> its replicas' ids in this version: a publish checks the agent's
     # own (one live replica per agent), not every holder's (1,280 at paper scale).
     by_agent: dict[str, list[str]] = field(default_factory=dict)
+    # id(held) -> (that table, the ids of the replicas holding it, withdrawn ones
+    # left out): the relays of one TP rank share a table, and one of them
+    # withdrawn while another counts changes nothing covered (State._refresh, ``removed``).
+    alike: dict[int, tuple[RegionTable | None, dict[str, None]]] = field(default_factory=dict)
     visible: bool = False  # the live complete replicas cover every element
     missing: list[tuple[int, Bounds]] = field(default_factory=list)  # first (tensor, box) nobody complete holds
     missing_count: int = 0
@@ -230,6 +242,10 @@ class State:
         self.leases: dict[str, Lease] = {}
         self.control = ControlView()  # what the control plane sent (the service counts it)
         self._whole_tables: dict[int, tuple[RegionTable, bool]] = {}  # _every_tensor_whole
+        # (model, manifest fingerprint) -> the grouping its versions share, kept past
+        # the versions themselves: when every holder of v withdrew before v+1 is
+        # published, v+1 still finds its holders' tables refined and keyed.
+        self._groupings: dict[tuple[str, str], Grouping] = {}
         self.leases_of: dict[str, int] = {}  # agent id -> read leases it holds (a pull in flight when > 0)
         self.groups: dict[str, dict[int, int]] = {}
         self.group_members: dict[str, set[str]] = {}  # "model\0group" -> member agents (group_sources)
@@ -342,12 +358,15 @@ class State:
         if entry is None or not entry.replicas:
             entry = Version(manifest, fingerprint)
             versions = self.models.setdefault(model, {})
-            # The grouping of an earlier version with this manifest, shared: the next
+            # The grouping of earlier versions with this manifest, shared: the next
             # version's holders are most often the same tables (the steady state),
-            # which then refine nothing. A grouping finer than a version needs is
-            # still right (its groups are cut alike by every holder it saw).
-            entry.grouping = next((other.grouping for other in reversed(versions.values())
-                                   if other.fingerprint == fingerprint and other.grouping is not None), None)
+            # which then refine nothing and have their keys. A grouping finer than
+            # a version needs is still right (its groups are cut alike by every
+            # holder it saw).
+            entry.grouping = self._groupings.pop((model, fingerprint), None) or Grouping(shapes_of(manifest))
+            self._groupings[(model, fingerprint)] = entry.grouping
+            if len(self._groupings) > _GROUPINGS_KEPT:
+                self._groupings.pop(next(iter(self._groupings)))
             versions[version] = entry
         if total_bytes is None:  # the service passes what it checked the memory against
             total_bytes = int(held_bytes(manifest, held).sum())
@@ -366,6 +385,9 @@ class State:
             replica.drained.set()
         if existing is None:
             entry.by_agent.setdefault(agent_id, []).append(replica_id)
+        else:
+            _unlist_alike(entry, existing)
+        entry.alike.setdefault(id(replica.held), (replica.held, {}))[1][replica_id] = None
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
         self._holders_changed += 1
@@ -441,6 +463,8 @@ class State:
         if replica.trainer_cut:  # a copy beside the rank's shards: they are what a version keeps
             return False
         entry = self.models[replica.model][replica.version]
+        if self._alike_counts(entry, replica, reliable=True):  # another reliable holder of the same regions
+            return False
         others = [r for r in entry.replicas.values()
                   if r is not replica and self._counts(r) and self._reliable(r)]
         return _coverage(entry, others).touches_holes(_keys(entry, replica))
@@ -462,10 +486,11 @@ class State:
         """Stop handing the replica out; in-flight leases may still read it."""
         replica = self._own_replica(agent_id, replica_id)
         replica.withdrawn = True
+        _unlist_alike(self.models[replica.model][replica.version], replica)  # counts no more
         self._holders_changed += 1
         if not replica.leases:
             replica.drained.set()
-        self._refresh(self.models[replica.model][replica.version])
+        self._refresh(self.models[replica.model][replica.version], removed=replica)
         return replica
 
     def remove_replica(self, replica_id: str) -> None:
@@ -481,13 +506,14 @@ class State:
         entry = versions.get(replica.version)
         if entry is not None:
             entry.replicas.pop(replica_id, None)
+            _unlist_alike(entry, replica)
             mine = entry.by_agent.get(replica.agent_id, [])
             if replica_id in mine:
                 mine.remove(replica_id)
                 if not mine:
                     del entry.by_agent[replica.agent_id]
             if counted:
-                self._refresh(entry)
+                self._refresh(entry, removed=replica)
             if not entry.replicas:
                 del versions[replica.version]
         if not versions:
@@ -517,12 +543,17 @@ class State:
         of groups for every coverage question to walk."""
         return replica.complete and not replica.trainer_cut and self._live(replica)
 
-    def _refresh(self, entry: Version, *, added: Replica | None = None) -> None:
+    def _refresh(self, entry: Version, *, added: Replica | None = None, removed: Replica | None = None) -> None:
         """Recompute whether the version is visible. ``added``: the only change
         is this replica becoming a complete holder, so a visible version stays
         visible and the coverage kept so far only needs its regions (one
-        publish costs its own regions, not all the holders' again)."""
+        publish costs its own regions, not all the holders' again).
+        ``removed``: the only change is this replica no longer counting
+        (withdrawn, lost); where another counting replica holds the same
+        table, the distinct regions held are the same and nothing changes."""
         if added is not None and entry.visible:
+            return
+        if removed is not None and entry.visible and self._alike_counts(entry, removed):
             return
         holders = [r for r in entry.replicas.values() if self._counts(r)]
         grouping = _grouping(entry)
@@ -531,8 +562,10 @@ class State:
             entry.coverage.add(_keys(entry, added))
         else:
             entry.coverage = _coverage(entry, holders)
-        cuts = [r for r in entry.replicas.values() if r.trainer_cut and r.complete and self._live(r)]
-        if added is None and cuts and not entry.coverage.complete:
+        complete = entry.coverage.complete
+        cuts = [] if complete and holders else [
+            r for r in entry.replicas.values() if r.trainer_cut and r.complete and self._live(r)]
+        if added is None and cuts and not complete:
             # Shards withdrawn while cuts stand (not a publish: the version's own
             # shards may still be on their way): what shards and cuts cover
             # together, on a grouping of this question's own, so that the
@@ -545,6 +578,16 @@ class State:
             entry.visible = visible
             self._visibility_changed.set()
             self._visibility_changed = asyncio.Event()
+
+    def _alike_counts(self, entry: Version, removed: Replica, *, reliable: bool = False) -> bool:
+        """Whether another replica holding ``removed``'s table counts for coverage
+        (and is ``reliable``, if asked), and ``removed`` did (complete, not a
+        cut: cuts play no part in the coverage of holders alone)."""
+        if not removed.complete or removed.trainer_cut:
+            return False
+        _, ids = entry.alike.get(id(removed.held), (None, {}))
+        return any(rid != removed.replica_id and (r := entry.replicas.get(rid)) is not None and self._counts(r)
+                   and (not reliable or self._reliable(r)) for rid in ids)
 
     def visible_versions(self, model: str) -> list[int]:
         """Versions whose live complete replicas cover every element, ascending."""
@@ -817,8 +860,9 @@ class State:
         if replica.leases and replica.agent_id in self.agents:
             if not replica.lost:
                 replica.lost = replica.withdrawn = True
+                _unlist_alike(self.models[replica.model][replica.version], replica)
                 self._holders_changed += 1
-                self._refresh(self.models[replica.model][replica.version])
+                self._refresh(self.models[replica.model][replica.version], removed=replica)
             return
         for lease_id in list(replica.leases):
             lease = self.leases.get(lease_id)
@@ -919,6 +963,18 @@ class State:
 # ---------------------------------------------------------------- coverage
 
 
+_GROUPINGS_KEPT = 64  # (model, manifest) pairs whose grouping outlives their versions
+
+
+def _unlist_alike(entry: Version, replica: Replica) -> None:
+    """Take ``replica`` out of ``entry.alike`` (its table's list)."""
+    table, ids = entry.alike.get(id(replica.held), (None, None))
+    if ids is not None and table is replica.held:
+        ids.pop(replica.replica_id, None)
+        if not ids:
+            del entry.alike[id(replica.held)]
+
+
 def _grouping(entry: Version) -> Grouping:
     if entry.grouping is None:
         entry.grouping = Grouping(shapes_of(entry.manifest))
@@ -969,10 +1025,14 @@ def _coverage_apart(entry: Version, holders: list[Replica]) -> Coverage:
 
 
 def _coverage(entry: Version, holders: list[Replica]) -> Coverage:
-    """What the holders leave uncovered of the version."""
-    coverage = Coverage(_grouping(entry))
-    for r in holders:
-        coverage.add(_keys(entry, r))
-        if coverage.complete:
-            break
-    return coverage
+    """What the holders leave uncovered of the version.
+
+    Holders cut alike share one region table (the relays of one TP rank), and
+    a second holder of a table covers nothing the first did not: each distinct
+    table counts once, the largest first. A version's coverage is recomputed
+    on every withdrawal (1,280 per step at paper scale): after the trainer's
+    256 shards go, the 8 TP ranks' relay tables cover it in 8 additions, where
+    adding holders as they came walked the shards' hundreds first."""
+    grouping = _grouping(entry)
+    tables = {id(r.held): r.held for r in holders}
+    return coverage_of(grouping, sorted((grouping.keys(t) for t in tables.values()), key=held_elements, reverse=True))

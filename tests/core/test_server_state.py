@@ -381,3 +381,28 @@ def test_one_replica_per_agent_and_version_is_checked_after_a_replica_is_removed
         publish(s, "a0", [rows(0, 500)], replica="a0.third")
     publish(s, "a0", [rows(0, 500)], replica="a0.again")  # the same id again: an idempotent re-publish
     assert sorted(s.models["m"][1].by_agent) == ["a0", "a1"] and s.models["m"][1].by_agent["a0"] == ["a0.again"]
+
+
+def test_a_withdrawal_recomputes_coverage_only_when_no_holder_alike_still_counts(monkeypatch):
+    """Relays of one cut share one region table (the service interns it). One of
+    them withdrawn while another still counts leaves the distinct regions held,
+    and so the version's visibility, as they were: no coverage is recomputed
+    (1,280 withdrawals a step at paper scale). The last of a table withdrawn
+    is recomputed, and hides the version when nothing else covers it."""
+    import tensorhub.server.state as state_module
+    s = state()
+    halves = [check_held(MANIFEST, [rows(0, 500), (B, Region())]), check_held(MANIFEST, [rows(500, 1000)])]
+    for i in range(4):  # a0, a1 hold the first half alike; a2, a3 the second
+        s.publish(agent_id=f"a{i}", replica_id=f"relay{i}", model="m", version=1, manifest=MANIFEST,
+                  held=halves[i // 2], chunk_size=CHUNK, memory=None, complete=True, bitmap=b"", origin=False)
+    assert s.visible_versions("m") == [1]
+    computed = []
+    real = state_module._coverage
+    monkeypatch.setattr(state_module, "_coverage", lambda entry, holders: computed.append(len(holders)) or real(
+        entry, holders))
+    s.withdraw("a0", "relay0")  # a1 still holds the first half
+    s.report_lost("relay2")  # a3 the second (no leases: removed)
+    assert s.visible_versions("m") == [1] and computed == []
+    s.withdraw("a1", "relay1")  # the last of the first half
+    assert computed == [1] and s.visible_versions("m") == []
+    assert "layers.0.w rows 0:500" in not_found(s, 1)
