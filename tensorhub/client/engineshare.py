@@ -5,9 +5,12 @@ TP workers, ``tensorhub_vllm.groupshare``), and its first worker sends each
 for all of them (``groupanswer`` draws the Hub's side).
 
     every worker, each update, in the same order (collective):
-      exchange   first worker ── Hub.resolve_for_group ──▶ answer ─┐
-                                                                    ├─ broadcast ─▶ all: pull(answer=)
-                 a failed resolve: None, each resolves on its own ─┘
+      exchange   all: its previous replica's withdrawal ── gather ─▶ first worker
+                 first worker ── one Batch of the withdrawals ──▶ server (drains together)
+                              ── Hub.resolve_for_group, meanwhile ──▶ answer ─┐
+                                                                               ├─ broadcast ─▶ all:
+                 a failed resolve: None, each resolves on its own ────────────┘   withdrawn, pull(answer=)
+                 (a withdrawal not drained or not sent: its worker unpublishes alone before its pull)
       announce   all (inside pull, before any READ): its announce ── gather ─▶ first worker
                  first worker ── one Batch of the announces ──▶ server ── taken? ─▶ broadcast
                  (lean by layout from the second version on; one not taken: that worker announces alone)
@@ -15,8 +18,8 @@ for all of them (``groupanswer`` draws the Hub's side).
                  first worker ── one Batch: reports, pulled bytes, the answer's lease ──▶ server
                  a report the server did not take: its worker's heartbeat sends it
 
-So a steady version costs the server three messages per engine (Resolve,
-announces, end), not three per worker. The answer is a few KiB in the steady
+So a steady version costs the server four messages per engine (withdrawals,
+Resolve, announces, end), not four per worker. The answer is a few KiB in the steady
 state (holders come lean), so its broadcast costs less than the Resolve each
 worker would send. The lease must outlive every worker's reads, hence the
 barrier before its release; it is bounded by the pull's own deadline, so a
@@ -27,9 +30,11 @@ on the way, so peers read what they have.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +48,17 @@ log = logging.getLogger(__name__)
 _BARRIER_SLACK_S = 60.0  # beyond the pull's own deadline: the slowest worker's apply-free end of its pull
 
 
+@dataclass
+class Withdrawal:
+    """A worker's withdrawal of its previous replica, sent with the engine's:
+    ``message`` from ``Hub.withdrawal`` (b"": none); ``done`` is called with its
+    outcome (None: not sent) before the worker's pull, and finishes it
+    (``Hub.withdrawn``: closed, or unpublished alone)."""
+
+    message: bytes
+    done: Callable[[Any], None]
+
+
 class EngineShare:
     """This worker's part in sharing its engine's control messages: ``group``
     is the engine's CPU process group (None: the default one), ``rank`` and
@@ -53,16 +69,18 @@ class EngineShare:
         self._model, self._engine = model, engine
         self._timeout = datetime.timedelta(seconds=pull_timeout_s + _BARRIER_SLACK_S)
         self._members: list[str] | None = None  # every worker's agent id, learnt at the first update
+        self._sender = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-group-withdraw")
 
     def update(self, hub: Hub, version: int | str,
-               pull: Callable[[GroupAnswer | None, Callable[[bytes], bool]], PullResult]) -> PullResult:
+               pull: Callable[[GroupAnswer | None, Callable[[bytes], bool]], PullResult],
+               withdrawal: Withdrawal | None = None) -> PullResult:
         """One update of this worker in step with the engine's others: the
-        shared Resolve, then ``pull(answer, announce_with)`` (which passes both
-        to ``Hub.pull``, with ``defer_complete=True``), then the shared end.
-        Every worker takes part in every round whatever fails on its side (a
-        failed Resolve, a pull that raises before it announces), so that none
-        waits on a round another skipped."""
-        answer, failure = self.exchange(hub, version)
+        shared withdrawals and Resolve, then ``pull(answer, announce_with)``
+        (which passes both to ``Hub.pull``, with ``defer_complete=True``), then
+        the shared end. Every worker takes part in every round whatever fails
+        on its side (a failed Resolve, a pull that raises before it announces),
+        so that none waits on a round another skipped."""
+        answer, failure = self.exchange(hub, version, withdrawal)
         announce = AnnounceOnce(self.announcer(hub))
         result = None
         try:
@@ -74,21 +92,34 @@ class EngineShare:
             announce(b"")  # this worker's turn in the announces' round, if its pull did not take it
             self.finish(hub, answer, result)
 
-    def exchange(self, hub: Hub, version: int | str) -> tuple[GroupAnswer | None, BaseException | None]:
-        """Every worker calls this once per update: the first resolves for all.
-        Returns (the answer or None, the first worker's own failure to raise)."""
+    def exchange(self, hub: Hub, version: int | str, withdrawal: Withdrawal | None = None
+                 ) -> tuple[GroupAnswer | None, BaseException | None]:
+        """Every worker calls this once per update: the first sends the
+        workers' withdrawals and resolves for all. Returns (the answer or None,
+        this worker's own failure to raise: the first worker's resolve, a
+        withdrawal that could not finish)."""
         if self._members is None:
             members: list[Any] = [None] * self.world
             dist.all_gather_object(members, hub.agent_id, group=self._group)
             self._members = [str(m) for m in members]
+        messages: list[Any] = [None] * self.world
+        dist.all_gather_object(messages, withdrawal.message if withdrawal is not None else b"", group=self._group)
         failure: BaseException | None = None
-        sent: list[Any] = [None]
+        sent: list[Any] = [None, [None] * self.world]
         if self.rank == 0:
+            withdrawn = self._sender.submit(hub.send_group_withdrawals, messages) if any(messages) else None
             try:
                 sent[0] = hub.resolve_for_group(self._model, version, group=self._engine, members=self._members)
             except Exception as e:  # noqa: BLE001  the others resolve on their own and meet it too
                 failure = e
+            if withdrawn is not None:
+                sent[1] = withdrawn.result()  # never raises: a Batch that failed is None for each
         dist.broadcast_object_list(sent, src=0, group=self._group)
+        if withdrawal is not None:
+            try:
+                withdrawal.done(sent[1][self.rank])
+            except Exception as e:  # noqa: BLE001  raised by this worker's pull (nothing of it is written)
+                failure = failure or e
         return sent[0], failure
 
     def announcer(self, hub: Hub) -> Callable[[bytes], bool]:

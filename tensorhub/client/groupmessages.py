@@ -5,6 +5,11 @@ one ``Batch`` (``engineshare`` draws the whole step; ``Hub`` fronts these):
                                                                                      ▼
     first member: announces(all) ──Batch(publishes)──▶ server ──▶ taken? per member (else it announces alone)
 
+    member: Hub.withdrawal(its previous replica) ─┐  (at the update's start, with the Resolve)
+                                                  ▼
+    first member: withdrawals(all) ──Batch(withdrawals)──▶ server (drains waited for together)
+        ──▶ outcome per member ──▶ Hub.withdrawn: drained, closed; else it unpublishes alone
+
     member: pull(defer_complete=True) ── member_report: last report held + pulled bytes ─┐
                                                                                           ▼
     first member: reports(answer, all) ──Batch(reports, pulled, the lease)──▶ server
@@ -48,6 +53,23 @@ class GroupMessages:
             if error is not None:
                 log.info("the server did not take a member's announce in the group's Batch: %s", error)
         return taken
+
+    def withdrawals(self, withdrawals: Sequence[bytes]) -> list[tuple[bool, int, bool] | Exception | None]:
+        """Every member's withdrawal of its previous replica (``Holdings.withdrawal``;
+        b"": none) in one message; per member its outcome (None: not sent, that
+        member withdraws alone)."""
+        sent = [(i, w) for i, w in enumerate(withdrawals) if w]
+        out: list[tuple[bool, int, bool] | Exception | None] = [None] * len(withdrawals)
+        if not sent:
+            return out
+        try:
+            outcomes = self._rpc.withdraw_batch([w for _, w in sent])
+        except TensorHubError as e:
+            log.info("the group's withdrawals did not reach the server (%s); each member withdraws alone", e)
+            return out
+        for (i, _), outcome in zip(sent, outcomes, strict=True):
+            out[i] = outcome
+        return out
 
     def member_report(self, held_report: bytes) -> MemberReport:
         """This member's end of the update: its held last report and the bytes its pulls read (taken)."""

@@ -40,6 +40,11 @@ T = TypeVar("T")
 # unpublish's own timeout, which leaves the answer its way back: unpublish(timeout)
 # returns within its timeout, not a whole RPC timeout later.
 _UNPUBLISH_CALL_SLACK_S = 1.0
+
+
+def _batch_slack(timeout: float) -> float:
+    """Of an unpublish's ``timeout``, what the call keeps beyond the drain."""
+    return min(_UNPUBLISH_CALL_SLACK_S, timeout / 4)
 log = logging.getLogger(__name__)
 
 
@@ -435,18 +440,20 @@ class Holdings:
 
     def unpublish(self, pub: Publication, timeout: float, *, force: bool = False) -> None:
         if pub.cut is not None:
-            # Its cut first: a copy of bytes the shards hold, so nothing of it is
-            # retained (and the shards' retention check then does not count it).
+            # Its cut and its shards in one message (a trainer rank's step); the
+            # cut is a copy of bytes the shards hold, so nothing of it is
+            # retained. What the Batch did not finish goes alone, the cut first
+            # (the shards' retention check then does not count it).
             start = time.monotonic()
-            self.unpublish(pub.cut, timeout, force=True)
-            timeout = max(0.0, timeout - (time.monotonic() - start))
-        with self._lock, pub.lock:
-            if pub.state is PubState.CLOSED:
+            done = self.withdraw_together([(pub.cut, True), (pub, force)], timeout)
+            left = max(0.0, timeout - (time.monotonic() - start))
+            if pub.cut not in done:
+                self.unpublish(pub.cut, left, force=True)
+            if pub in done:
                 return
-            # From here on heartbeats must never publish it again: the server may
-            # drop it any moment, and the caller is about to reuse the memory.
-            pub.state = PubState.WITHDRAWING
-            pub.draining = True
+            timeout = max(0.0, timeout - (time.monotonic() - start))
+        if not self._begin_withdrawal(pub):
+            return
         # Every wait below comes out of the caller's one ``timeout``.
         deadline = time.monotonic() + timeout
 
@@ -500,6 +507,69 @@ class Holdings:
                 f"{pub.model!r} version {pub.version}: {who} after {timeout:.1f}s; the replica is withdrawn, "
                 "but its memory must not be reused yet: call unpublish again"
             )
+        self._close(pub, left)
+
+    def _begin_withdrawal(self, pub: Publication) -> bool:
+        """Mark ``pub`` withdrawing (False: it is closed already)."""
+        with self._lock, pub.lock:
+            if pub.state is PubState.CLOSED:
+                return False
+            # From here on heartbeats must never publish it again: the server may
+            # drop it any moment, and the caller is about to reuse the memory.
+            pub.state = PubState.WITHDRAWING
+            pub.draining = True
+        return True
+
+    def withdrawal(self, pub: Publication, timeout: float, *, force: bool = False) -> bytes:
+        """Begin withdrawing ``pub``: its message, for a ``withdraw_batch`` that
+        this process or another member of its group sends, drain included, within
+        ``timeout``; b"" when it is closed already. Then ``withdrawn``."""
+        if not self._begin_withdrawal(pub):
+            return b""
+        return self._rpc.withdrawal(self.agent_id, pub.replica_id, max(0.0, timeout - _batch_slack(timeout)),
+                                    force=force)
+
+    def withdrawn(self, pub: Publication, outcome: tuple[bool, int, bool] | Exception | None,
+                  timeout: float, *, force: bool = False) -> None:
+        """``withdrawal``'s answer (None: never sent): a drained withdrawal closes
+        ``pub`` here; anything else (a retention copy to make first, readers
+        still leasing it, an error) is left to ``unpublish`` alone, which then
+        raises as it would have."""
+        if not self._closed_if_drained(pub, outcome, timeout):
+            self.unpublish(pub, timeout, force=force)
+
+    def withdraw_together(self, pubs: Sequence[tuple[Publication, bool]], timeout: float) -> set[Publication]:
+        """Withdraw ``pubs`` ((publication, force) each) in one message; the
+        ones that drained are closed, and returned. The others are left
+        withdrawing, to ``unpublish`` alone."""
+        begun = [(p, self.withdrawal(p, timeout, force=force)) for p, force in pubs]
+        sent = [(p, w) for p, w in begun if w]
+        if not sent:
+            return {p for p, _ in begun}
+        try:
+            outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=_batch_slack(timeout))
+        except TensorHubError as e:
+            log.info("withdrawing %d replicas in one message: %s; each goes alone", len(sent), e)
+            outcomes = [e] * len(sent)
+        done = {p for p, w in begun if not w}
+        done.update(p for (p, _), outcome in zip(sent, outcomes, strict=True)
+                    if self._closed_if_drained(p, outcome, timeout))
+        return done
+
+    def _closed_if_drained(self, pub: Publication, outcome: tuple[bool, int, bool] | Exception | None,
+                           timeout: float) -> bool:
+        """Close ``pub`` if its withdrawal's ``outcome`` says it drained (and no
+        reader of an earlier server instance may still read it): True if so."""
+        with self._lock:
+            pub.draining = False
+            unknown = self._unknown_reads_until.get(pub.replica_id, 0.0) > time.monotonic()
+        if not (isinstance(outcome, tuple) and outcome[0] and not outcome[2]) or unknown:
+            return False
+        self._close(pub, lambda: timeout)
+        return True
+
+    def _close(self, pub: Publication, left: Callable[[], float]) -> None:
+        """The end of a drained withdrawal: forget ``pub``, release its memory registration."""
         with self._lock, pub.lock:
             if pub.state is PubState.CLOSED:  # another unpublish of it (a retry) finished first
                 return

@@ -428,6 +428,23 @@ class Hub:
         the server took it (one it did not, its member announces alone)."""
         return self._group_messages.announces(announces)
 
+    def withdrawal(self, publication: Publication, timeout: float) -> bytes:
+        """A member of a group begins withdrawing ``publication`` (its previous
+        version, whose memory its next pull fills): the message, for the member
+        that resolves to send with the others' (``send_group_withdrawals``);
+        then ``withdrawn`` with its outcome, before the memory is written."""
+        return self._holdings.withdrawal(publication, timeout)
+
+    def send_group_withdrawals(self, withdrawals: Sequence[bytes]) -> list:
+        """The member that resolves: every member's ``withdrawal`` (b"": none) in
+        one message, the drains waited for together; per member its outcome."""
+        return self._group_messages.withdrawals(withdrawals)
+
+    def withdrawn(self, publication: Publication, outcome: Any, timeout: float) -> None:
+        """``withdrawal``'s outcome: drained, ``publication`` is closed; else it
+        is unpublished alone here (raising as ``Publication.unpublish`` does)."""
+        self._holdings.withdrawn(publication, outcome, timeout)
+
     def member_report(self, result: PullResult | None) -> MemberReport:
         """This member's end of a group's update: the last report its pull held
         (``pull(defer_complete=True)``; ``result`` None: the pull failed) and

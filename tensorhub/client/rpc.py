@@ -459,6 +459,37 @@ class ReferenceClient:
         return (errors(answer.publishes, TensorHubError), errors(answer.reports, ReplicaUnknown),
                 errors(answer.releases, TensorHubError)[:len(releases)])
 
+    @staticmethod
+    def withdrawal(agent_id: str, replica_id: str, drain_timeout_s: float, *, force: bool = False) -> bytes:
+        """``unpublish``'s message, encoded for ``withdraw_batch`` (another member of a group may send it)."""
+        return pb.UnpublishRequest(agent_id=agent_id, replica_id=replica_id, drain_timeout_s=drain_timeout_s,
+                                   force=force).SerializeToString()
+
+    def withdraw_batch(self, withdrawals: Sequence[bytes], *, call_slack_s: float | None = None
+                       ) -> list[tuple[bool, int, bool] | Exception]:
+        """Send ``withdrawals`` (``withdrawal``) in one Batch; the server waits
+        for their drains together. Per withdrawal what ``unpublish`` would
+        return (an unknown replica counts as drained), or its typed error;
+        raises only what the call as a whole met (``ServerUnavailable``, ...)."""
+        request = pb.BatchRequest(withdrawals=[pb.UnpublishRequest.FromString(w) for w in withdrawals])
+        drain_s = max((w.drain_timeout_s for w in request.withdrawals), default=0.0)
+        answer = self._call(self._stub.Batch, request,
+                            timeout=drain_s + (self.timeout_s if call_slack_s is None else call_slack_s))
+        if len(answer.withdrawals) != len(request.withdrawals):
+            raise TensorHubError(f"reference server at {self.address} answered {len(answer.withdrawals)} "
+                                 f"withdrawals of a Batch of {len(request.withdrawals)}")
+        out: list[tuple[bool, int, bool] | Exception] = []
+        for o in answer.withdrawals:
+            if o.code == grpc.StatusCode.NOT_FOUND.name:
+                out.append((True, 0, False))
+            elif o.code:
+                out.append(self._error(getattr(grpc.StatusCode, o.code, grpc.StatusCode.UNKNOWN), o.detail,
+                                       TensorHubError))
+            else:
+                u = o.unpublished
+                out.append((u.drained, u.leases_outstanding, u.retain_required))
+        return out
+
     def unpublish(self, agent_id: str, replica_id: str, drain_timeout_s: float, *,
                   force: bool = False, call_slack_s: float | None = None) -> tuple[bool, int, bool]:
         """Withdraw a replica and wait on the server for its readers to finish.

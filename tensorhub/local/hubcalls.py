@@ -298,21 +298,29 @@ def _engine_update(hub: Any, held: dict, *, model: str, version: int, specs: lis
     (``tensorhub.client.engineshare``): the first resolves for all, each pulls
     its TP slice serving into the same buffers as before, the announces and
     the last reports going to the server in one message each."""
-    from tensorhub.client.engineshare import EngineShare
+    from tensorhub.client.engineshare import EngineShare, Withdrawal
 
     share = held.get("engine share")
     if share is None:
         share = held["engine share"] = EngineShare(None, rank, world, model=model, engine="engine0",
                                                    pull_timeout_s=60.0)
     out: dict = {}
+    withdrawal = None
+    previous = held.get((model, unpublish_first)) if unpublish_first is not None else None
+    if previous is not None:  # withdrawn with the engine's others, before the pull (as tensorhub_vllm's receiver)
+        def done(outcome: Any) -> None:
+            hub.withdrawn(previous, outcome, 60.0)
+            held.pop((model, unpublish_first), None)
+
+        withdrawal = Withdrawal(hub.withdrawal(previous, 60.0), done)
 
     def pull(answer: Any, announce_with: Any) -> Any:
         out.update(_pull(hub, held, model=model, version=version, specs=specs, expect_seed=seed, serve=True,
                          read=("tp", rank, world), keep="engine", answer=answer, defer_complete=True,
-                         announce_with=announce_with, unpublish_first=unpublish_first))
+                         announce_with=announce_with))
         return held[("result", model, version)]
 
-    share.update(hub, version, pull)
+    share.update(hub, version, pull, withdrawal)
     return out
 
 

@@ -463,32 +463,38 @@ class ReleaseReadLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("publishes", "reports", "releases")
+    __slots__ = ("publishes", "reports", "releases", "withdrawals")
     PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     publishes: _containers.RepeatedCompositeFieldContainer[PublishRequest]
     reports: _containers.RepeatedCompositeFieldContainer[ReportChunksRequest]
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseReadLeaseRequest]
-    def __init__(self, publishes: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ReportChunksRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseReadLeaseRequest, _Mapping]]] = ...) -> None: ...
+    withdrawals: _containers.RepeatedCompositeFieldContainer[UnpublishRequest]
+    def __init__(self, publishes: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ReportChunksRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseReadLeaseRequest, _Mapping]]] = ..., withdrawals: _Optional[_Iterable[_Union[UnpublishRequest, _Mapping]]] = ...) -> None: ...
 
 class BatchOutcome(_message.Message):
-    __slots__ = ("code", "detail")
+    __slots__ = ("code", "detail", "unpublished")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNPUBLISHED_FIELD_NUMBER: _ClassVar[int]
     code: str
     detail: str
-    def __init__(self, code: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    unpublished: UnpublishResponse
+    def __init__(self, code: _Optional[str] = ..., detail: _Optional[str] = ..., unpublished: _Optional[_Union[UnpublishResponse, _Mapping]] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
-    __slots__ = ("publishes", "reports", "releases")
+    __slots__ = ("publishes", "reports", "releases", "withdrawals")
     PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     publishes: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
     reports: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
     releases: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
-    def __init__(self, publishes: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ...) -> None: ...
+    withdrawals: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
+    def __init__(self, publishes: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., withdrawals: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ...) -> None: ...
 
 class ReportLostRequest(_message.Message):
     __slots__ = ("agent_id", "replica_id", "reason", "stalled")

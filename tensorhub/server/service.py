@@ -456,23 +456,34 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
 
     async def Unpublish(self, request: pb.UnpublishRequest, context: Any) -> pb.UnpublishResponse:
         async def go() -> pb.UnpublishResponse:
-            if not 0 <= request.drain_timeout_s <= MAX_DRAIN_S:
-                raise Invalid(f"drain_timeout_s must be within [0, {MAX_DRAIN_S}]")
-            agent_id = _require_id(request.agent_id, "agent_id")
-            replica_id = _require_id(request.replica_id, "replica_id")
-            if not request.force and self.state.needs_retention(agent_id, replica_id):
+            replica = self._withdraw(request)
+            if replica is None:
                 return pb.UnpublishResponse(retain_required=True)
-            replica = self.state.withdraw(agent_id, replica_id)
-            self.changes.bump(replica.model, replica.version)
-            started = time.monotonic()
-            drained = await self._drain(replica, request.drain_timeout_s)
-            self.metrics.unpublished(time.monotonic() - started, drained)
-            outstanding = len(replica.leases)
-            if drained:
-                self.state.remove_replica(replica.replica_id)
-            return pb.UnpublishResponse(drained=drained, leases_outstanding=outstanding)
+            return await self._drained(replica, request.drain_timeout_s)
 
         return await self._run(context, go)
+
+    def _withdraw(self, request: pb.UnpublishRequest) -> Replica | None:
+        """Withdraw the request's replica (None: nothing withdrawn, it must be retained first)."""
+        if not 0 <= request.drain_timeout_s <= MAX_DRAIN_S:
+            raise Invalid(f"drain_timeout_s must be within [0, {MAX_DRAIN_S}]")
+        agent_id = _require_id(request.agent_id, "agent_id")
+        replica_id = _require_id(request.replica_id, "replica_id")
+        if not request.force and self.state.needs_retention(agent_id, replica_id):
+            return None
+        replica = self.state.withdraw(agent_id, replica_id)
+        self.changes.bump(replica.model, replica.version)
+        return replica
+
+    async def _drained(self, replica: Replica, timeout_s: float) -> pb.UnpublishResponse:
+        """Wait for a withdrawn replica's readers (up to ``timeout_s``); drop it once none is left."""
+        started = time.monotonic()
+        drained = await self._drain(replica, timeout_s)
+        self.metrics.unpublished(time.monotonic() - started, drained)
+        outstanding = len(replica.leases)
+        if drained:
+            self.state.remove_replica(replica.replica_id)
+        return pb.UnpublishResponse(drained=drained, leases_outstanding=outstanding)
 
     async def _drain(self, replica: Replica, timeout_s: float) -> bool:
         """Wait until no read lease covers the replica. Leases that expire
@@ -769,27 +780,48 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         return await self._run(context, go)
 
     async def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
-        """Several agents' publishes, reports and releases, each handled as it
-        would be alone (its own checks, its own outcome), in the request's order."""
+        """Several agents' publishes, reports, releases and withdrawals, each
+        handled as it would be alone (its own checks, its own outcome), in the
+        request's order; the withdrawals last, their drains waited for together."""
         async def go() -> pb.BatchResponse:
-            count = len(request.publishes) + len(request.reports) + len(request.releases)
+            count = len(request.publishes) + len(request.reports) + len(request.releases) + len(request.withdrawals)
             if count > MAX_BATCH:
                 raise Invalid(f"{count} messages in one Batch, more than {MAX_BATCH}")
-            return pb.BatchResponse(publishes=[self._outcome(self._publish, m) for m in request.publishes],
-                                    reports=[self._outcome(self._report_chunks, m) for m in request.reports],
-                                    releases=[self._outcome(self._release_lease, m) for m in request.releases])
+            answer = pb.BatchResponse(publishes=[self._outcome(self._publish, m) for m in request.publishes],
+                                      reports=[self._outcome(self._report_chunks, m) for m in request.reports],
+                                      releases=[self._outcome(self._release_lease, m) for m in request.releases])
+            withdrawn: list[tuple[pb.BatchOutcome, Replica, float]] = []
+            for m in request.withdrawals:
+                outcome, replica = self._outcome_of(self._withdraw, m)
+                answer.withdrawals.add().CopyFrom(outcome)
+                outcome = answer.withdrawals[-1]  # the answer's own: filled in below (append copies)
+                if outcome.code:
+                    continue
+                if replica is None:
+                    outcome.unpublished.retain_required = True
+                else:
+                    withdrawn.append((outcome, replica, m.drain_timeout_s))
+            for (outcome, _, _), unpublished in zip(withdrawn, await asyncio.gather(
+                    *(self._drained(replica, timeout_s) for _, replica, timeout_s in withdrawn))):
+                outcome.unpublished.CopyFrom(unpublished)
+            return answer
 
         return await self._run(context, go)
 
     def _outcome(self, handle: Callable[[Any], Any], message: Any) -> pb.BatchOutcome:
         """What ``handle`` answered ``message``, as the status it would have had alone."""
+        return self._outcome_of(handle, message)[0]
+
+    @staticmethod
+    def _outcome_of(handle: Callable[[Any], Any], message: Any) -> tuple[pb.BatchOutcome, Any]:
+        """``_outcome``, and what ``handle`` returned (None where it raised)."""
         try:
-            handle(message)
+            result = handle(message)
         except Invalid as e:
-            return pb.BatchOutcome(code=grpc.StatusCode.INVALID_ARGUMENT.name, detail=str(e))
+            return pb.BatchOutcome(code=grpc.StatusCode.INVALID_ARGUMENT.name, detail=str(e)), None
         except StateError as e:
-            return pb.BatchOutcome(code=e.code, detail=str(e))
-        return pb.BatchOutcome()
+            return pb.BatchOutcome(code=e.code, detail=str(e)), None
+        return pb.BatchOutcome(), result
 
     # ------------------------------------------------------------ queries
 

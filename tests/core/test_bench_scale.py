@@ -158,16 +158,16 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # The steady stage: every reader's messages sent for real, every holder lean, small answers.
         # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
         assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
-        # Every message of a steady version, as the server counted them: per trainer rank the withdrawal of
-        # its cut and its shards of the version before, one Batch of its shards and its share of the readers'
-        # cut (--trainer-cut), rank 0's ask for the cut; per relay worker its withdrawal; per engine two
-        # Batches (its relays' announces; their complete reports and pulled bytes with the first answer's
-        # lease: tensorhub.client.engineshare), two Resolves and the second's release.
+        # Every message of a steady version, as the server counted them: per trainer rank one Batch
+        # withdrawing its cut and its shards of the version before, one Batch of its shards and its share
+        # of the readers' cut (--trainer-cut), rank 0's ask for the cut; per engine three Batches (its
+        # relays' withdrawals of the version before; their announces; their complete reports and pulled
+        # bytes with the first answer's lease: tensorhub.client.engineshare), two Resolves and the second's
+        # release.
         engines, ranks = row["engines"], row["trainer_ranks"]
-        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": ranks + 2 * engines,
-                                                    "Unpublish": 2 * ranks + 8 * engines,
+        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 * ranks + 3 * engines,
                                                     "Resolve": 2 * engines, "ReleaseReadLease": engines}
-        assert row["steady_messages"] == 3 * ranks + 1 + 13 * engines
+        assert row["steady_messages"] == 2 * ranks + 1 + 6 * engines
         assert row["steady_server_cpu_withdraw_s"] > 0
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]

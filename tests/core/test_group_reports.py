@@ -126,6 +126,43 @@ def test_each_message_of_a_batch_is_answered_as_it_would_be_alone(server, hubs):
         channel.close()
 
 
+def test_withdrawals_in_a_batch_are_each_answered_as_unpublish_would(server, hubs):
+    """A group's withdrawals go in one Batch (``EngineShare.exchange``): each is
+    checked and answered as an Unpublish alone, and their drains are waited
+    for together, each up to its own deadline."""
+    ranks = [hubs("rank0")]
+    workers = [hubs("w0"), hubs("w1")]
+    answer, _ = _engine_update(ranks, workers, 1)  # its lease (not released here) covers rank 0's replica
+    w0, w1 = (w.agent_id for w in workers)
+    replica = {r.agent_id: r.replica_id for v in _status(server.address).models[0].versions for r in v.replicas}
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        start = time.monotonic()
+        got = stub.Batch(pb.BatchRequest(withdrawals=[
+            pb.UnpublishRequest(agent_id=ranks[0].agent_id, replica_id=replica[ranks[0].agent_id],
+                                drain_timeout_s=1.0, force=True),  # leased: not drained by its deadline
+            pb.UnpublishRequest(agent_id=w1, replica_id="no-such-replica", drain_timeout_s=1.0),
+            pb.UnpublishRequest(agent_id=w1, replica_id=replica[w0], drain_timeout_s=1.0),  # another's
+            pb.UnpublishRequest(agent_id=w1, replica_id=replica[w1], drain_timeout_s=-1.0),
+            pb.UnpublishRequest(agent_id=w1, replica_id=replica[w1], drain_timeout_s=1.0),  # drains at once
+        ]), timeout=30, metadata=wire.auth_metadata(""))
+        took = time.monotonic() - start
+    finally:
+        channel.close()
+    codes = [o.code for o in got.withdrawals]
+    assert codes == ["", "NOT_FOUND", "PERMISSION_DENIED", "INVALID_ARGUMENT", ""], [o.detail for o in got.withdrawals]
+    leased, *_, drained = got.withdrawals
+    assert not leased.unpublished.drained and leased.unpublished.leases_outstanding == 1, leased
+    assert drained.unpublished.drained and drained.unpublished.leases_outstanding == 0, drained
+    assert 1.0 <= took < 10.0, took  # the drains ran together: one deadline, not one after another
+    held = {r.agent_id: r.withdrawn for v in _status(server.address).models[0].versions for r in v.replicas}
+    # Rank 0's withdrawn, still leased; w0's untouched. (w1's went; its process, which did not send that
+    # withdrawal, announces it again with its heartbeat.)
+    assert held[ranks[0].agent_id] is True and held[w0] is False, held
+    workers[0].call("release_group_answer", answer=answer)
+
+
 def _engine(hubs, world: int) -> list[HubProcess]:
     """``world`` workers of one engine in a gloo group, as vLLM's TP workers are."""
     return join_group([hubs(f"w{r}") for r in range(world)])
@@ -141,7 +178,7 @@ def _update(workers: list[HubProcess], version: int) -> list[dict]:
     return got
 
 
-def test_an_engines_step_costs_the_server_three_messages_not_three_per_worker(server, hubs):
+def test_an_engines_step_costs_the_server_four_messages_not_four_per_worker(server, hubs):
     ranks = [hubs("rank0"), hubs("rank1")]
     workers = _engine(hubs, 3)
     for rank, hub in enumerate(ranks):
@@ -161,11 +198,11 @@ def test_an_engines_step_costs_the_server_three_messages_not_three_per_worker(se
         sent.pop("Describe", None)
         sent.pop("Heartbeat", None)  # on their clock, not per step
         refreshes = sum(g["refreshes"] for g in got)
-        # The engine's Resolve, its workers' announces in one Batch and their last reports, pulled bytes and
-        # the lease in another; each worker's withdrawal of its previous version stays its own.
+        # The engine's workers' withdrawals of their previous version in one Batch, its Resolve, their
+        # announces in another Batch, and their last reports, pulled bytes and the lease in a third.
         assert sent.pop("Resolve") == 1 + refreshes
-        assert sent.pop("Batch") == 2
-        assert sent.pop("Unpublish", 0) == (len(workers) if version > 1 else 0)
+        assert sent.pop("Batch") == (3 if version > 1 else 2)
+        assert "Unpublish" not in sent, sent
         # Reports on the way are the pull's own (none on a quick pull); nothing else per worker.
         sent.pop("ReportChunks", None)
         assert sent == {}, sent

@@ -91,8 +91,15 @@ def test_update_matches_a_fresh_engine_and_serves_slices_to_the_next(engines, tr
     # And the rest of each update is two messages from the first worker: both
     # workers' announces in one Batch before any READ, then their last reports,
     # pulled bytes and the answer's lease in another; no worker publishes alone.
-    assert after.calls.get("Batch", 0) - before.calls.get("Batch", 0) == 6
-    assert after.calls.get("Publish", 0) - before.calls.get("Publish", 0) == 2  # the trainer's two versions only
+    # An engine that served a version before withdraws it first, both workers
+    # in one Batch (A's second update; a third Batch where an earlier test of
+    # the module updated A or B), and no worker alone.
+    def sent(method: str) -> int:
+        return after.calls.get(method, 0) - before.calls.get(method, 0)
+
+    assert 7 <= sent("Batch") <= 9, sent("Batch")
+    assert sent("Unpublish") == 2  # the trainer's two versions only
+    assert sent("Publish") == 2  # the trainer's two versions only
 
 
 def _tokens(llm, lora=None) -> list[list[int]]:

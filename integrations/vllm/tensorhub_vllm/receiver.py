@@ -9,7 +9,9 @@ mismatch, timeout) leaves the engine serving the weights it had.
     update(v) ──▶ withdraw previous replica ─┐
               └─▶ resolve v, check layout ────┴─▶ pull v into staging ──▶ apply
                   (at once: the withdrawal         (serve=True: peers may   (vLLM's layer-
-                   drains peers' reads)             read it as it fills)     wise reload)
+                   drains peers' reads; in an       read it as it fills)     wise reload)
+                   engine's share, one Batch for
+                   all its workers: engineshare)
 
 With ``serve`` on, the staging buffer stays published as a replica of exactly
 those regions of the version the engine runs until the next update, so worker k
@@ -28,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from tensorhub import GroupAnswer, Hub, HubConfig, ManifestMismatch, Publication, PullResult, experts
+from tensorhub.client.engineshare import Withdrawal
 from tensorhub.manifest import Manifest
 from tensorhub_vllm.config import TensorHubInitInfo
 from tensorhub_vllm.groupshare import engine_share
@@ -109,11 +112,11 @@ class VersionReceiver:
         Shards' tensors where a name is read in parts); ``self.staged`` the
         ``into`` mapping it was pulled into."""
         self._round += 1
-        withdrawn = self._withdraw()
         if self._share is None:
-            return self._receive(version, withdrawn, None)
+            return self._receive(version, self._withdraw(), None)
+        # The previous version's withdrawal goes with the engine's others, at the update's start.
         return self._share.update(self.hub, version, lambda answer, announce_with: self._receive(
-            version, withdrawn, answer, announce_with))
+            version, lambda: None, answer, announce_with), self._group_withdrawal())
 
     def _receive(self, version: int | str, withdrawn: Callable[[], None], answer: GroupAnswer | None,
                  announce_with: Callable[[bytes], bool] | None = None) -> PullResult:
@@ -178,6 +181,23 @@ class VersionReceiver:
                 self._publication = None
 
         return withdrawn
+
+    def _group_withdrawal(self) -> Withdrawal | None:
+        """``_withdraw`` in an engine's share: the message goes with the other
+        workers' (``EngineShare.exchange``), which finishes it before the pull."""
+        pub = self._publication
+        if pub is None:
+            return None
+        timeout = self.info.unpublish_timeout_s
+
+        def done(outcome: object) -> None:
+            # Drained: closed; else unpublished alone, here. On UnpublishTimeout the
+            # replica is withdrawn but may still be read: keep it (see ``_withdraw``).
+            self.hub.withdrawn(pub, outcome, timeout)
+            if self._publication is pub:
+                self._publication = None
+
+        return Withdrawal(self.hub.withdrawal(pub, timeout), done)
 
     def close(self) -> None:
         self._withdrawals.shutdown(wait=True)

@@ -318,8 +318,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             numbering: dict[int, str], version: int, relay_chunks: list[int],
             trainer_request, relay_request, cut_request=None) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
-    it: every holder of the version before withdraws it (an Unpublish each: a
-    trainer rank's cut and shards, every relay worker's), the trainer's ranks
+    it: every holder of the version before withdraws it (a trainer rank its
+    shards, or its cut and shards in one Batch; an engine's relay workers in
+    one Batch for all of them), the trainer's ranks
     publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
@@ -341,16 +342,17 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         before = _engine_resolve(stub, e, version - 1, fingerprint, knows[e], numbering)
         knows[e] |= {info.layout for info in before.replicas}
     calls0 = _calls(stub)
-    # Every holder of the version before withdraws it before its buffers take this one (a trainer rank:
-    # its cut, then its shards; a relay: at the start of its update), each with an Unpublish of its own.
+    # Every holder of the version before withdraws it before its buffers take this one: a trainer rank
+    # its shards (an Unpublish), or its cut and shards in one Batch (``Holdings.unpublish``); an engine's
+    # relays at the start of its update, in one Batch for its workers (``EngineShare.exchange``).
     cpu0 = _cpu(pid)
     for r in range(ranks):
         if cut_request is not None and version > 2:
-            _withdraw(stub, f"rank{r}", f"rank{r}.{1000 + version - 1}")
-        _withdraw(stub, f"rank{r}", f"rank{r}.{version - 1}")
+            _withdraw(stub, [(f"rank{r}", f"rank{r}.{1000 + version - 1}"), (f"rank{r}", f"rank{r}.{version - 1}")])
+        else:
+            _withdraw(stub, [(f"rank{r}", f"rank{r}.{version - 1}")])
     for e in range(engines):
-        for w in range(cuts.TP):
-            _withdraw(stub, f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}")
+        _withdraw(stub, [(f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
     withdraw_cpu = _cpu(pid) - cpu0
     cpu0 = _cpu(pid)
     if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
@@ -408,12 +410,20 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
 
 
-def _withdraw(stub, agent: str, replica_id: str) -> None:
-    """``agent``'s Unpublish of its replica of the version before (nobody reads it by now: no drain)."""
-    answer = stub.Unpublish(pb.UnpublishRequest(agent_id=agent, replica_id=replica_id, drain_timeout_s=10),
-                            timeout=120)
-    if not answer.drained:
-        raise RuntimeError(f"{replica_id} did not drain: {answer}")
+def _withdraw(stub, replicas: list[tuple[str, str]]) -> None:
+    """The withdrawals of (agent, replica of the version before): one Unpublish,
+    or a Batch of several (nobody reads them by now: no drain)."""
+    requests = [pb.UnpublishRequest(agent_id=a, replica_id=r, drain_timeout_s=10) for a, r in replicas]
+    if len(requests) == 1:
+        answers = [stub.Unpublish(requests[0], timeout=120)]
+    else:
+        outcomes = stub.Batch(pb.BatchRequest(withdrawals=requests), timeout=120).withdrawals
+        if any(o.code for o in outcomes):
+            raise RuntimeError(f"the server refused withdrawals: {[o.detail for o in outcomes if o.code]}")
+        answers = [o.unpublished for o in outcomes]
+    for (_, replica_id), answer in zip(replicas, answers, strict=True):
+        if not answer.drained:
+            raise RuntimeError(f"{replica_id} did not drain: {answer}")
 
 
 def _calls(stub) -> dict[str, int]:
@@ -431,8 +441,8 @@ def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], 
     complete) and the bytes it read, and the release of the engine's
     answer's lease. A pull slower than the server's answers sends reports
     between them (``tensorhub bench cluster --versions`` counts them for
-    real), and each worker withdraws its previous version (an Unpublish,
-    not counted here)."""
+    real), and the engine's workers withdraw their previous version (a
+    Batch, counted with the withdrawals)."""
     for request in requests:
         request.state = pb.REPLICA_STATE_FILLING
     announced = stub.Batch(pb.BatchRequest(publishes=[_lean(r) for r in requests]), timeout=120)
