@@ -12,9 +12,18 @@ Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
 
-``PullJob`` makes the decisions: what each round reads and from whom
-(``schedule``, ``planner``), when to lease, take over and let go, what a failed
-READ or a fresh list of holders means. The bookkeeping lives beside it:
+``PullJob`` executes a schedule: it posts, polls, releases, reports and fails
+over. What to read comes from pure modules, handed plain values (the clock
+read here, passed in):
+
+    schedule.next_chunks   which chunks a round reads (the reader's order: reader_order; growing peers)
+    planner.choose_sources from whom, per chunk
+    schedule.PostQueue     which READ goes out next (held back while its holder's cap is out), round_over
+    pacing                 when to ask the server again, how long to wait for peers, patience, reports
+
+It decides what only the execution can tell: when to lease, take over and
+let go, what a failed READ or a fresh list of holders means. The bookkeeping
+lives beside it:
 
     PullJob (this module) ─┬─▶ flights.Flights       READs in flight across rounds: deadlines,
                            │                         given-up READs polled until they end, the drain
@@ -22,7 +31,7 @@ READ or a fresh list of holders means. The bookkeeping lives beside it:
                            │                         instance, change counter, the resettle window
                            ├─▶ peernews.PullNews     relaying peers' chunk news: heard each round
                            │                         (once it flows, the server is asked every
-                           │                         _ASK_WITH_NEWS_S), told as this pull's chunks land
+                           │                         pacing.ASK_WITH_NEWS_S), told as this pull's chunks land
                            ├─▶ leases.PullLeases     which read lease covers which holder
                            ├─▶ verify.ChunkVerifier  chunks checked against their checksums
                            └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
@@ -43,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tensorhub import pacing
 from tensorhub.client.flights import Flight, Flights, Handles, drain_s
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.peernews import PullNews
@@ -62,8 +72,17 @@ from tensorhub.errors import (
     TransferStalled,
     VersionNotFound,
 )
-from tensorhub.planner import choose_sources, ring_offset
-from tensorhub.schedule import CHAIN_PATIENCE_S, HolderView, Wave, admit, by_turns, next_chunks, reads_in_flight
+from tensorhub.planner import choose_sources
+from tensorhub.schedule import (
+    HolderView,
+    PostQueue,
+    Wave,
+    growing,
+    next_chunks,
+    reader_order,
+    reads_in_flight,
+    round_over,
+)
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -95,28 +114,7 @@ class Transport(Handles, Protocol):
     def forget(self, key: str) -> None: ...
 
 
-# A round posts READs this long, then the pull asks again who holds what (until
-# peers' news flows: _ASK_WITH_NEWS_S); a serving pull hands its landed chunks
-# to its reports this often. How soon relaying readers see each other's chunks
-# through the server: 0.2 s / 50 ms took 1.16x a lag-free raw relay,
-# 0.05 s / 20 ms 1.05x (``tensorhub bench cluster --readers 3``, docs/history/cluster.md).
-_REPORT_PERIOD_S = 0.02
-_REFRESH_IDLE_S = 0.05
-_PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
-# A reader with nothing to read but peers' chunks still to come asks the server
-# to answer once the version's holders change (a long poll), at most this long,
-# and at most once per _WAIT_FOR_PEERS_S: 16 relaying readers report chunks
-# hundreds of times a second, and a waiter woken by each would only replan.
-_WAIT_FOR_CHANGE_S = 0.25
-_WAIT_FOR_PEERS_S = 0.01
-# Once its peers' chunk news flows (``peernews``), a pull asks the server who
-# holds the version this often, at most: the news says which chunks the peers
-# it knows landed, the server who joined or left. It waits for news in
-# _NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
-_ASK_WITH_NEWS_S = 0.5
-_NEWS_POLL_S = 0.001
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
+# Rounds that land nothing (a holder withdrawn, none left for some chunks) before the pull gives up.
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
@@ -314,13 +312,9 @@ class PullJob:
         return maps
 
     def _asking_due(self) -> bool:
-        """Whether to ask the server who holds what now: while no news came (it
-        is how the pull learns of its peers), after every round until its
-        answers stop changing, then less and less often (``ServerAnswers.quiet_s``);
-        once news comes, every ``_ASK_WITH_NEWS_S`` (joiners, leavers, peers
-        that do not tell it)."""
-        since = time.monotonic() - self._asked_at
-        return since >= (_ASK_WITH_NEWS_S if self._news_flowing() else self._server.quiet_s)
+        """Whether to ask the server who holds what now (``pacing.asking_due``)."""
+        return pacing.asking_due(time.monotonic(), self._asked_at, news_flowing=self._news_flowing(),
+                          quiet_s=self._server.quiet_s)
 
     def _news_flowing(self) -> bool:
         return self.news is not None and self.news.heard > 0
@@ -329,28 +323,20 @@ class PullJob:
         """With nothing to read until peers land more: their news, waited for
         until the server is due to be asked, patience runs out, or the
         deadline; None if none came (the server is asked then)."""
-        until = min(self._asked_at + _ASK_WITH_NEWS_S, self._progress_at + _PATIENCE_S, self.deadline)
+        until = pacing.news_until(self._asked_at, self._progress_at, self.deadline)
         while time.monotonic() < until:
             heard = self._hear(maps)
             if heard is not maps:
                 return heard
-            time.sleep(_NEWS_POLL_S)
+            time.sleep(pacing.NEWS_POLL_S)
         return None
-
-    def _offset(self, agent_id: str) -> int:
-        """Where an agent's pulls start in the chunk order (the same for every reader)."""
-        return ring_offset(agent_id, self.layout.num_chunks)
-
-    def _rotated(self, chunk: int) -> int:
-        """This pull's chunk order: readers that start together begin at different chunks."""
-        return (chunk - self._offset(self.agent_id)) % max(1, self.layout.num_chunks)
 
     def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False, held: int = 0) -> list[int]:
         """The chunks of the next round (``schedule.next_chunks``, from what each
         usable holder has and will hold); it sets the round's ``_relayed`` and
-        ``_origin_cap``. A round stops posting after ``_REFRESH_IDLE_S`` and the
+        ``_origin_cap``. A round stops posting after ``pacing.REFRESH_IDLE_S`` and the
         server is asked again, so readers that start together (and were not yet
-        registered) find each other early; after ``_PATIENCE_S`` without a chunk
+        registered) find each other early; after ``pacing.PATIENCE_S`` without a chunk
         a reader reads anything from anywhere."""
         now = time.monotonic()
         holders = [HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
@@ -359,23 +345,20 @@ class PullJob:
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
                     in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
                     serving=self.landed is not None,
-                    patience_out=now - self._progress_at > _PATIENCE_S, holders=holders, held=held)
-        batch = next_chunks(sorted(needed, key=self._rotated), wave)
+                    patience_out=pacing.patience_out(now, self._progress_at), holders=holders, held=held)
+        batch = next_chunks(reader_order(needed, self.agent_id, self.layout.num_chunks), wave)
         self._relayed, self._origin_cap, self._peer_cap = set(batch.relayed), batch.origin_cap, batch.peer_cap
         replica_of = {m.replica.agent_id: m.replica_id for m in usable}
         self._prefer = {c: replica_of[a] for c, a in batch.prefer.items()}
         return batch.chunks
 
     def _growing(self, holder: HolderMap, now: float) -> bool:
-        """Whether a filling holder landed a chunk of the read set within
-        ``CHAIN_PATIENCE_S`` (since this pull first saw it, at first)."""
+        """Whether a holder is complete or landed a chunk lately (``schedule.growing``)."""
         if holder.replica.source.complete:
             return True
-        count = int(np.count_nonzero(holder.covered))
-        seen = self._peer_counts.get(holder.replica_id)
-        if seen is None or count > seen[0]:
-            self._peer_counts[holder.replica_id] = seen = (count, now)
-        return now - seen[1] <= CHAIN_PATIENCE_S
+        rid = holder.replica_id
+        grows, self._peer_counts[rid] = growing(int(np.count_nonzero(holder.covered)), self._peer_counts.get(rid), now)
+        return grows
 
     def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
         """The chunks of the read set a holder has or will have once it is complete."""
@@ -489,30 +472,25 @@ class PullJob:
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
         """While this reader waits for its peers' chunks, report its own chunks
-        whose checks finish meanwhile (waiting ``_WAIT_FOR_PEERS_S`` at most for
+        whose checks finish meanwhile (waiting ``pacing.WAIT_FOR_PEERS_S`` at most for
         one); False when no check is running. Else the last chunks of each
         reader's share stayed unserved until its patience ran out, while its
         peers, waiting for those chunks, did the same (found by ``tensorhub
         bench rl``, elastic: a wave of joiners stalled 1 s per round)."""
         if not self._checks.running:
             return False
-        settled = self._checked(needed, excluded, stats, _WAIT_FOR_PEERS_S)
+        settled = self._checked(needed, excluded, stats, pacing.WAIT_FOR_PEERS_S)
         if settled and self.landed is not None:
             self.landed(settled)
         return True
 
     def _wait_for_peers_s(self) -> float:
         """How long a reader waiting for its peers' chunks lets the server hold
-        its question: until its patience runs out (it then reads from anyone),
-        ``_WAIT_FOR_CHANGE_S`` at most, never past the pull's deadline. 0 after
-        ``_PATIENCE_S``; a pause first when it asked within ``_WAIT_FOR_PEERS_S``."""
-        now = time.monotonic()
-        pause = self._asked_at + _WAIT_FOR_PEERS_S - now
+        its question, after the pause first due (``pacing.peer_wait``)."""
+        pause, wait_s = pacing.peer_wait(time.monotonic(), self._asked_at, self._progress_at, self.deadline)
         if pause > 0:
             time.sleep(pause)
-            now += pause
-        left = min(_PATIENCE_S - (now - self._progress_at), _WAIT_FOR_CHANGE_S, self.deadline - now)
-        return max(0.0, left)
+        return wait_s
 
     def _refresh_quietly(self, excluded: set[str], maps: dict[str, HolderMap], needed: set[int],
                          wait_s: float = 0.0) -> dict[str, HolderMap]:
@@ -610,8 +588,8 @@ class PullJob:
         between rounds. The flights live on the job (``_flying``: ``flights.Flights``)."""
         layout = self.layout
         self._round_view = (maps, excluded)  # for a stalled READ's question: can another holder give it?
-        todo = iter(by_turns(transfers, lambda t: t.replica_id))
-        deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
+        queue = PostQueue(transfers, lambda t: t.replica_id, cap=self._origin_cap, peer_cap=self._peer_cap,
+                          complete={rid: m.replica.source.complete for rid, m in maps.items()})
         for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
             self._pending[chunk] = len(planned)
             self._failed.discard(chunk)
@@ -623,7 +601,7 @@ class PullJob:
         finished_any = False
         last_report = time.monotonic()
         done_bytes = layout.total_bytes - sum(layout.chunk_bytes(c) for c in needed)
-        pause = _POLL_MIN_S
+        pause = pacing.POLL_MIN_S
 
         def lost(replica: RemoteReplica, error: TransferFailed) -> None:
             rid = replica.source.replica_id
@@ -654,38 +632,19 @@ class PullJob:
             else:
                 flying.add(chunk, transfer, handle, deadline, replica)
 
-        def room(transfer: Transfer) -> bool:
-            rid = transfer.replica_id
-            return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap, peer_cap=self._peer_cap,
-                         flying={rid: flying.from_source(rid)})
-
-        def take() -> tuple[int, Transfer] | None:
-            """The next READ to post: held-back ones first once their holder has room."""
-            for i, item in enumerate(deferred):
-                if room(item[1]):
-                    return deferred.pop(i)
-            for item in todo:
-                if room(item[1]):
-                    return item
-                deferred.append(item)
-            return None
-
         try:
-            stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
+            stop_posting_at = time.monotonic() + pacing.REFRESH_IDLE_S
             posting, cut = True, False
+            slots = max(self._slots, self.in_flight)
             begun: set[int] = set()  # chunks with a READ posted this round
             while True:
-                while posting and len(flying) < max(self._slots, self.in_flight):
+                while posting and len(flying) < slots:
                     if not cut and time.monotonic() >= stop_posting_at:
-                        # Time to ask who holds what. Post the rest of the chunks begun,
-                        # only: a chunk posted in part (checked READs come in pieces) is
-                        # read again whole next round, the bytes of its landed pieces twice.
-                        cut = True
-                        todo = iter([item for item in todo if item[0] in begun])
-                        deferred[:] = [item for item in deferred if item[0] in begun]
-                    item = take()
+                        cut = True  # time to ask who holds what: post the rest of the chunks begun, only
+                        queue.cut(begun)
+                    item = queue.take(flying.from_source)
                     if item is None:
-                        posting = bool(deferred)  # the held-back ones go as their holders' READs land
+                        posting = queue.held_back  # the held-back ones go as their holders' READs land
                         break
                     chunk, transfer = item
                     if transfer.replica_id in lost_now or transfer.replica_id in excluded or chunk in failed:
@@ -695,7 +654,7 @@ class PullJob:
                     post(chunk, transfer)
                     if self._checks.enabled and flying.newest_landed():
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
-                if not flying or (carry and not posting and finished_any and len(flying) <= max(self._slots, self.in_flight) // 2):
+                if round_over(len(flying), slots, posting=posting, carry=carry, landed_any=finished_any):
                     break
                 finished: list[Flight] = []
                 for flight, error in flying.poll():
@@ -744,15 +703,14 @@ class PullJob:
                 flying.settle(finished)
                 if finished:
                     finished_any = True
-                    pause = _POLL_MIN_S
+                    pause = pacing.POLL_MIN_S
                     if self.progress is not None:
                         self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
                 else:
                     time.sleep(pause)
-                    pause = min(pause * 2, _POLL_MAX_S)
-                if landed and self.landed is not None and (
-                    not flying or time.monotonic() - last_report >= _REPORT_PERIOD_S
-                ):
+                    pause = pacing.poll_backoff(pause)
+                if landed and self.landed is not None and pacing.report_due(time.monotonic(), last_report,
+                                                                            flying=bool(flying)):
                     self.landed(landed)
                     landed = []
                     last_report = time.monotonic()
