@@ -25,15 +25,19 @@ It decides what only the execution can tell: when to lease, take over and
 let go, what a failed READ or a fresh list of holders means. The bookkeeping
 lives beside it:
 
-    PullJob (this module) ─┬─▶ flights.Flights       READs in flight across rounds: deadlines,
-                           │                         given-up READs polled until they end, the drain
-                           ├─▶ refresh.ServerAnswers what the server's answers mid-pull say: its
-                           │                         instance, change counter, the resettle window
-                           ├─▶ peernews.PullNews     relaying peers' chunk news: heard each round
-                           │                         (once it flows, the server is asked every
-                           │                         pacing.ASK_WITH_NEWS_S), told as this pull's chunks land
-                           ├─▶ leases.PullLeases     which read lease covers which holder
-                           ├─▶ verify.ChunkVerifier  chunks checked against their checksums
+    PullJob (this module) ─┬─▶ flights.Flights         READs in flight across rounds: deadlines,
+                           │                           given-up READs polled until they end, the drain
+                           ├─▶ chunkreads.ChunkReads   the chunks being read: READs not landed, bytes per
+                           │                           source, failed ones planned again once none flies
+                           ├─▶ refresh.ServerAnswers   what the server's answers mid-pull say: its
+                           │                           instance, change counter, the resettle window
+                           ├─▶ holderviews.HolderViews the holders as this pull sees them: their maps
+                           │                           (peers' news merged), their views for the schedule
+                           ├─▶ peernews.PullNews       relaying peers' chunk news: heard each round
+                           │                           (once it flows, the server is asked every
+                           │                           pacing.ASK_WITH_NEWS_S), told as this pull's chunks land
+                           ├─▶ leases.PullLeases       which read lease covers which holder
+                           ├─▶ verify.ChunkVerifier    chunks checked against their checksums
                            └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
 
 The job talks to the reference server through ``ControlPlane`` and moves bytes
@@ -53,7 +57,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from tensorhub import pacing
+from tensorhub.client.chunkreads import ChunkReads
 from tensorhub.client.flights import Flight, Flights, Handles, drain_s
+from tensorhub.client.holderviews import HolderViews
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.peernews import PullNews
 from tensorhub.client.plancache import LayoutPlans
@@ -73,16 +79,7 @@ from tensorhub.errors import (
     VersionNotFound,
 )
 from tensorhub.planner import choose_sources
-from tensorhub.schedule import (
-    HolderView,
-    PostQueue,
-    Wave,
-    growing,
-    next_chunks,
-    reader_order,
-    reads_in_flight,
-    round_over,
-)
+from tensorhub.schedule import PostQueue, Wave, next_chunks, reader_order, reads_in_flight, round_over
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -192,22 +189,17 @@ class PullJob:
     plans: LayoutPlans = field(default_factory=LayoutPlans)
     # Chunk news with the relaying peers (``peernews``); None: only the server says who has what
     news: PullNews | None = None
-    _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
-    _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
+    _checks: ChunkVerifier = field(init=False)
+    _holders: HolderViews = field(init=False)  # the holders as this pull sees them (``holderviews``)
     # Read leases are kept until the pull ends: a holder that unpublishes
     # mid-pull waits for it (the contract), and it stays readable meanwhile.
     _leases: PullLeases = field(init=False)
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
-    _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
-    _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
     # READs in flight across rounds, and those given up on but not ended (``flights``):
     # made when the pull runs, over the transport it has then
     _flying: Flights = field(init=False)
-    _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
-    _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
-    _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
+    _reads: ChunkReads = field(default_factory=ChunkReads)  # the chunks being read, how far each got (``chunkreads``)
     _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
-    _peer_counts: dict[str, tuple[int, float]] = field(default_factory=dict)  # filling holder -> (chunks, since when)
     _prefer: dict[int, str] = field(default_factory=dict)  # of _relayed, the peer (replica id) to read from (the chain's)
     _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
     _peer_cap: int = 0  # and from one filling holder
@@ -220,6 +212,9 @@ class PullJob:
     _round_view: tuple[dict, set[str]] = field(default_factory=lambda: ({}, set()))  # this round's maps, excluded
 
     def __post_init__(self) -> None:
+        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
+                                     self.layout)
+        self._holders = HolderViews(layout=self.layout, plans=self.plans, checks=self._checks, news=self.news)
         self._leases = PullLeases(self.rpc, self.agent_id)
         self._stalls = Stalls(lambda rid: self.rpc.report_lost(
             self.agent_id, rid, f"no READ landed for {self.chunk_timeout_s:g} s", stalled=True),
@@ -229,9 +224,7 @@ class PullJob:
         res = self.resolved
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
-        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
-                                     self.layout)
-        maps = self._maps(res.replicas, set())
+        maps = self._holders.maps(res.replicas, set())
         self._server = ServerAnswers(self.rpc, self.agent_id, res, resettle_s=_RESETTLE_S)
         self._asked_at = time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
@@ -266,51 +259,6 @@ class PullJob:
         stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
         return stats
 
-    def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
-        """What each holder can give of the read set now; holders of none of it are dropped
-        (complete ones: a filling one will hold some)."""
-        out = {}
-        filling = []
-        for r in replicas:
-            rid = r.source.replica_id
-            if rid in excluded:
-                continue
-            if not r.source.complete and self.news is not None:
-                r = self.news.merged(r)  # what news said of it since (never less)
-                filling.append(r)
-            table = self._tables.get(rid)
-            if table is None:
-                table = self._tables[rid] = self.plans.table(self.layout, r)
-                if self._checks.enabled:
-                    self._checks.add_holder(r, table, self.plans.coverage(self.layout, r, table))
-            else:
-                self._checks.refresh(r)
-            if len(table["r_off"]):
-                m = self.plans.holder_map(self.layout, r, table)
-                # A filling reader that has landed nothing yet stays: it takes its
-                # share of the wave (relay_share) from its first round on. Dropped,
-                # the readers of a wave each read others' shares from the complete
-                # holder until every one of them had landed a chunk.
-                if len(m.chunk) or not r.source.complete:
-                    out[rid] = m
-        if self.news is not None:
-            self.news.know(filling)
-        return out
-
-    def _hear(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
-        """``maps`` with the chunk news that came since: the peers' holder maps
-        as their news says."""
-        if self.news is None:
-            return maps
-        updates = self.news.updates({rid: m.replica for rid, m in maps.items()})
-        if not updates:
-            return maps
-        maps = dict(maps)
-        for rid, replica in updates.items():
-            self._checks.refresh(replica)
-            maps[rid] = self.plans.holder_map(self.layout, replica, self._tables[rid])
-        return maps
-
     def _asking_due(self) -> bool:
         """Whether to ask the server who holds what now (``pacing.asking_due``)."""
         return pacing.asking_due(time.monotonic(), self._asked_at, news_flowing=self._news_flowing(),
@@ -325,7 +273,7 @@ class PullJob:
         deadline; None if none came (the server is asked then)."""
         until = pacing.news_until(self._asked_at, self._progress_at, self.deadline)
         while time.monotonic() < until:
-            heard = self._hear(maps)
+            heard = self._holders.hear(maps)
             if heard is not maps:
                 return heard
             time.sleep(pacing.NEWS_POLL_S)
@@ -339,8 +287,7 @@ class PullJob:
         registered) find each other early; after ``pacing.PATIENCE_S`` without a chunk
         a reader reads anything from anywhere."""
         now = time.monotonic()
-        holders = [HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
-                              m.covered > 0, self._chunks_of(m), self._growing(m, now)) for m in usable]
+        holders = self._holders.views(usable, now)
         self._slots = reads_in_flight(self.in_flight, holders)
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
                     in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
@@ -351,22 +298,6 @@ class PullJob:
         replica_of = {m.replica.agent_id: m.replica_id for m in usable}
         self._prefer = {c: replica_of[a] for c, a in batch.prefer.items()}
         return batch.chunks
-
-    def _growing(self, holder: HolderMap, now: float) -> bool:
-        """Whether a holder is complete or landed a chunk lately (``schedule.growing``)."""
-        if holder.replica.source.complete:
-            return True
-        rid = holder.replica_id
-        grows, self._peer_counts[rid] = growing(int(np.count_nonzero(holder.covered)), self._peer_counts.get(rid), now)
-        return grows
-
-    def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
-        """The chunks of the read set a holder has or will have once it is complete."""
-        held = self._will_hold.get(holder.replica_id)
-        if held is None:
-            held = self._will_hold[holder.replica_id] = self.plans.will_hold(
-                self.layout, holder.replica, self._tables[holder.replica_id])
-        return held
 
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
@@ -382,7 +313,7 @@ class PullJob:
                 if settled and self.landed is not None:
                     self.landed(settled)
                 continue
-            maps = self._hear(maps)
+            maps = self._holders.hear(maps)
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
             in_air = self._flying.chunks()
@@ -505,7 +436,7 @@ class PullJob:
             return maps
         except VersionNotFound:
             return maps
-        return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded, needed)
+        return self._keep_leased(self._holders.maps(fresh.replicas, excluded), maps, excluded, needed)
 
     def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap], excluded: set[str],
                      needed: set[int]) -> dict[str, HolderMap]:
@@ -564,7 +495,7 @@ class PullJob:
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
         self._read_again(fresh, excluded, stats)
-        return self._maps(fresh.replicas, excluded)
+        return self._holders.maps(fresh.replicas, excluded)
 
     def _read_again(self, fresh: Resolved, excluded: set[str], stats: PullStats) -> None:
         """Some chunks have no holder left: the holders given up on as stalled
@@ -590,12 +521,8 @@ class PullJob:
         self._round_view = (maps, excluded)  # for a stalled READ's question: can another holder give it?
         queue = PostQueue(transfers, lambda t: t.replica_id, cap=self._origin_cap, peer_cap=self._peer_cap,
                           complete={rid: m.replica.source.complete for rid, m in maps.items()})
-        for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
-            self._pending[chunk] = len(planned)
-            self._failed.discard(chunk)
-            self._got.pop(chunk, None)
-            self._arrived.pop(chunk, None)
-        pending, failed, got, flying = self._pending, self._failed, self._got, self._flying
+        reads, flying = self._reads, self._flying
+        reads.plan(transfers)  # planned anew: whatever failed before is forgotten
         lost_now: set[str] = set()
         landed: list[int] = []
         finished_any = False
@@ -613,7 +540,7 @@ class PullJob:
         def post(chunk: int, transfer: Transfer) -> None:
             replica = maps[transfer.replica_id].replica
             if not self._leases.covers(transfer.replica_id):  # its lease failed to renew: lease again next round
-                failed.add(chunk)
+                reads.fail(chunk)
                 return
             try:
                 deadline = flying.deadline(transfer.replica_id, time.monotonic())
@@ -623,12 +550,12 @@ class PullJob:
             except TransferFailed as e:
                 self.wide.ended(transfer, reusable=True)
                 lost(replica, e)
-                failed.add(chunk)
+                reads.fail(chunk)
             except TensorHubError as e:  # the lease could not be renewed: lease again next round
                 self.wide.ended(transfer, reusable=True)
                 log.info("chunk %d deferred: %s", chunk, e)
                 self._leases.forget(transfer.replica_id)
-                failed.add(chunk)
+                reads.fail(chunk)
             else:
                 flying.add(chunk, transfer, handle, deadline, replica)
 
@@ -647,8 +574,8 @@ class PullJob:
                         posting = queue.held_back  # the held-back ones go as their holders' READs land
                         break
                     chunk, transfer = item
-                    if transfer.replica_id in lost_now or transfer.replica_id in excluded or chunk in failed:
-                        failed.add(chunk)  # stays needed: the next round re-plans it
+                    if transfer.replica_id in lost_now or transfer.replica_id in excluded or reads.failed(chunk):
+                        reads.fail(chunk)  # stays needed: the next round re-plans it
                         continue
                     begun.add(chunk)
                     post(chunk, transfer)
@@ -663,7 +590,7 @@ class PullJob:
                     if error is not None:
                         self.wide.ended(transfer, reusable=not error.stalled)  # a stalled READ may land later
                         lost(replica, error)
-                        failed.add(chunk)
+                        reads.fail(chunk)
                         continue
                     read, descriptors = self.wide.landed(transfer)  # wide groups cut into place first
                     stats.read_bytes += read
@@ -674,31 +601,25 @@ class PullJob:
                         log.info("chunk %d from %s finished only after its read lease ran out: read again",
                                  chunk, transfer.replica_id)
                         self._leases.forget(transfer.replica_id)
-                        failed.add(chunk)
+                        reads.fail(chunk)
                         continue
                     flying.progressed(transfer.replica_id)
-                    if chunk in failed:
+                    if reads.failed(chunk):
                         continue
-                    by_source = got.setdefault(chunk, {})
                     name = replica.source.agent_name
                     stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
                     stats.lean_sources[name] = stats.lean_sources.get(name, True) and replica.lean
-                    by_source[name] = by_source.get(name, 0) + transfer.nbytes
-                    self._arrived.setdefault(chunk, []).append(transfer)
                     self._checks.arrived(transfer)  # its CRC now, while its bytes are in cache
-                    pending[chunk] -= 1
-                    if pending[chunk] == 0:
-                        # Counted once the whole chunk is in: a chunk that failed
-                        # in part is read again, whole, next round.
-                        del pending[chunk]
-                        sources = got.pop(chunk)
+                    whole = reads.landed(chunk, name, transfer)
+                    if whole is not None:  # counted once the whole chunk is in (``chunkreads``)
+                        sources, arrived = whole
                         for source, nbytes in sources.items():
                             stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
                         stats.chunk_sources[chunk] = max(sources, key=sources.__getitem__)
                         done_bytes += layout.chunk_bytes(chunk)
                         self._progress_at = time.monotonic()
                         needed.discard(chunk)
-                        landed.extend(self._checks.landed(chunk, self._arrived.pop(chunk, ())))
+                        landed.extend(self._checks.landed(chunk, arrived))
                 landed.extend(self._checked(needed, excluded, stats))
                 flying.settle(finished)
                 if finished:
@@ -718,13 +639,7 @@ class PullJob:
             self._drop_flights()
             raise
         finally:
-            # A failed chunk with nothing left in flight is planned again next round.
-            in_air = flying.chunks()
-            for chunk in [c for c in failed if c not in in_air]:
-                failed.discard(chunk)
-                pending.pop(chunk, None)
-                got.pop(chunk, None)
-                self._arrived.pop(chunk, None)
+            reads.settle(flying.chunks())  # a failed chunk with nothing left in flight is planned again next round
         if landed and self.landed is not None:
             self.landed(landed)
 
