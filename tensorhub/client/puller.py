@@ -63,6 +63,7 @@ from tensorhub.client.holderviews import HolderViews
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.peernews import PullNews
 from tensorhub.client.plancache import LayoutPlans
+from tensorhub.client.pullstats import PullStats
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
 from tensorhub.client.rpc import RemoteReplica, Resolved
@@ -126,41 +127,6 @@ def _names(tensors: list[str], limit: int = 4) -> str:
     """Tensor names for a message: the first ``limit``, then how many more."""
     more = len(tensors) - limit
     return ", ".join(tensors[:limit]) + (f" and {more} more" if more > 0 else "")
-
-
-@dataclass(kw_only=True, slots=True)
-class PullStats:
-    nbytes: int = 0
-    bytes_by_source: dict[str, int] = field(default_factory=dict)
-    source_kinds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # name -> (Labels.tier, origin)
-    lost_sources: list[str] = field(default_factory=list)
-    # Of those, the ones given up on as stalled (slow, no error) that the server
-    # still listed alive when no other holder had what was missing: read again.
-    sources_read_again: list[str] = field(default_factory=list)
-    rounds: int = 0
-    verified_bytes: int = 0  # checked against the publisher's chunk checksums
-    unverified_bytes: int = 0  # read from a source without checksums, or a holder chunk read in part
-    corrupt_sources: list[str] = field(default_factory=list)  # whose bytes failed the check
-    # Holder chunks whose bytes failed their check and were read again; of them,
-    # those whose bytes came from several holders (nobody excluded: no culprit).
-    checks_failed: int = 0
-    checks_failed_unplaced: int = 0
-    # Every byte of every READ that landed, read again or not: a pull that read
-    # nothing twice, nor wide (``wideread``), reads ``nbytes`` (an extra copy of
-    # the weights shows here, and so do the rows around a wide read's columns).
-    read_bytes: int = 0
-    descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
-    plans_reused: int = 0  # chunk plans an earlier pull into the same layout made (``plancache``)
-    plans_made: int = 0  # chunk plans made by this pull (not in the cache)
-    refreshes: int = 0  # resolves this pull sent after its first answer (asking again who holds what)
-    news_heard: int = 0  # peers' chunk news that told this pull of chunks it did not know of (``peernews``)
-    # Holders a byte was read from, by agent name: whether each came lean (its
-    # layout known from an earlier answer: ``replay``)
-    lean_sources: dict[str, bool] = field(default_factory=dict)
-    # Per chunk of the read set, the holder (agent name) most of its bytes came
-    # from: readers of one version cut alike share chunk numbers, so a relay
-    # tree can be traced chunk by chunk (``bench cluster``'s depth).
-    chunk_sources: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -262,7 +228,7 @@ class PullJob:
     def _asking_due(self) -> bool:
         """Whether to ask the server who holds what now (``pacing.asking_due``)."""
         return pacing.asking_due(time.monotonic(), self._asked_at, news_flowing=self._news_flowing(),
-                          quiet_s=self._server.quiet_s)
+                                 quiet_s=self._server.quiet_s)
 
     def _news_flowing(self) -> bool:
         return self.news is not None and self.news.heard > 0
@@ -607,15 +573,12 @@ class PullJob:
                     if reads.failed(chunk):
                         continue
                     name = replica.source.agent_name
-                    stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
-                    stats.lean_sources[name] = stats.lean_sources.get(name, True) and replica.lean
+                    stats.read_from(name, (self.labels.tier(replica.source.labels), replica.source.origin), replica.lean)
                     self._checks.arrived(transfer)  # its CRC now, while its bytes are in cache
                     whole = reads.landed(chunk, name, transfer)
                     if whole is not None:  # counted once the whole chunk is in (``chunkreads``)
                         sources, arrived = whole
-                        for source, nbytes in sources.items():
-                            stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
-                        stats.chunk_sources[chunk] = max(sources, key=sources.__getitem__)
+                        stats.chunk_done(chunk, sources)
                         done_bytes += layout.chunk_bytes(chunk)
                         self._progress_at = time.monotonic()
                         needed.discard(chunk)
