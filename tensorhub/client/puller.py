@@ -16,10 +16,10 @@ holder that unpublished after the lease ran out never has its memory read.
 over. What to read comes from pure modules, handed plain values (the clock
 read here, passed in):
 
-    schedule.next_chunks   which chunks a round reads (the reader's order: reader_order; growing peers)
-    planner.choose_sources from whom, per chunk
-    schedule.PostQueue     which READ goes out next (held back while its holder's cap is out), round_over
-    pacing                 when to ask the server again, how long to wait for peers, patience, reports
+    schedule.next_chunks    which chunks a round reads (the reader's order: reader_order; growing peers)
+    roundplan.RoundPlanner  from whom (planner.choose_sources), cut in READs (readlayout, verify, wideread)
+    schedule.PostQueue      which READ goes out next (held back while its holder's cap is out), round_over
+    pacing                  when to ask the server again, how long to wait for peers, patience, reports
 
 It decides what only the execution can tell: when to lease, take over and
 let go, what a failed READ or a fresh list of holders means. The bookkeeping
@@ -38,7 +38,7 @@ lives beside it:
                            │                           pacing.ASK_WITH_NEWS_S), told as this pull's chunks land
                            ├─▶ leases.PullLeases       which read lease covers which holder
                            ├─▶ verify.ChunkVerifier    chunks checked against their checksums
-                           └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
+                           └─▶ wideread.WideReads      the scratch wide READs land in, cut into place
 
 The job talks to the reference server through ``ControlPlane`` and moves bytes
 through ``Transport``: the real ones are ``ReferenceClient`` and ``NixlAgent``;
@@ -66,6 +66,7 @@ from tensorhub.client.plancache import LayoutPlans
 from tensorhub.client.pullstats import PullStats
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
+from tensorhub.client.roundplan import RoundPlanner
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.stalls import Stalls
 from tensorhub.client.transfer import Transfer
@@ -79,7 +80,6 @@ from tensorhub.errors import (
     TransferStalled,
     VersionNotFound,
 )
-from tensorhub.planner import choose_sources
 from tensorhub.schedule import PostQueue, Wave, next_chunks, reader_order, reads_in_flight, round_over
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
@@ -172,8 +172,7 @@ class PullJob:
     _slots: int = 0  # this round's READs in flight, at most (``schedule.reads_in_flight``; see _batch)
     _server: ServerAnswers = field(init=False)  # what the server's answers to this pull said (``refresh``)
     _asked_at: float = 0.0  # when this pull last asked who holds what
-    _plans_reused: int = 0
-    _plans_made: int = 0
+    _planner: RoundPlanner = field(init=False)  # the READs that fill a round's chunks (``roundplan``)
     _stalls: Stalls = field(init=False)  # holders this pull heard nothing from: slow or dead (``stalls``)
     _round_view: tuple[dict, set[str]] = field(default_factory=lambda: ({}, set()))  # this round's maps, excluded
 
@@ -181,6 +180,8 @@ class PullJob:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
                                      self.layout)
         self._holders = HolderViews(layout=self.layout, plans=self.plans, checks=self._checks, news=self.news)
+        self._planner = RoundPlanner(layout=self.layout, labels=self.labels, plans=self.plans, wide=self.wide,
+                                     checks=self._checks)
         self._leases = PullLeases(self.rpc, self.agent_id)
         self._stalls = Stalls(lambda rid: self.rpc.report_lost(
             self.agent_id, rid, f"no READ landed for {self.chunk_timeout_s:g} s", stalled=True),
@@ -222,7 +223,7 @@ class PullJob:
             stats.refreshes = self._server.asked
             stats.news_heard = self.news.heard if self.news is not None else 0
         stats.nbytes = self.layout.total_bytes
-        stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
+        stats.plans_reused, stats.plans_made = self._planner.reused, self._planner.made
         return stats
 
     def _asking_due(self) -> bool:
@@ -299,20 +300,9 @@ class PullJob:
                     maps = heard if heard is not None else self._refresh_quietly(
                         excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
-            plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
-                                  self.labels, exclude=frozenset(excluded), relayed=self._relayed,
-                                  runs={m.replica_id: m.segments for m in usable}, prefer=self._prefer)
+            plan = self._planner.plan(chunks, usable, excluded=excluded, relayed=self._relayed, prefer=self._prefer)
             self._relayed, self._prefer = set(), {}
-            transfers: dict[int, list[Transfer]] = {}
-            unavailable = list(plan.unavailable)
-            for chunk in chunks:  # in the batch's order: the round reads them in this order
-                ranked = plan.order.get(chunk)
-                planned = self._planned(chunk, [maps[rid] for rid in ranked]) if ranked else None
-                if planned is None:
-                    if ranked:
-                        unavailable.append(chunk)
-                else:
-                    transfers[chunk] = planned
+            transfers, unavailable = plan.reads, plan.unavailable  # in the batch's order: the round reads them so
             if unavailable:
                 self._leases.drop_upfront()  # the holders it leased cannot fill this round
                 read_again = len(stats.sources_read_again)
@@ -349,23 +339,6 @@ class PullJob:
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             if needed and self._asking_due():  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(excluded, maps, needed)
-
-    def _planned(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:
-        """The READs that fill ``chunk`` from ``ranked`` holders, None if they miss
-        some bytes: each holder's segments of it, checked ones cut to be checked
-        in cache, then wide where the link makes it pay (the same for the same
-        layouts: ``plans`` keeps them)."""
-        def make() -> list[Transfer] | None:
-            planned = self.layout.transfers(chunk, ranked)
-            return None if planned is None else self.wide.plan(self._checks.pieces(planned), maps)
-
-        maps = {m.replica_id: m for m in ranked}
-        context = (tuple(self._checks.checked(m.replica_id) for m in ranked),
-                   tuple(self.wide.cost(m.replica) for m in ranked), self.wide.slot_bytes)
-        planned, reused = self.plans.chunk(chunk, ranked, context, make)
-        self._plans_reused += reused
-        self._plans_made += not reused
-        return planned
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
         """While this reader waits for its peers' chunks, report its own chunks
