@@ -1,12 +1,12 @@
 """Which chunks a reader reads next, and in what order its READs go out. Pure: no I/O, no clock.
 
     the reader's chunks still needed, ──▶ next_chunks() ──▶ Batch: the chunks to plan now (in order),
-    in its order (rotated by agent)                           those taken from filling peers (relayed),
-    what each holder has / will hold                          a cap on READs from one complete holder
-    (complete or filling, zone)                                    │
-                                                                   ▼
+    in its order (reader_order: turned                        those taken from filling peers (relayed),
+    by agent); what each holder has /                         a cap on READs from one complete holder
+    will hold (complete or filling, zone,                          │
+    growing: still landing chunks)                                 ▼
                                          planner.choose_sources ranks holders per chunk; the
-                                         puller cuts each chunk into READs (readlayout)
+                                         puller cuts each chunk into READs (client/roundplan)
                                                                    │
     the READs, per chunk ──▶ PostQueue: by_turns() ──▶ take(): the next READ whose holder has room
                              one queue in turns over       (admit()), held-back ones first;
