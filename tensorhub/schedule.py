@@ -1,16 +1,19 @@
 """Which chunks a reader reads next, and in what order its READs go out. Pure: no I/O, no clock.
 
     the reader's chunks still needed, ──▶ next_chunks() ──▶ Batch: the chunks to plan now (in order),
-    in its order (rotated by agent)                           those taken from filling peers (relayed),
-    what each holder has / will hold                          a cap on READs from one complete holder
-    (complete or filling, zone)                                    │
-                                                                   ▼
+    in its order (reader_order: turned                        those taken from filling peers (relayed),
+    by agent); what each holder has /                         a cap on READs from one complete holder
+    will hold (complete or filling, zone,                          │
+    growing: still landing chunks)                                 ▼
                                          planner.choose_sources ranks holders per chunk; the
-                                         puller cuts each chunk into READs (readlayout)
+                                         puller cuts each chunk into READs (client/roundplan)
                                                                    │
-    the READs, per chunk ──▶ by_turns() ──▶ one queue in turns over their holders ──▶ admit(): post
-                                                                                       while the
-    READs in flight per holder ───────────────────────────────────────────────────────▶ holder has room
+    the READs, per chunk ──▶ PostQueue: by_turns() ──▶ take(): the next READ whose holder has room
+                             one queue in turns over       (admit()), held-back ones first;
+                             their holders                 cut(): only the chunks begun
+    READs in flight per holder ─────────────────────────────────▲
+                                                                 round_over(): the round returns,
+                                                                 its last READs carried to the next
 
 Alone (no other reader fills the same version), a reader reads everything,
 from the best holders. While a wave of readers fills the same version:
@@ -43,14 +46,14 @@ between batches.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from tensorhub.planner import relay_share
+from tensorhub.planner import relay_share, ring_offset
 
 # While a wave of readers relays (filling peers exist), a reader keeps at most
 # this many READs in flight from any one complete holder: every reader of the
@@ -160,6 +163,23 @@ def reads_in_flight(base: int, holders: Sequence[HolderView]) -> int:
     """How many READs a reader keeps in flight: ``base`` alone, ``WAVE_READS_FACTOR``
     times that while readers beside it fill the same version (a relaying wave)."""
     return base * WAVE_READS_FACTOR if any(not h.complete for h in holders) else base
+
+
+def reader_order(chunks: Iterable[int], me: str, num_chunks: int) -> list[int]:
+    """``chunks`` in reader ``me``'s order: from its place on the ring of chunks
+    (``planner.ring_offset``) round, so readers that start together begin at different chunks."""
+    start = ring_offset(me, num_chunks)
+    return sorted(chunks, key=lambda c: (c - start) % max(1, num_chunks))
+
+
+def growing(count: int, seen: tuple[int, float] | None, now: float) -> tuple[bool, tuple[int, float]]:
+    """Whether a filling holder that has ``count`` chunks of the read set landed
+    a chunk within ``CHAIN_PATIENCE_S`` (``HolderView.growing``); ``seen``: its
+    count and since when, as last returned (None: first seen now). Returns that
+    and what to keep for the next call."""
+    if seen is None or count > seen[0]:
+        seen = (count, now)
+    return now - seen[1] <= CHAIN_PATIENCE_S, seen
 
 
 def next_chunks(order: Sequence[int], wave: Wave) -> Batch:
@@ -283,3 +303,52 @@ def admit(holder: K, *, complete: bool, flying: Mapping[K, int], cap: int, peer_
     filling holder (``Batch.peer_cap``); 0: no cap."""
     limit = cap if complete else peer_cap
     return not limit or flying.get(holder, 0) < limit
+
+
+class PostQueue(Generic[K, T]):
+    """A round's READs in the order they go out: in turns over their holders
+    (``by_turns``); a READ whose holder has its cap out (``admit``) is held
+    back, and held-back ones go first once their holder has room. ``cut``
+    drops the READs of chunks not begun (the round's time is up: a chunk posted
+    in part is read again whole next round, the bytes of its landed pieces twice)."""
+
+    def __init__(self, reads: Mapping[int, Sequence[T]], holder_of: Callable[[T], K], *,
+                 complete: Mapping[K, bool], cap: int, peer_cap: int = 0) -> None:
+        self._todo = iter(by_turns(reads, holder_of))
+        self._held: list[tuple[int, T]] = []
+        self._holder_of, self._complete, self._cap, self._peer_cap = holder_of, complete, cap, peer_cap
+
+    def _room(self, read: T, flying: Callable[[K], int]) -> bool:
+        holder = self._holder_of(read)
+        return admit(holder, complete=self._complete[holder], cap=self._cap, peer_cap=self._peer_cap,
+                     flying={holder: flying(holder)})
+
+    def take(self, flying: Callable[[K], int]) -> tuple[int, T] | None:
+        """The next ``(chunk, READ)`` to post, given the READs in flight per
+        holder (``flying``); None when every READ left is held back, or none is."""
+        for i, item in enumerate(self._held):
+            if self._room(item[1], flying):
+                return self._held.pop(i)
+        for item in self._todo:
+            if self._room(item[1], flying):
+                return item
+            self._held.append(item)
+        return None
+
+    @property
+    def held_back(self) -> bool:
+        """Whether READs wait for their holders' room (they go as that holder's READs land)."""
+        return bool(self._held)
+
+    def cut(self, begun: set[int]) -> None:
+        """Keep only the READs of the chunks ``begun``."""
+        self._todo = iter([item for item in self._todo if item[0] in begun])
+        self._held[:] = [item for item in self._held if item[0] in begun]
+
+
+def round_over(flying: int, slots: int, *, posting: bool, carry: bool, landed_any: bool) -> bool:
+    """Whether a round returns with ``flying`` READs still in flight: none
+    flies; or, ``carry``ing them to the next round, every READ is posted
+    (``posting`` over), some landed, and at most half its ``slots`` fly (the
+    links never drain between rounds)."""
+    return not flying or (carry and not posting and landed_any and flying <= slots // 2)

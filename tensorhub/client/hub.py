@@ -40,7 +40,8 @@ from tensorhub.client.landed import LandedReports
 from tensorhub.client.peernews import PeerNews, PullNews
 from tensorhub.client.plancache import PlanCache
 from tensorhub.client.publication import Publication, PubState
-from tensorhub.client.puller import ProgressFn, PullJob, PullStats
+from tensorhub.client.puller import ProgressFn, PullJob
+from tensorhub.client.pullstats import PullStats
 from tensorhub.client.readsets import ReadSet, ReadSets
 from tensorhub.client.replay import DELTA, PLANNED, path_of
 from tensorhub.client.rpc import ReaderCuts, ReferenceClient, RemoteReplica, Resolved

@@ -12,20 +12,33 @@ Every byte of one pull comes from replicas of one resolved version, so a pull
 never mixes versions. Reads stop before the read lease's local expiry, so a
 holder that unpublished after the lease ran out never has its memory read.
 
-``PullJob`` makes the decisions: what each round reads and from whom
-(``schedule``, ``planner``), when to lease, take over and let go, what a failed
-READ or a fresh list of holders means. The bookkeeping lives beside it:
+``PullJob`` executes a schedule: it posts, polls, releases, reports and fails
+over. What to read comes from pure modules, handed plain values (the clock
+read here, passed in):
 
-    PullJob (this module) ─┬─▶ flights.Flights       READs in flight across rounds: deadlines,
-                           │                         given-up READs polled until they end, the drain
-                           ├─▶ refresh.ServerAnswers what the server's answers mid-pull say: its
-                           │                         instance, change counter, the resettle window
-                           ├─▶ peernews.PullNews     relaying peers' chunk news: heard each round
-                           │                         (once it flows, the server is asked every
-                           │                         _ASK_WITH_NEWS_S), told as this pull's chunks land
-                           ├─▶ leases.PullLeases     which read lease covers which holder
-                           ├─▶ verify.ChunkVerifier  chunks checked against their checksums
-                           └─▶ wideread.WideReads, plancache.LayoutPlans  how each chunk is cut in READs
+    schedule.next_chunks    which chunks a round reads (the reader's order: reader_order; growing peers)
+    roundplan.RoundPlanner  from whom (planner.choose_sources), cut in READs (readlayout, verify, wideread)
+    schedule.PostQueue      which READ goes out next (held back while its holder's cap is out), round_over
+    pacing                  when to ask the server again, how long to wait for peers, patience, reports
+
+It decides what only the execution can tell: when to lease, take over and
+let go, what a failed READ or a fresh list of holders means. The bookkeeping
+lives beside it:
+
+    PullJob (this module) ─┬─▶ flights.Flights         READs in flight across rounds: deadlines,
+                           │                           given-up READs polled until they end, the drain
+                           ├─▶ chunkreads.ChunkReads   the chunks being read: READs not landed, bytes per
+                           │                           source, failed ones planned again once none flies
+                           ├─▶ refresh.ServerAnswers   what the server's answers mid-pull say: its
+                           │                           instance, change counter, the resettle window
+                           ├─▶ holderviews.HolderViews the holders as this pull sees them: their maps
+                           │                           (peers' news merged), their views for the schedule
+                           ├─▶ peernews.PullNews       relaying peers' chunk news: heard each round
+                           │                           (once it flows, the server is asked every
+                           │                           pacing.ASK_WITH_NEWS_S), told as this pull's chunks land
+                           ├─▶ leases.PullLeases       which read lease covers which holder
+                           ├─▶ verify.ChunkVerifier    chunks checked against their checksums
+                           └─▶ wideread.WideReads      the scratch wide READs land in, cut into place
 
 The job talks to the reference server through ``ControlPlane`` and moves bytes
 through ``Transport``: the real ones are ``ReferenceClient`` and ``NixlAgent``;
@@ -43,12 +56,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tensorhub import pacing
+from tensorhub.client.chunkreads import ChunkReads
 from tensorhub.client.flights import Flight, Flights, Handles, drain_s
+from tensorhub.client.holderviews import HolderViews
 from tensorhub.client.leases import LeaseService, PullLeases
 from tensorhub.client.peernews import PullNews
 from tensorhub.client.plancache import LayoutPlans
+from tensorhub.client.pullstats import PullStats
 from tensorhub.client.readlayout import HolderMap, ReadLayout
 from tensorhub.client.refresh import ServerAnswers
+from tensorhub.client.roundplan import RoundPlanner
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.client.stalls import Stalls
 from tensorhub.client.transfer import Transfer
@@ -62,8 +80,7 @@ from tensorhub.errors import (
     TransferStalled,
     VersionNotFound,
 )
-from tensorhub.planner import choose_sources, ring_offset
-from tensorhub.schedule import CHAIN_PATIENCE_S, HolderView, Wave, admit, by_turns, next_chunks, reads_in_flight
+from tensorhub.schedule import PostQueue, Wave, next_chunks, reader_order, reads_in_flight, round_over
 from tensorhub.topology import Labels
 from tensorhub.transport import MemoryKind, TransferFailed
 
@@ -95,28 +112,7 @@ class Transport(Handles, Protocol):
     def forget(self, key: str) -> None: ...
 
 
-# A round posts READs this long, then the pull asks again who holds what (until
-# peers' news flows: _ASK_WITH_NEWS_S); a serving pull hands its landed chunks
-# to its reports this often. How soon relaying readers see each other's chunks
-# through the server: 0.2 s / 50 ms took 1.16x a lag-free raw relay,
-# 0.05 s / 20 ms 1.05x (``tensorhub bench cluster --readers 3``, docs/history/cluster.md).
-_REPORT_PERIOD_S = 0.02
-_REFRESH_IDLE_S = 0.05
-_PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read from anyone
-# A reader with nothing to read but peers' chunks still to come asks the server
-# to answer once the version's holders change (a long poll), at most this long,
-# and at most once per _WAIT_FOR_PEERS_S: 16 relaying readers report chunks
-# hundreds of times a second, and a waiter woken by each would only replan.
-_WAIT_FOR_CHANGE_S = 0.25
-_WAIT_FOR_PEERS_S = 0.01
-# Once its peers' chunk news flows (``peernews``), a pull asks the server who
-# holds the version this often, at most: the news says which chunks the peers
-# it knows landed, the server who joined or left. It waits for news in
-# _NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
-_ASK_WITH_NEWS_S = 0.5
-_NEWS_POLL_S = 0.001
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
+# Rounds that land nothing (a holder withdrawn, none left for some chunks) before the pull gives up.
 _MAX_ROUNDS_WITHOUT_PROGRESS = 4
 # After the server restarted (a new instance answers) or went out of reach, its
 # holders announce their replicas again at their next heartbeats, once their
@@ -131,41 +127,6 @@ def _names(tensors: list[str], limit: int = 4) -> str:
     """Tensor names for a message: the first ``limit``, then how many more."""
     more = len(tensors) - limit
     return ", ".join(tensors[:limit]) + (f" and {more} more" if more > 0 else "")
-
-
-@dataclass(kw_only=True, slots=True)
-class PullStats:
-    nbytes: int = 0
-    bytes_by_source: dict[str, int] = field(default_factory=dict)
-    source_kinds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # name -> (Labels.tier, origin)
-    lost_sources: list[str] = field(default_factory=list)
-    # Of those, the ones given up on as stalled (slow, no error) that the server
-    # still listed alive when no other holder had what was missing: read again.
-    sources_read_again: list[str] = field(default_factory=list)
-    rounds: int = 0
-    verified_bytes: int = 0  # checked against the publisher's chunk checksums
-    unverified_bytes: int = 0  # read from a source without checksums, or a holder chunk read in part
-    corrupt_sources: list[str] = field(default_factory=list)  # whose bytes failed the check
-    # Holder chunks whose bytes failed their check and were read again; of them,
-    # those whose bytes came from several holders (nobody excluded: no culprit).
-    checks_failed: int = 0
-    checks_failed_unplaced: int = 0
-    # Every byte of every READ that landed, read again or not: a pull that read
-    # nothing twice, nor wide (``wideread``), reads ``nbytes`` (an extra copy of
-    # the weights shows here, and so do the rows around a wide read's columns).
-    read_bytes: int = 0
-    descriptors: int = 0  # of the READs that landed: one per segment, or per wide span
-    plans_reused: int = 0  # chunk plans an earlier pull into the same layout made (``plancache``)
-    plans_made: int = 0  # chunk plans made by this pull (not in the cache)
-    refreshes: int = 0  # resolves this pull sent after its first answer (asking again who holds what)
-    news_heard: int = 0  # peers' chunk news that told this pull of chunks it did not know of (``peernews``)
-    # Holders a byte was read from, by agent name: whether each came lean (its
-    # layout known from an earlier answer: ``replay``)
-    lean_sources: dict[str, bool] = field(default_factory=dict)
-    # Per chunk of the read set, the holder (agent name) most of its bytes came
-    # from: readers of one version cut alike share chunk numbers, so a relay
-    # tree can be traced chunk by chunk (``bench cluster``'s depth).
-    chunk_sources: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,34 +155,33 @@ class PullJob:
     plans: LayoutPlans = field(default_factory=LayoutPlans)
     # Chunk news with the relaying peers (``peernews``); None: only the server says who has what
     news: PullNews | None = None
-    _checks: ChunkVerifier = field(default_factory=lambda: ChunkVerifier(False))
-    _arrived: dict[int, list[Transfer]] = field(default_factory=dict)  # READs landed of chunks not complete
+    _checks: ChunkVerifier = field(init=False)
+    _holders: HolderViews = field(init=False)  # the holders as this pull sees them (``holderviews``)
     # Read leases are kept until the pull ends: a holder that unpublishes
     # mid-pull waits for it (the contract), and it stays readable meanwhile.
     _leases: PullLeases = field(init=False)
     _progress_at: float = field(default_factory=time.monotonic)  # when a chunk last landed
-    _tables: dict[str, dict] = field(default_factory=dict)  # holder tables by replica id: regions never change
-    _will_hold: dict[str, frozenset[int]] = field(default_factory=dict)  # chunks of the read set, by replica id
     # READs in flight across rounds, and those given up on but not ended (``flights``):
     # made when the pull runs, over the transport it has then
     _flying: Flights = field(init=False)
-    _pending: dict[int, int] = field(default_factory=dict)  # chunk -> its READs not landed yet
-    _failed: set[int] = field(default_factory=set)  # chunks with a failed READ, re-planned once none flies
-    _got: dict[int, dict[str, int]] = field(default_factory=dict)  # bytes per source of chunks not complete
+    _reads: ChunkReads = field(default_factory=ChunkReads)  # the chunks being read, how far each got (``chunkreads``)
     _relayed: set[int] = field(default_factory=set)  # chunks of this round that _batch takes from filling peers
-    _peer_counts: dict[str, tuple[int, float]] = field(default_factory=dict)  # filling holder -> (chunks, since when)
     _prefer: dict[int, str] = field(default_factory=dict)  # of _relayed, the peer (replica id) to read from (the chain's)
     _origin_cap: int = 0  # this round's READs in flight from one complete holder, at most (0: no cap; see _batch)
     _peer_cap: int = 0  # and from one filling holder
     _slots: int = 0  # this round's READs in flight, at most (``schedule.reads_in_flight``; see _batch)
     _server: ServerAnswers = field(init=False)  # what the server's answers to this pull said (``refresh``)
     _asked_at: float = 0.0  # when this pull last asked who holds what
-    _plans_reused: int = 0
-    _plans_made: int = 0
+    _planner: RoundPlanner = field(init=False)  # the READs that fill a round's chunks (``roundplan``)
     _stalls: Stalls = field(init=False)  # holders this pull heard nothing from: slow or dead (``stalls``)
     _round_view: tuple[dict, set[str]] = field(default_factory=lambda: ({}, set()))  # this round's maps, excluded
 
     def __post_init__(self) -> None:
+        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
+                                     self.layout)
+        self._holders = HolderViews(layout=self.layout, plans=self.plans, checks=self._checks, news=self.news)
+        self._planner = RoundPlanner(layout=self.layout, labels=self.labels, plans=self.plans, wide=self.wide,
+                                     checks=self._checks)
         self._leases = PullLeases(self.rpc, self.agent_id)
         self._stalls = Stalls(lambda rid: self.rpc.report_lost(
             self.agent_id, rid, f"no READ landed for {self.chunk_timeout_s:g} s", stalled=True),
@@ -231,9 +191,7 @@ class PullJob:
         res = self.resolved
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
-        self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
-                                     self.layout)
-        maps = self._maps(res.replicas, set())
+        maps = self._holders.maps(res.replicas, set())
         self._server = ServerAnswers(self.rpc, self.agent_id, res, resettle_s=_RESETTLE_S)
         self._asked_at = time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
@@ -265,62 +223,13 @@ class PullJob:
             stats.refreshes = self._server.asked
             stats.news_heard = self.news.heard if self.news is not None else 0
         stats.nbytes = self.layout.total_bytes
-        stats.plans_reused, stats.plans_made = self._plans_reused, self._plans_made
+        stats.plans_reused, stats.plans_made = self._planner.reused, self._planner.made
         return stats
 
-    def _maps(self, replicas: tuple[RemoteReplica, ...], excluded: set[str]) -> dict[str, HolderMap]:
-        """What each holder can give of the read set now; holders of none of it are dropped
-        (complete ones: a filling one will hold some)."""
-        out = {}
-        filling = []
-        for r in replicas:
-            rid = r.source.replica_id
-            if rid in excluded:
-                continue
-            if not r.source.complete and self.news is not None:
-                r = self.news.merged(r)  # what news said of it since (never less)
-                filling.append(r)
-            table = self._tables.get(rid)
-            if table is None:
-                table = self._tables[rid] = self.plans.table(self.layout, r)
-                if self._checks.enabled:
-                    self._checks.add_holder(r, table, self.plans.coverage(self.layout, r, table))
-            else:
-                self._checks.refresh(r)
-            if len(table["r_off"]):
-                m = self.plans.holder_map(self.layout, r, table)
-                # A filling reader that has landed nothing yet stays: it takes its
-                # share of the wave (relay_share) from its first round on. Dropped,
-                # the readers of a wave each read others' shares from the complete
-                # holder until every one of them had landed a chunk.
-                if len(m.chunk) or not r.source.complete:
-                    out[rid] = m
-        if self.news is not None:
-            self.news.know(filling)
-        return out
-
-    def _hear(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap]:
-        """``maps`` with the chunk news that came since: the peers' holder maps
-        as their news says."""
-        if self.news is None:
-            return maps
-        updates = self.news.updates({rid: m.replica for rid, m in maps.items()})
-        if not updates:
-            return maps
-        maps = dict(maps)
-        for rid, replica in updates.items():
-            self._checks.refresh(replica)
-            maps[rid] = self.plans.holder_map(self.layout, replica, self._tables[rid])
-        return maps
-
     def _asking_due(self) -> bool:
-        """Whether to ask the server who holds what now: while no news came (it
-        is how the pull learns of its peers), after every round until its
-        answers stop changing, then less and less often (``ServerAnswers.quiet_s``);
-        once news comes, every ``_ASK_WITH_NEWS_S`` (joiners, leavers, peers
-        that do not tell it)."""
-        since = time.monotonic() - self._asked_at
-        return since >= (_ASK_WITH_NEWS_S if self._news_flowing() else self._server.quiet_s)
+        """Whether to ask the server who holds what now (``pacing.asking_due``)."""
+        return pacing.asking_due(time.monotonic(), self._asked_at, news_flowing=self._news_flowing(),
+                                 quiet_s=self._server.quiet_s)
 
     def _news_flowing(self) -> bool:
         return self.news is not None and self.news.heard > 0
@@ -329,61 +238,33 @@ class PullJob:
         """With nothing to read until peers land more: their news, waited for
         until the server is due to be asked, patience runs out, or the
         deadline; None if none came (the server is asked then)."""
-        until = min(self._asked_at + _ASK_WITH_NEWS_S, self._progress_at + _PATIENCE_S, self.deadline)
+        until = pacing.news_until(self._asked_at, self._progress_at, self.deadline)
         while time.monotonic() < until:
-            heard = self._hear(maps)
+            heard = self._holders.hear(maps)
             if heard is not maps:
                 return heard
-            time.sleep(_NEWS_POLL_S)
+            time.sleep(pacing.NEWS_POLL_S)
         return None
-
-    def _offset(self, agent_id: str) -> int:
-        """Where an agent's pulls start in the chunk order (the same for every reader)."""
-        return ring_offset(agent_id, self.layout.num_chunks)
-
-    def _rotated(self, chunk: int) -> int:
-        """This pull's chunk order: readers that start together begin at different chunks."""
-        return (chunk - self._offset(self.agent_id)) % max(1, self.layout.num_chunks)
 
     def _batch(self, needed: set[int], usable: list[HolderMap], first: bool = False, held: int = 0) -> list[int]:
         """The chunks of the next round (``schedule.next_chunks``, from what each
         usable holder has and will hold); it sets the round's ``_relayed`` and
-        ``_origin_cap``. A round stops posting after ``_REFRESH_IDLE_S`` and the
+        ``_origin_cap``. A round stops posting after ``pacing.REFRESH_IDLE_S`` and the
         server is asked again, so readers that start together (and were not yet
-        registered) find each other early; after ``_PATIENCE_S`` without a chunk
+        registered) find each other early; after ``pacing.PATIENCE_S`` without a chunk
         a reader reads anything from anywhere."""
         now = time.monotonic()
-        holders = [HolderView(m.replica.agent_id, m.replica.source.labels.zone, m.replica.source.complete,
-                              m.covered > 0, self._chunks_of(m), self._growing(m, now)) for m in usable]
+        holders = self._holders.views(usable, now)
         self._slots = reads_in_flight(self.in_flight, holders)
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
                     in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
                     serving=self.landed is not None,
-                    patience_out=now - self._progress_at > _PATIENCE_S, holders=holders, held=held)
-        batch = next_chunks(sorted(needed, key=self._rotated), wave)
+                    patience_out=pacing.patience_out(now, self._progress_at), holders=holders, held=held)
+        batch = next_chunks(reader_order(needed, self.agent_id, self.layout.num_chunks), wave)
         self._relayed, self._origin_cap, self._peer_cap = set(batch.relayed), batch.origin_cap, batch.peer_cap
         replica_of = {m.replica.agent_id: m.replica_id for m in usable}
         self._prefer = {c: replica_of[a] for c, a in batch.prefer.items()}
         return batch.chunks
-
-    def _growing(self, holder: HolderMap, now: float) -> bool:
-        """Whether a filling holder landed a chunk of the read set within
-        ``CHAIN_PATIENCE_S`` (since this pull first saw it, at first)."""
-        if holder.replica.source.complete:
-            return True
-        count = int(np.count_nonzero(holder.covered))
-        seen = self._peer_counts.get(holder.replica_id)
-        if seen is None or count > seen[0]:
-            self._peer_counts[holder.replica_id] = seen = (count, now)
-        return now - seen[1] <= CHAIN_PATIENCE_S
-
-    def _chunks_of(self, holder: HolderMap) -> frozenset[int]:
-        """The chunks of the read set a holder has or will have once it is complete."""
-        held = self._will_hold.get(holder.replica_id)
-        if held is None:
-            held = self._will_hold[holder.replica_id] = self.plans.will_hold(
-                self.layout, holder.replica, self._tables[holder.replica_id])
-        return held
 
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
@@ -399,7 +280,7 @@ class PullJob:
                 if settled and self.landed is not None:
                     self.landed(settled)
                 continue
-            maps = self._hear(maps)
+            maps = self._holders.hear(maps)
             stats.rounds += 1
             usable = [m for rid, m in maps.items() if rid not in excluded]
             in_air = self._flying.chunks()
@@ -419,20 +300,9 @@ class PullJob:
                     maps = heard if heard is not None else self._refresh_quietly(
                         excluded, maps, needed, wait_s=self._wait_for_peers_s())
                 continue
-            plan = choose_sources(self.layout.holders(chunks, usable), [m.replica.source for m in usable],
-                                  self.labels, exclude=frozenset(excluded), relayed=self._relayed,
-                                  runs={m.replica_id: m.segments for m in usable}, prefer=self._prefer)
+            plan = self._planner.plan(chunks, usable, excluded=excluded, relayed=self._relayed, prefer=self._prefer)
             self._relayed, self._prefer = set(), {}
-            transfers: dict[int, list[Transfer]] = {}
-            unavailable = list(plan.unavailable)
-            for chunk in chunks:  # in the batch's order: the round reads them in this order
-                ranked = plan.order.get(chunk)
-                planned = self._planned(chunk, [maps[rid] for rid in ranked]) if ranked else None
-                if planned is None:
-                    if ranked:
-                        unavailable.append(chunk)
-                else:
-                    transfers[chunk] = planned
+            transfers, unavailable = plan.reads, plan.unavailable  # in the batch's order: the round reads them so
             if unavailable:
                 self._leases.drop_upfront()  # the holders it leased cannot fill this round
                 read_again = len(stats.sources_read_again)
@@ -470,49 +340,27 @@ class PullJob:
             if needed and self._asking_due():  # who holds what now: peers' chunks landed, readers joined
                 maps = self._refresh_quietly(excluded, maps, needed)
 
-    def _planned(self, chunk: int, ranked: list[HolderMap]) -> list[Transfer] | None:
-        """The READs that fill ``chunk`` from ``ranked`` holders, None if they miss
-        some bytes: each holder's segments of it, checked ones cut to be checked
-        in cache, then wide where the link makes it pay (the same for the same
-        layouts: ``plans`` keeps them)."""
-        def make() -> list[Transfer] | None:
-            planned = self.layout.transfers(chunk, ranked)
-            return None if planned is None else self.wide.plan(self._checks.pieces(planned), maps)
-
-        maps = {m.replica_id: m for m in ranked}
-        context = (tuple(self._checks.checked(m.replica_id) for m in ranked),
-                   tuple(self.wide.cost(m.replica) for m in ranked), self.wide.slot_bytes)
-        planned, reused = self.plans.chunk(chunk, ranked, context, make)
-        self._plans_reused += reused
-        self._plans_made += not reused
-        return planned
-
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
         """While this reader waits for its peers' chunks, report its own chunks
-        whose checks finish meanwhile (waiting ``_WAIT_FOR_PEERS_S`` at most for
+        whose checks finish meanwhile (waiting ``pacing.WAIT_FOR_PEERS_S`` at most for
         one); False when no check is running. Else the last chunks of each
         reader's share stayed unserved until its patience ran out, while its
         peers, waiting for those chunks, did the same (found by ``tensorhub
         bench rl``, elastic: a wave of joiners stalled 1 s per round)."""
         if not self._checks.running:
             return False
-        settled = self._checked(needed, excluded, stats, _WAIT_FOR_PEERS_S)
+        settled = self._checked(needed, excluded, stats, pacing.WAIT_FOR_PEERS_S)
         if settled and self.landed is not None:
             self.landed(settled)
         return True
 
     def _wait_for_peers_s(self) -> float:
         """How long a reader waiting for its peers' chunks lets the server hold
-        its question: until its patience runs out (it then reads from anyone),
-        ``_WAIT_FOR_CHANGE_S`` at most, never past the pull's deadline. 0 after
-        ``_PATIENCE_S``; a pause first when it asked within ``_WAIT_FOR_PEERS_S``."""
-        now = time.monotonic()
-        pause = self._asked_at + _WAIT_FOR_PEERS_S - now
+        its question, after the pause first due (``pacing.peer_wait``)."""
+        pause, wait_s = pacing.peer_wait(time.monotonic(), self._asked_at, self._progress_at, self.deadline)
         if pause > 0:
             time.sleep(pause)
-            now += pause
-        left = min(_PATIENCE_S - (now - self._progress_at), _WAIT_FOR_CHANGE_S, self.deadline - now)
-        return max(0.0, left)
+        return wait_s
 
     def _refresh_quietly(self, excluded: set[str], maps: dict[str, HolderMap], needed: set[int],
                          wait_s: float = 0.0) -> dict[str, HolderMap]:
@@ -527,7 +375,7 @@ class PullJob:
             return maps
         except VersionNotFound:
             return maps
-        return self._keep_leased(self._maps(fresh.replicas, excluded), maps, excluded, needed)
+        return self._keep_leased(self._holders.maps(fresh.replicas, excluded), maps, excluded, needed)
 
     def _keep_leased(self, fresh: dict[str, HolderMap], old: dict[str, HolderMap], excluded: set[str],
                      needed: set[int]) -> dict[str, HolderMap]:
@@ -586,7 +434,7 @@ class PullJob:
         if fresh.manifest.fingerprint != res.manifest.fingerprint:  # defensive: versions are immutable
             raise TensorHubError(f"{res.model!r} version {res.version} changed manifest during the pull")
         self._read_again(fresh, excluded, stats)
-        return self._maps(fresh.replicas, excluded)
+        return self._holders.maps(fresh.replicas, excluded)
 
     def _read_again(self, fresh: Resolved, excluded: set[str], stats: PullStats) -> None:
         """Some chunks have no holder left: the holders given up on as stalled
@@ -610,20 +458,16 @@ class PullJob:
         between rounds. The flights live on the job (``_flying``: ``flights.Flights``)."""
         layout = self.layout
         self._round_view = (maps, excluded)  # for a stalled READ's question: can another holder give it?
-        todo = iter(by_turns(transfers, lambda t: t.replica_id))
-        deferred: list[tuple[int, Transfer]] = []  # READs held back: their complete holder has its cap out
-        for chunk, planned in transfers.items():  # planned anew: whatever failed before is forgotten
-            self._pending[chunk] = len(planned)
-            self._failed.discard(chunk)
-            self._got.pop(chunk, None)
-            self._arrived.pop(chunk, None)
-        pending, failed, got, flying = self._pending, self._failed, self._got, self._flying
+        queue = PostQueue(transfers, lambda t: t.replica_id, cap=self._origin_cap, peer_cap=self._peer_cap,
+                          complete={rid: m.replica.source.complete for rid, m in maps.items()})
+        reads, flying = self._reads, self._flying
+        reads.plan(transfers)  # planned anew: whatever failed before is forgotten
         lost_now: set[str] = set()
         landed: list[int] = []
         finished_any = False
         last_report = time.monotonic()
         done_bytes = layout.total_bytes - sum(layout.chunk_bytes(c) for c in needed)
-        pause = _POLL_MIN_S
+        pause = pacing.POLL_MIN_S
 
         def lost(replica: RemoteReplica, error: TransferFailed) -> None:
             rid = replica.source.replica_id
@@ -635,7 +479,7 @@ class PullJob:
         def post(chunk: int, transfer: Transfer) -> None:
             replica = maps[transfer.replica_id].replica
             if not self._leases.covers(transfer.replica_id):  # its lease failed to renew: lease again next round
-                failed.add(chunk)
+                reads.fail(chunk)
                 return
             try:
                 deadline = flying.deadline(transfer.replica_id, time.monotonic())
@@ -645,57 +489,38 @@ class PullJob:
             except TransferFailed as e:
                 self.wide.ended(transfer, reusable=True)
                 lost(replica, e)
-                failed.add(chunk)
+                reads.fail(chunk)
             except TensorHubError as e:  # the lease could not be renewed: lease again next round
                 self.wide.ended(transfer, reusable=True)
                 log.info("chunk %d deferred: %s", chunk, e)
                 self._leases.forget(transfer.replica_id)
-                failed.add(chunk)
+                reads.fail(chunk)
             else:
                 flying.add(chunk, transfer, handle, deadline, replica)
 
-        def room(transfer: Transfer) -> bool:
-            rid = transfer.replica_id
-            return admit(rid, complete=maps[rid].replica.source.complete, cap=self._origin_cap, peer_cap=self._peer_cap,
-                         flying={rid: flying.from_source(rid)})
-
-        def take() -> tuple[int, Transfer] | None:
-            """The next READ to post: held-back ones first once their holder has room."""
-            for i, item in enumerate(deferred):
-                if room(item[1]):
-                    return deferred.pop(i)
-            for item in todo:
-                if room(item[1]):
-                    return item
-                deferred.append(item)
-            return None
-
         try:
-            stop_posting_at = time.monotonic() + _REFRESH_IDLE_S
+            stop_posting_at = time.monotonic() + pacing.REFRESH_IDLE_S
             posting, cut = True, False
+            slots = max(self._slots, self.in_flight)
             begun: set[int] = set()  # chunks with a READ posted this round
             while True:
-                while posting and len(flying) < max(self._slots, self.in_flight):
+                while posting and len(flying) < slots:
                     if not cut and time.monotonic() >= stop_posting_at:
-                        # Time to ask who holds what. Post the rest of the chunks begun,
-                        # only: a chunk posted in part (checked READs come in pieces) is
-                        # read again whole next round, the bytes of its landed pieces twice.
-                        cut = True
-                        todo = iter([item for item in todo if item[0] in begun])
-                        deferred[:] = [item for item in deferred if item[0] in begun]
-                    item = take()
+                        cut = True  # time to ask who holds what: post the rest of the chunks begun, only
+                        queue.cut(begun)
+                    item = queue.take(flying.from_source)
                     if item is None:
-                        posting = bool(deferred)  # the held-back ones go as their holders' READs land
+                        posting = queue.held_back  # the held-back ones go as their holders' READs land
                         break
                     chunk, transfer = item
-                    if transfer.replica_id in lost_now or transfer.replica_id in excluded or chunk in failed:
-                        failed.add(chunk)  # stays needed: the next round re-plans it
+                    if transfer.replica_id in lost_now or transfer.replica_id in excluded or reads.failed(chunk):
+                        reads.fail(chunk)  # stays needed: the next round re-plans it
                         continue
                     begun.add(chunk)
                     post(chunk, transfer)
                     if self._checks.enabled and flying.newest_landed():
                         break  # landed when posted (shared memory): its check starts now, while it is in cache
-                if not flying or (carry and not posting and finished_any and len(flying) <= max(self._slots, self.in_flight) // 2):
+                if round_over(len(flying), slots, posting=posting, carry=carry, landed_any=finished_any):
                     break
                 finished: list[Flight] = []
                 for flight, error in flying.poll():
@@ -704,7 +529,7 @@ class PullJob:
                     if error is not None:
                         self.wide.ended(transfer, reusable=not error.stalled)  # a stalled READ may land later
                         lost(replica, error)
-                        failed.add(chunk)
+                        reads.fail(chunk)
                         continue
                     read, descriptors = self.wide.landed(transfer)  # wide groups cut into place first
                     stats.read_bytes += read
@@ -715,44 +540,34 @@ class PullJob:
                         log.info("chunk %d from %s finished only after its read lease ran out: read again",
                                  chunk, transfer.replica_id)
                         self._leases.forget(transfer.replica_id)
-                        failed.add(chunk)
+                        reads.fail(chunk)
                         continue
                     flying.progressed(transfer.replica_id)
-                    if chunk in failed:
+                    if reads.failed(chunk):
                         continue
-                    by_source = got.setdefault(chunk, {})
                     name = replica.source.agent_name
-                    stats.source_kinds[name] = (self.labels.tier(replica.source.labels), replica.source.origin)
-                    stats.lean_sources[name] = stats.lean_sources.get(name, True) and replica.lean
-                    by_source[name] = by_source.get(name, 0) + transfer.nbytes
-                    self._arrived.setdefault(chunk, []).append(transfer)
+                    stats.read_from(name, (self.labels.tier(replica.source.labels), replica.source.origin), replica.lean)
                     self._checks.arrived(transfer)  # its CRC now, while its bytes are in cache
-                    pending[chunk] -= 1
-                    if pending[chunk] == 0:
-                        # Counted once the whole chunk is in: a chunk that failed
-                        # in part is read again, whole, next round.
-                        del pending[chunk]
-                        sources = got.pop(chunk)
-                        for source, nbytes in sources.items():
-                            stats.bytes_by_source[source] = stats.bytes_by_source.get(source, 0) + nbytes
-                        stats.chunk_sources[chunk] = max(sources, key=sources.__getitem__)
+                    whole = reads.landed(chunk, name, transfer)
+                    if whole is not None:  # counted once the whole chunk is in (``chunkreads``)
+                        sources, arrived = whole
+                        stats.chunk_done(chunk, sources)
                         done_bytes += layout.chunk_bytes(chunk)
                         self._progress_at = time.monotonic()
                         needed.discard(chunk)
-                        landed.extend(self._checks.landed(chunk, self._arrived.pop(chunk, ())))
+                        landed.extend(self._checks.landed(chunk, arrived))
                 landed.extend(self._checked(needed, excluded, stats))
                 flying.settle(finished)
                 if finished:
                     finished_any = True
-                    pause = _POLL_MIN_S
+                    pause = pacing.POLL_MIN_S
                     if self.progress is not None:
                         self.progress(min(done_bytes, layout.total_bytes), layout.total_bytes)
                 else:
                     time.sleep(pause)
-                    pause = min(pause * 2, _POLL_MAX_S)
-                if landed and self.landed is not None and (
-                    not flying or time.monotonic() - last_report >= _REPORT_PERIOD_S
-                ):
+                    pause = pacing.poll_backoff(pause)
+                if landed and self.landed is not None and pacing.report_due(time.monotonic(), last_report,
+                                                                            flying=bool(flying)):
                     self.landed(landed)
                     landed = []
                     last_report = time.monotonic()
@@ -760,13 +575,7 @@ class PullJob:
             self._drop_flights()
             raise
         finally:
-            # A failed chunk with nothing left in flight is planned again next round.
-            in_air = flying.chunks()
-            for chunk in [c for c in failed if c not in in_air]:
-                failed.discard(chunk)
-                pending.pop(chunk, None)
-                got.pop(chunk, None)
-                self._arrived.pop(chunk, None)
+            reads.settle(flying.chunks())  # a failed chunk with nothing left in flight is planned again next round
         if landed and self.landed is not None:
             self.landed(landed)
 

@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 from tensorhub.client import verify
-from tensorhub.client.puller import _PATIENCE_S, PullJob
+from tensorhub.client.puller import PullJob
 from tensorhub.client.readlayout import ReadLayout, ReadPart
 from tensorhub.client.rpc import RemoteReplica, Resolved
 from tensorhub.integrity import chunk_checksums
 from tensorhub.manifest import Manifest, itemsize
+from tensorhub.pacing import PATIENCE_S
 from tensorhub.planner import Source
 from tensorhub.regions import Region
 from tensorhub.testing import GrantingLeases
@@ -103,8 +104,8 @@ def test_checked_chunks_are_served_while_waiting_for_peers(monkeypatch):
     # The peer never brought its share: the reader waited its patience for it,
     # then read it itself (the chunks that landed after the wait).
     first = min(transport.landed_at.values())
-    share = [c for c, at in transport.landed_at.items() if at < first + _PATIENCE_S / 2]
+    share = [c for c, at in transport.landed_at.items() if at < first + PATIENCE_S / 2]
     assert 0 < len(share) < CHUNKS - 1, "the peer's share was not left to it"
     late = {c: round(reported[c] - transport.landed_at[c], 3) for c in share
-            if reported[c] - transport.landed_at[c] > _PATIENCE_S / 2}
+            if reported[c] - transport.landed_at[c] > PATIENCE_S / 2}
     assert not late, f"chunks of the reader's own share served only after its patience ran out: {late}"

@@ -67,7 +67,7 @@ def test_a_peer_with_nothing_landed_keeps_its_share_and_the_reader_reads_its_own
     late = _replica("late", complete=False)  # registered, nothing landed yet
     far = _replica("far", complete=False, zone="z1")  # a wave across zones: shares (in one zone: a chain)
     job = _job(trainer, ahead, late, far, in_flight=1)  # in a wave: WAVE_READS_FACTOR READs, batches of twice that
-    maps = job._maps(job.resolved.replicas, set())
+    maps = job._holders.maps(job.resolved.replicas, set())
     assert "late" in maps, "a filling peer with nothing landed was dropped: its share is read by the others"
     batch = job._batch(set(range(CHUNKS)), list(maps.values()))
     slots = WAVE_READS_FACTOR

@@ -1,8 +1,10 @@
-"""``tensorhub.schedule``: which chunks a reader reads next, checked over
-generated waves (hypothesis) and a few cases spelled out."""
+"""``tensorhub.schedule``: which chunks a reader reads next and which READ goes out next,
+checked over generated waves and rounds (hypothesis) and a few cases spelled out."""
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from unittest import mock
 
 import numpy as np
@@ -10,21 +12,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub import schedule
+from tensorhub.planner import ring_offset
 from tensorhub.schedule import (
     CHAIN_MIN_READERS,
+    CHAIN_PATIENCE_S,
     CHAIN_READS_PER_HOLDER,
     ORIGIN_READS_IN_WAVE,
     WAVE_READS_FACTOR,
     Batch,
     HolderView,
+    PostQueue,
     Wave,
     admit,
     alternate,
     by_turns,
     chain_order,
     chain_owners,
+    growing,
     next_chunks,
+    reader_order,
     reads_in_flight,
+    round_over,
 )
 
 N = 24
@@ -209,14 +217,14 @@ def test_a_chain_stops_waiting_for_a_peer_that_stopped_landing_chunks():
     before it read there too) once the peer is no longer ``growing``."""
     names = [f"p{i}" for i in range(CHAIN_MIN_READERS)]
     up, me, *after = chain_order(names)
-    for growing in (True, False):
-        peer = _holder(up, "z0", False, {0}, growing=growing)
+    for grows in (True, False):
+        peer = _holder(up, "z0", False, {0}, growing=grows)
         wave = Wave(me=me, zone="z0", num_chunks=N, in_flight=2, patience_out=True,
                     holders=[_holder("trainer", "z0", True, set(range(N))), peer,
                              *(_holder(a, "z0", False, set()) for a in after)])
         batch = next_chunks(list(range(N)), wave)
         assert batch.chunks[0] == 0 and batch.prefer == {0: up}
-        assert batch.chunks[1:] == ([] if growing else [1, 2, 3]) and batch.origin_cap == ORIGIN_READS_IN_WAVE
+        assert batch.chunks[1:] == ([] if grows else [1, 2, 3]) and batch.origin_cap == ORIGIN_READS_IN_WAVE
 
 
 def test_a_far_zones_chunk_on_its_way_to_a_reader_near_the_origin_waits_for_it():
@@ -245,3 +253,120 @@ def test_a_reader_keeps_more_reads_in_flight_only_in_a_wave(base, complete):
     holders = [_holder(f"h{i}", "z", c, set()) for i, c in enumerate(complete)]
     wave = not all(complete)
     assert reads_in_flight(base, holders) == (base * WAVE_READS_FACTOR if wave else base)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 16), chunk_sets, st.sampled_from(["me", "you", "a", "reader-7", ""]))
+def test_a_readers_order_is_its_chunks_sorted_and_turned_to_start_at_its_place_on_the_ring(n, chunks, me):
+    chunks = {c for c in chunks if c < n}
+    start = ring_offset(me, n)
+    ordered = sorted(chunks)
+    turn = next((i for i, c in enumerate(ordered) if c >= start), len(ordered))
+    assert reader_order(chunks, me, n) == ordered[turn:] + ordered[:turn]
+
+
+def test_readers_that_start_together_begin_at_different_chunks():
+    starts = {reader_order(range(N), f"r{i}", N)[0] for i in range(8)}
+    assert len(starts) > 1 and reader_order([], "me", 0) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.floats(0, 2 * CHAIN_PATIENCE_S)), min_size=1, max_size=12))
+def test_a_filling_holder_grows_while_its_most_chunks_rose_within_chain_patience(steps):
+    """Fed its chunk counts over time: it grows while the count reached its
+    highest (first seen counts as a rise) within ``CHAIN_PATIENCE_S``; a count
+    that falls back changes nothing."""
+    seen, now, best, rose_at = None, 0.0, -1, 0.0
+    for count, dt in steps:
+        now += dt
+        if count > best:
+            best, rose_at = count, now
+        grows, seen = growing(count, seen, now)
+        assert seen == (best, rose_at)
+        assert grows == (now - rose_at <= CHAIN_PATIENCE_S)
+
+
+@st.composite
+def rounds(draw):
+    """A round's READs (per chunk, each from a holder), which holders are complete, the caps."""
+    holders = ["t", "u", "p", "q"][: draw(st.integers(1, 4))]
+    complete = {h: draw(st.booleans()) for h in holders}
+    reads = {c: draw(st.lists(st.sampled_from(holders), min_size=1, max_size=3)) for c in range(draw(st.integers(0, 6)))}
+    return reads, complete, draw(st.integers(0, 2)), draw(st.integers(0, 2))
+
+
+def _room(holder: str, complete: dict, flying: dict, cap: int, peer_cap: int) -> bool:
+    limit = cap if complete[holder] else peer_cap
+    return limit == 0 or flying.get(holder, 0) < limit
+
+
+@settings(max_examples=400, deadline=None)
+@given(rounds(), st.lists(st.integers(0, 3), max_size=40), st.integers(-1, 8))
+def test_a_post_queue_posts_each_read_once_held_back_ones_first_never_over_a_holders_cap(case, lands, cut_at):
+    """Played out: READs are taken while one is given, then one in flight lands
+    (``lands`` picks which), until none is left. The READ taken is always the
+    first of those not taken, held-back ones before the rest (in turns over
+    their holders), whose holder has room; none is taken twice; after ``cut``
+    only chunks begun go; with no cut every READ goes."""
+    reads, complete, cap, peer_cap = case
+    queue = PostQueue(reads, str, complete=complete, cap=cap, peer_cap=peer_cap)
+    left = list(by_turns(reads, str))  # not looked at yet, in turns over their holders
+    held: list[tuple[int, str]] = []  # looked at, their holder without room then
+    flying: list[tuple[int, str]] = []
+    taken: list[tuple[int, str]] = []
+    begun: set[int] = set()
+    cut, at_cut = False, set()
+    for step in range(200):
+        if step == cut_at:
+            cut, at_cut = True, set(begun)
+            queue.cut(begun)
+            left = [item for item in left if item[0] in begun]
+            held = [item for item in held if item[0] in begun]
+        count = {h: sum(1 for _, f in flying if f == h) for h in complete}
+        item = queue.take(count.__getitem__)
+        assert item == next((i for i in held + left if _room(i[1], complete, count, cap, peer_cap)), None)
+        if item is not None:
+            if item in held:
+                held.remove(item)
+            else:  # those before it in turn had no room: held back
+                k = left.index(item)
+                held, left = held + left[:k], left[k + 1:]
+            flying.append(item)
+            taken.append(item)
+            assert not cut or item[0] in at_cut  # after the cut, only the chunks begun before it
+            begun.add(item[0])
+            continue
+        held, left = held + left, []
+        assert queue.held_back == bool(held)
+        if not flying:
+            break
+        flying.pop(lands[step % len(lands)] % len(flying) if lands else 0)
+    else:
+        raise AssertionError("the round never ended")
+    every = Counter((c, h) for c, hs in reads.items() for h in hs)
+    assert not Counter(taken) - every  # none taken more often than it was planned
+    if not cut:
+        assert Counter(taken) == every and not queue.held_back
+
+
+def test_a_post_queue_holds_a_capped_holders_reads_back_and_sends_them_when_it_has_room():
+    queue = PostQueue({0: ["t", "t"], 1: ["p"]}, str, complete={"t": True, "p": False}, cap=1)
+    assert queue.take({"t": 0, "p": 0}.__getitem__) == (0, "t")
+    assert queue.take({"t": 1, "p": 0}.__getitem__) == (1, "p")  # the trainer's second READ waits: held back
+    assert queue.take({"t": 1, "p": 1}.__getitem__) is None and queue.held_back
+    assert queue.take({"t": 0, "p": 1}.__getitem__) == (0, "t") and not queue.held_back
+    cut = PostQueue({0: ["t"], 1: ["t"], 2: ["p"]}, str, complete={"t": True, "p": False}, cap=1)
+    assert cut.take({"t": 0, "p": 0}.__getitem__) == (0, "t")
+    cut.cut({0})  # time is up: chunk 1 (held back) and chunk 2 (not looked at yet) wait for the next round
+    assert cut.take({"t": 0, "p": 0}.__getitem__) is None and not cut.held_back
+
+
+def test_a_round_is_over_when_nothing_flies_or_what_flies_is_carried():
+    for flying, slots, posting, carry, landed_any in itertools.product(range(6), range(1, 6), *[(False, True)] * 3):
+        over = round_over(flying, slots, posting=posting, carry=carry, landed_any=landed_any)
+        if flying == 0:
+            assert over
+        elif not carry or posting or not landed_any:  # never returns with READs out it will not carry
+            assert not over
+        else:  # carried: once at most half its slots fly
+            assert over == (2 * flying <= slots)
