@@ -236,3 +236,31 @@ def test_a_worker_that_fails_keeps_the_engines_rounds_in_step(server, hubs):
     for hub in workers:
         with pytest.raises(RemoteError, match="VersionNotFound"):
             hub.result(timeout=60)
+
+
+def test_a_withdrawal_the_group_did_not_finish_goes_alone(server):
+    """``Hub.withdrawal`` / ``Hub.withdrawn`` (``EngineShare.exchange``): a
+    withdrawal the group's Batch drained closes the publication without
+    another message; one the Batch never sent (its channel failed) is
+    unpublished alone; a closed publication has nothing to withdraw."""
+    import torch
+
+    from tensorhub import Hub
+    from tensorhub.client.publication import PubState
+
+    t = torch.arange(4096, dtype=torch.float32)
+    with Hub.connect(server.address, name="relay") as hub:
+        drained = hub.publish("m", 1, {"a": t})
+        before = _calls(server.address)
+        [outcome] = hub.send_group_withdrawals([hub.withdrawal(drained, 10.0)])
+        assert outcome == (True, 0, False), outcome
+        hub.withdrawn(drained, outcome, 10.0)
+        assert drained.state is PubState.CLOSED
+        assert hub.withdrawal(drained, 10.0) == b""  # closed: nothing more to send
+        alone = hub.publish("m", 2, {"a": t})
+        assert hub.withdrawal(alone, 10.0)
+        hub.withdrawn(alone, None, 10.0)  # the group's Batch did not go: withdrawn on its own
+        assert alone.state is PubState.CLOSED
+        sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+        assert sent.get("Batch") == 1 and sent.get("Unpublish") == 1, sent
+        assert not [v for m in _status(server.address).models for v in m.versions], "a replica is still listed"
