@@ -22,6 +22,7 @@ this one, even after the trainer withdrew its own copy.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,8 @@ from tensorhub.manifest import Manifest
 from tensorhub_vllm.config import TensorHubInitInfo
 from tensorhub_vllm.groupshare import engine_share
 from tensorhub_vllm.readset import ReadSet
+
+log = logging.getLogger(__name__)
 
 # safetensors header dtype names -> torch
 _ST_DTYPES = {
@@ -197,7 +200,12 @@ class VersionReceiver:
             if self._publication is pub:
                 self._publication = None
 
-        return Withdrawal(self.hub.withdrawal(pub, timeout), done)
+        try:
+            message = self.hub.withdrawal(pub, timeout)
+        except Exception:  # never skip the engine's rounds: ``done`` then withdraws it alone
+            log.warning("could not encode the withdrawal of %s; it goes alone", pub.replica_id, exc_info=True)
+            message = b""
+        return Withdrawal(message, done)
 
     def close(self) -> None:
         self._withdrawals.shutdown(wait=True)
