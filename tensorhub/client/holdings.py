@@ -42,6 +42,9 @@ T = TypeVar("T")
 _UNPUBLISH_CALL_SLACK_S = 1.0
 
 
+_GROUP_BATCH = 256  # messages in one Batch (the server's MAX_BATCH)
+
+
 def _batch_slack(timeout: float) -> float:
     """Of an unpublish's ``timeout``, what the call keeps beyond the drain."""
     return min(_UNPUBLISH_CALL_SLACK_S, timeout / 4)
@@ -391,26 +394,55 @@ class Holdings:
                 "retained": pub.retained, "chunk_crc32": pub.chunk_crc32, "deltas": pub.deltas,
                 "trainer_cut": pub.trainer_cut}
 
-    def announce_together(self, pubs: list[Publication]) -> None:
+    def announce_together(self, pubs: list[Publication], group: Any = None) -> None:
         """Announce ``pubs`` (published with ``announce=False``) in one message
         where each goes lean (a trainer rank's cut and shards, every step from
-        the same buffers); else, and any the server did not take, one by one."""
+        the same buffers); else, and any the server did not take, one by one.
+        ``group``: a torch.distributed process group whose every rank calls
+        this at once (a trainer's ranks publishing with ``cut=``): its first
+        rank sends every rank's lean announces, ``_GROUP_BATCH`` a message."""
         lean = [self.group_announce(p, lean_only=True) for p in pubs]
-        taken = [False] * len(pubs)
-        if len(pubs) > 1 and all(lean):
-            try:
-                with contextlib.ExitStack() as confirming:
-                    for pub in pubs:
-                        confirming.enter_context(pub.confirming(self._rpc.timeout_s))
-                    errors, _, _ = self.with_agent(lambda: self._rpc.batch(self.agent_id, publishes=lean))
-                taken = [e is None for e in errors]
-            except TensorHubError as e:  # announced one by one below (a publish is idempotent)
-                log.info("announcing %d replicas in one message: %s; one by one", len(pubs), e)
+        mine = lean if pubs and all(lean) and (len(pubs) > 1 or group is not None) else []
+        with contextlib.ExitStack() as confirming:
+            for pub in pubs if mine else ():
+                confirming.enter_context(pub.confirming(self._rpc.timeout_s))
+            taken = self._announce_group(mine, group) if group is not None else self._announce_batch(mine)
+        taken = taken or [False] * len(pubs)
         for pub, ok in zip(pubs, taken, strict=True):
             if ok:
                 pub.announce_pending = False
             else:
                 self.announce(pub)
+
+    def _announce_batch(self, lean: list[bytes]) -> list[bool]:
+        """Send ``lean`` announces in Batches; per announce whether the server took it."""
+        taken = [False] * len(lean)
+        for start in range(0, len(lean), _GROUP_BATCH):
+            part = lean[start:start + _GROUP_BATCH]
+            try:
+                errors, _, _ = self.with_agent(lambda part=part: self._rpc.batch(self.agent_id, publishes=part))
+            except TensorHubError as e:  # announced one by one (a publish is idempotent)
+                log.info("announcing %d replicas in one message: %s; one by one", len(part), e)
+                continue
+            taken[start:start + len(part)] = [e is None for e in errors]
+        return taken
+
+    def _announce_group(self, lean: list[bytes], group: Any) -> list[bool]:
+        """Every rank of ``group`` at once: the first sends all ranks' ``lean``
+        announces (``_announce_batch``); each rank learns which of its own were taken."""
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, lean, group=group)
+        box: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            flat = [m for ms in every for m in ms]
+            taken, at, box[0] = self._announce_batch(flat), 0, []
+            for ms in every:
+                box[0].append(taken[at:at + len(ms)])
+                at += len(ms)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0][dist.get_rank(group)]
 
     def group_announce(self, pub: Publication, *, lean_only: bool = False) -> bytes:
         """``announce(pub)`` encoded for another member of its group to send

@@ -319,8 +319,9 @@ class Hub:
                           cut: str, group: Any, gather_bytes: int | None, together: bool,
                           shards: Callable[[], Publication]) -> Publication:
         """``publish(cut=...)``: this rank's share of the readers' cut, then its
-        shards; ``together``: both published unannounced, then announced in one
-        message where both go lean (every step from the same buffers)."""
+        shards; ``together``: both published unannounced, then announced where
+        both go lean (every step from the same buffers), every rank's in one
+        message sent by the group's first rank (``Holdings.announce_together``)."""
         if cut != "readers":
             raise InvalidRequest(f"publish {model!r} version {version}: cut must be 'readers' or None, not {cut!r}")
         gather_bytes = self.config.cut_gather_bytes if gather_bytes is None else gather_bytes
@@ -364,9 +365,12 @@ class Hub:
             self._cut_buffers[model] = (chosen[-1], cut_pub)
         pub = None
         try:
-            pub = shards()
-            if together:
-                self._holdings.announce_together([p for p in (cut_pub, pub) if p is not None])
+            try:
+                pub = shards()
+            finally:
+                if together:  # every rank of the group at once, its first sending all (a failed rank: nothing)
+                    self._holdings.announce_together([p for p in (cut_pub, pub) if p is not None and pub is not None],
+                                                     group=group)
         except BaseException:
             for withdrawn in (cut_pub, pub):
                 if withdrawn is not None:

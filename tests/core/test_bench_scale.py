@@ -159,15 +159,15 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
         assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
         # Every message of a steady version, as the server counted them: per trainer rank one Batch
-        # withdrawing its cut and its shards of the version before, one Batch of its shards and its share
-        # of the readers' cut (--trainer-cut), rank 0's ask for the cut; per engine three Batches (its
-        # relays' withdrawals of the version before; their announces; their complete reports and pulled
-        # bytes with the first answer's lease: tensorhub.client.engineshare), two Resolves and the second's
-        # release.
+        # withdrawing its cut and its shards of the version before; one Batch of every rank's shards and
+        # share of the readers' cut (--trainer-cut), sent by rank 0, and its ask for the cut; per engine
+        # three Batches (its relays' withdrawals of the version before; their announces; their complete
+        # reports and pulled bytes with the first answer's lease: tensorhub.client.engineshare), two
+        # Resolves and the second's release.
         engines, ranks = row["engines"], row["trainer_ranks"]
-        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 * ranks + 3 * engines,
+        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": ranks + 1 + 3 * engines,
                                                     "Resolve": 2 * engines, "ReleaseReadLease": engines}
-        assert row["steady_messages"] == 2 * ranks + 1 + 6 * engines
+        assert row["steady_messages"] == ranks + 2 + 6 * engines
         assert row["steady_server_cpu_withdraw_s"] > 0
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]

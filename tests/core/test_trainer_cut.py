@@ -296,7 +296,7 @@ def _republish(ranks: list[HubProcess], version: int) -> None:
         hub.result()
 
 
-def test_a_steady_step_announces_each_ranks_cut_and_shards_in_one_message(server, hubs):
+def test_a_steady_step_announces_every_ranks_cut_and_shards_in_one_message(server, hubs):
     ranks = _trainer(hubs)
     for r, hub in enumerate(ranks):
         hub.send("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=r, world=2,
@@ -314,10 +314,11 @@ def test_a_steady_step_announces_each_ranks_cut_and_shards_in_one_message(server
     finally:
         client.close()
     sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0) and k != "Heartbeat"}
-    # Per rank: one Batch withdrawing its cut and shards, and one announcing them; rank 0's ask for the
+    # Per rank one Batch withdrawing its cut and shards; one Batch, sent by rank 0, announcing every
+    # rank's cut and shards (Holdings.announce_together over the trainer group); rank 0's ask for the
     # readers' cut.
     sent.pop("Describe", None)
-    assert sent == {"Batch": 4, "ReaderCuts": 1}, sent
+    assert sent == {"Batch": 3, "ReaderCuts": 1}, sent
     assert sorted(r.trainer_cut for r in _replicas(server.address, 3) if r.origin) == [False, False, True, True]
     for w in range(2):  # and what they hold is version 3, exactly
         got = _pull(hubs(f"e1w{w}"), 3, ("tp", w, 2))
