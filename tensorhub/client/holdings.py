@@ -28,7 +28,7 @@ import torch
 
 from tensorhub.client.config import HubConfig
 from tensorhub.client.publication import Publication, PubState
-from tensorhub.client.rpc import AgentUnknown, ReferenceClient, RemoteReplica, ReplicaUnknown
+from tensorhub.client.rpc import MAX_BATCH, AgentUnknown, ReferenceClient, RemoteReplica, ReplicaUnknown
 from tensorhub.errors import AlreadyPublished, ServerUnavailable, TensorHubError, UnpublishTimeout
 from tensorhub.integrity import chunk_checksums, some_chunk_checksums
 from tensorhub.manifest import Manifest
@@ -42,11 +42,8 @@ T = TypeVar("T")
 _UNPUBLISH_CALL_SLACK_S = 1.0
 
 
-_GROUP_BATCH = 256  # messages in one Batch (the server's MAX_BATCH)
-
-
-def _batch_slack(timeout: float) -> float:
-    """Of an unpublish's ``timeout``, what the call keeps beyond the drain."""
+def _call_slack(timeout: float) -> float:
+    """Of an unpublish's ``timeout``, what the call keeps beyond the drain (alone or in a Batch)."""
     return min(_UNPUBLISH_CALL_SLACK_S, timeout / 4)
 log = logging.getLogger(__name__)
 
@@ -400,7 +397,7 @@ class Holdings:
         the same buffers); else, and any the server did not take, one by one.
         ``group``: a torch.distributed process group whose every rank calls
         this at once (a trainer's ranks publishing with ``cut=``): its first
-        rank sends every rank's lean announces, ``_GROUP_BATCH`` a message."""
+        rank sends every rank's lean announces, ``MAX_BATCH`` a message."""
         lean = [self.group_announce(p, lean_only=True) for p in pubs]
         mine = lean if pubs and all(lean) and (len(pubs) > 1 or group is not None) else []
         with contextlib.ExitStack() as confirming:
@@ -417,8 +414,8 @@ class Holdings:
     def _announce_batch(self, lean: list[bytes]) -> list[bool]:
         """Send ``lean`` announces in Batches; per announce whether the server took it."""
         taken = [False] * len(lean)
-        for start in range(0, len(lean), _GROUP_BATCH):
-            part = lean[start:start + _GROUP_BATCH]
+        for start in range(0, len(lean), MAX_BATCH):
+            part = lean[start:start + MAX_BATCH]
             try:
                 errors, _, _ = self.with_agent(lambda part=part: self._rpc.batch(self.agent_id, publishes=part))
             except TensorHubError as e:  # announced one by one (a publish is idempotent)
@@ -489,7 +486,7 @@ class Holdings:
         # Every wait below comes out of the caller's one ``timeout``.
         deadline = time.monotonic() + timeout
 
-        slack = min(_UNPUBLISH_CALL_SLACK_S, timeout / 4)
+        slack = _call_slack(timeout)
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
@@ -558,7 +555,7 @@ class Holdings:
         ``timeout``; b"" when it is closed already. Then ``withdrawn``."""
         if not self._begin_withdrawal(pub):
             return b""
-        return self._rpc.withdrawal(self.agent_id, pub.replica_id, max(0.0, timeout - _batch_slack(timeout)),
+        return self._rpc.withdrawal(self.agent_id, pub.replica_id, max(0.0, timeout - _call_slack(timeout)),
                                     force=force)
 
     def withdrawn(self, pub: Publication, outcome: tuple[bool, int, bool] | Exception | None,
@@ -579,7 +576,7 @@ class Holdings:
         if not sent:
             return {p for p, _ in begun}
         try:
-            outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=_batch_slack(timeout))
+            outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=_call_slack(timeout))
         except TensorHubError as e:
             log.info("withdrawing %d replicas in one message: %s; each goes alone", len(sent), e)
             outcomes = [e] * len(sent)

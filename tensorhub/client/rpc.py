@@ -41,6 +41,7 @@ from tensorhub.transport import MemoryKind, MemoryRegion
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+MAX_BATCH = wire.MAX_BATCH  # messages the server takes in one ``batch``
 _MANIFESTS_CACHED = 16
 _LAYOUTS_SENT = 64  # publish layouts remembered: a few models' and versions' buffers
 _SHARED_KEPT = 64  # leases of shared group answers remembered (``_shared_leases``)

@@ -151,6 +151,7 @@ def whole_model(manifest: Manifest) -> list[Held]:
 
 # Source tiers by ``Labels.tier`` (0: same host .. 3: another zone), as metric label values.
 TIERS = ("same_host", "same_rack", "same_zone", "other_zone")
+MAX_BATCH = 256  # messages in one Batch: an engine's workers' (a few each), a trainer group's announces
 MAX_PULLED_BYTES = 1 << 62  # one report's count; a larger one is a broken or hostile client
 
 

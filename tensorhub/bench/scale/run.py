@@ -360,8 +360,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     if cut_request is not None and version > 2:  # as Hub.publish(cut=...): every rank's share of the cut and
         # its shards, naming their layouts, sent by the group's first rank (``Holdings.announce_together``)
         announces = [_lean(request(r)) for r in range(ranks) for request in (cut_request, trainer_request)]
-        for start in range(0, len(announces), _BATCH):
-            announced = stub.Batch(pb.BatchRequest(publishes=announces[start:start + _BATCH]), timeout=120)
+        for start in range(0, len(announces), wire.MAX_BATCH):
+            announced = stub.Batch(pb.BatchRequest(publishes=announces[start:start + wire.MAX_BATCH]), timeout=120)
             if any(o.code for o in announced.publishes):
                 raise RuntimeError(f"the server refused the ranks' publishes: {announced.publishes}")
     for r in range(ranks) if cut_request is None or version <= 2 else ():
@@ -408,9 +408,6 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             "answer_bytes_per_holder": per_holder[0], "answer_holders": per_holder[1],
             "answer_holders_packed": per_holder[2],
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
-
-
-_BATCH = 256  # messages in one Batch (the server's MAX_BATCH)
 
 
 def _withdraw(stub, replicas: list[tuple[str, str]]) -> None:
