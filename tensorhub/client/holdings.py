@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tensorhub.client.config import HubConfig
+from tensorhub.client.groupsend import sent_by_first
 from tensorhub.client.publication import Publication, PubState
 from tensorhub.client.rpc import MAX_BATCH, AgentUnknown, ReferenceClient, RemoteReplica, ReplicaUnknown
 from tensorhub.errors import AlreadyPublished, ServerUnavailable, TensorHubError, UnpublishTimeout
@@ -427,19 +428,7 @@ class Holdings:
     def _announce_group(self, lean: list[bytes], group: Any) -> list[bool]:
         """Every rank of ``group`` at once: the first sends all ranks' ``lean``
         announces (``_announce_batch``); each rank learns which of its own were taken."""
-        import torch.distributed as dist
-
-        every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, lean, group=group)
-        box: list[Any] = [None]
-        if dist.get_rank(group) == 0:
-            flat = [m for ms in every for m in ms]
-            taken, at, box[0] = self._announce_batch(flat), 0, []
-            for ms in every:
-                box[0].append(taken[at:at + len(ms)])
-                at += len(ms)
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        return box[0][dist.get_rank(group)]
+        return sent_by_first(lean, group, self._announce_batch)
 
     def group_announce(self, pub: Publication, *, lean_only: bool = False) -> bytes:
         """``announce(pub)`` encoded for another member of its group to send
@@ -467,16 +456,21 @@ class Holdings:
 
     # ---------------------------------------------------------------- unpublish
 
-    def unpublish(self, pub: Publication, timeout: float, *, force: bool = False) -> None:
-        if pub.cut is not None:
-            # Its cut and its shards in one message (a trainer rank's step); the
+    def unpublish(self, pub: Publication, timeout: float, *, force: bool = False, group: Any = None) -> None:
+        """Withdraw ``pub`` and wait for its readers (``Publication.unpublish``).
+        ``group``: every rank of this torch.distributed group withdraws its
+        publication at once, the first rank sending all of them in one message."""
+        if pub.cut is not None or group is not None:
+            # Its cut and its shards in one message (a trainer rank's step), and
+            # every rank's in the same one where the ranks withdraw together; the
             # cut is a copy of bytes the shards hold, so nothing of it is
             # retained. What the Batch did not finish goes alone, the cut first
             # (the shards' retention check then does not count it).
             start = time.monotonic()
-            done = self.withdraw_together([(pub.cut, True), (pub, force)], timeout)
+            together = ([(pub.cut, True)] if pub.cut is not None else []) + [(pub, force)]
+            done = self.withdraw_together(together, timeout, group=group)
             left = max(0.0, timeout - (time.monotonic() - start))
-            if pub.cut not in done:
+            if pub.cut is not None and pub.cut not in done:
                 self.unpublish(pub.cut, left, force=True)
             if pub in done:
                 return
@@ -567,23 +561,50 @@ class Holdings:
         if not self._closed_if_drained(pub, outcome, timeout):
             self.unpublish(pub, timeout, force=force)
 
-    def withdraw_together(self, pubs: Sequence[tuple[Publication, bool]], timeout: float) -> set[Publication]:
+    def withdraw_together(self, pubs: Sequence[tuple[Publication, bool]], timeout: float, *,
+                          group: Any = None) -> set[Publication]:
         """Withdraw ``pubs`` ((publication, force) each) in one message; the
         ones that drained are closed, and returned. The others are left
-        withdrawing, to ``unpublish`` alone."""
+        withdrawing, to ``unpublish`` alone. ``group``: every rank of it calls
+        this at once, and the first sends every rank's withdrawals."""
         begun = [(p, self.withdrawal(p, timeout, force=force)) for p, force in pubs]
         sent = [(p, w) for p, w in begun if w]
-        if not sent:
-            return {p for p, _ in begun}
+        done = {p for p, w in begun if not w}
+        if group is None and not sent:
+            return done
+        slack = _call_slack(timeout)
         try:
-            outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=_call_slack(timeout))
+            if group is None:
+                outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=slack)
+            else:  # every rank takes part, with or without withdrawals of its own
+                outcomes = sent_by_first([w for _, w in sent], group,
+                                         lambda every: self._withdraw_batches(every, slack), bound_s=timeout)
         except TensorHubError as e:
             log.info("withdrawing %d replicas in one message: %s; each goes alone", len(sent), e)
             outcomes = [e] * len(sent)
-        done = {p for p, w in begun if not w}
         done.update(p for (p, _), outcome in zip(sent, outcomes, strict=True)
                     if self._closed_if_drained(p, outcome, timeout))
         return done
+
+    def _withdraw_batches(self, withdrawals: list[bytes], slack: float) -> list:
+        """A group's ``withdrawals``, ``MAX_BATCH`` a message, the messages sent
+        at once (each waits for its drains: one after another, the last would
+        drain past its timeout); per withdrawal its outcome, or None (not sent:
+        it goes alone). Picklable, for every rank."""
+        parts = [withdrawals[start:start + MAX_BATCH] for start in range(0, len(withdrawals), MAX_BATCH)]
+
+        def send(part: list[bytes]) -> list:
+            try:
+                outcomes = self.with_agent(lambda: self._rpc.withdraw_batch(part, call_slack_s=slack))
+            except TensorHubError as e:
+                log.info("withdrawing %d replicas of the group in one message: %s; each goes alone", len(part), e)
+                return [None] * len(part)
+            return [o if isinstance(o, tuple) else None for o in outcomes]
+
+        if len(parts) <= 1:
+            return [o for part in parts for o in send(part)]
+        with cf.ThreadPoolExecutor(len(parts), thread_name_prefix="tensorhub-withdraw") as pool:
+            return [o for outcomes in pool.map(send, parts) for o in outcomes]
 
     def _closed_if_drained(self, pub: Publication, outcome: tuple[bool, int, bool] | Exception | None,
                            timeout: float) -> bool:

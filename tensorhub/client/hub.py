@@ -261,7 +261,10 @@ class Hub:
         ``cut_gather_bytes`` (default ``HubConfig.cut_gather_bytes``) at a time.
         No readers yet (the first version): the shards only. The cost is in
         ``publication.cut_report``; the cut is ``publication.cut``, withdrawn
-        with the publication.
+        with the publication. The ranks withdraw it together too, as they
+        published it: call ``unpublish`` on every rank of ``cut_group`` at once
+        (the first sends every rank's withdrawals; a rank that does not come
+        within the timeout fails that message for all, and each withdraws alone).
 
         ``fp8=True`` also publishes the version's block-FP8 companion
         (``tensorhub.fp8``: 2-D floating ``*.weight`` tensors as float8_e4m3fn
@@ -380,6 +383,8 @@ class Hub:
                         log.warning("%r v%d: withdrawing %s: %s", model, version, withdrawn.replica_id, e)
             raise
         pub.cut, pub.cut_report = cut_pub, report
+        if together:  # announced together: withdrawn together too (Publication.unpublish)
+            pub.group = group
         if cut_pub is not None:
             log.info("%r v%d: trainer cut of %d read set(s) of v%d: %d regions, %d bytes; gathered %d tensors, "
                      "at most %d bytes at once (bound %d), in %.3fs", model, version, report.read_sets,

@@ -9,7 +9,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ class Withdrawer(Protocol):
     """Who unpublishes a publication (``Holdings``); kept abstract so that this
     module does not import the client that owns it."""
 
-    def unpublish(self, pub: Publication, timeout: float) -> None: ...
+    def unpublish(self, pub: Publication, timeout: float, *, group: Any = None) -> None: ...
 
 
 class Publication:
@@ -85,6 +85,10 @@ class Publication:
         self.trainer_cut = trainer_cut
         self.cut: Publication | None = None
         self.cut_report = None
+        # Published with its cut by every rank of this torch.distributed group at
+        # once (``Hub.publish(cut=...)``): withdrawn by all of them at once too,
+        # the group's first rank sending every rank's withdrawals.
+        self.group: Any = None
         self.fp8_quantize_s: float | None = None  # publish(fp8=True): the companion's quantization time
         index = manifest.index()
         self.held: list[tuple[int, Region]] = [(index[p.name], p.region) for p in parts]
@@ -159,8 +163,12 @@ class Publication:
         """Withdraw this replica and return once no reader is reading it
         (in-flight reads finished, or their read leases expired). Afterwards
         the tensors may be modified or freed. Raises UnpublishTimeout if
-        readers still hold leases after ``timeout`` seconds."""
-        self._owner.unpublish(self, timeout)
+        readers still hold leases after ``timeout`` seconds. A publication
+        made with ``cut=`` by the ranks of a group (``publication.group``) is
+        withdrawn by every rank of it at once: call this on all of them, as
+        the publish was (a step's withdrawals are then one message for the
+        whole trainer, not one a rank)."""
+        self._owner.unpublish(self, timeout, group=self.group)
 
     def __enter__(self) -> Self:
         return self

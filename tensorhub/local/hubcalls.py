@@ -103,6 +103,7 @@ def _withdraw_shards(hub: Any, held: dict, *, model: str, version: int) -> None:
     can then read the version only from the cut holders."""
     pub = held.pop((model, version))
     cut, pub.cut = pub.cut, None
+    pub.group = None  # this rank's alone: the tests withdraw one rank's shards at a time
     pub.unpublish(60.0)
     held[(model, version)] = cut
 

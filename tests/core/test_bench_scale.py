@@ -15,6 +15,7 @@ import torch
 
 from tensorhub.bench.scale import cuts, links
 from tensorhub.bench.scale.models import MODELS, Config, Tensor, manifest, parameters, tensors
+from tensorhub.proto import wire
 from tensorhub.regions import Region, overlap
 from tensorhub.regiontable import shapes_of, table_of_rules
 from tensorhub.transport.cost import BACKENDS
@@ -158,17 +159,19 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # The steady stage: every reader's messages sent for real, every holder lean, small answers.
         # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
         assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
-        # Every message of a steady version, as the server counted them: per trainer rank one Batch
-        # withdrawing its cut and its shards of the version before; one Batch of every rank's shards and
-        # share of the readers' cut (--trainer-cut), sent by rank 0, and its ask for the cut; per engine
+        # Every message of a steady version, as the server counted them: one Batch of every trainer
+        # rank's withdrawals of its cut and its shards of the version before, sent by rank 0 (32 of them
+        # here, MAX_BATCH a Batch); one Batch of every rank's shards and share of the readers' cut
+        # (--trainer-cut), sent by rank 0, and its ask for the cut; per engine
         # three Batches (its relays' withdrawals of the version before; their announces; their complete
         # reports and pulled bytes with the first answer's lease: tensorhub.client.engineshare), two
         # Resolves and the second's release.
         engines, ranks = row["engines"], row["trainer_ranks"]
-        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": ranks + 1 + 3 * engines,
+        assert 2 * ranks <= wire.MAX_BATCH
+        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 3 * engines,
                                                     "Resolve": 2 * engines, "ReleaseReadLease": engines}
-        assert row["steady_messages"] == ranks + 2 + 6 * engines
-        assert row["steady_server_cpu_withdraw_s"] > 0
+        assert row["steady_messages"] == 3 + 6 * engines
+        assert row["steady_server_cpu_withdraw_s"] >= 0  # measured apart (in 10 ms ticks: it may read 0 here)
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]
         assert row["cut_gather_s"] > 0 and row["cut_share_bytes_max"] * ranks >= 2 * row["parameters"]  # bf16

@@ -114,8 +114,7 @@ def test_the_cut_holds_each_readers_regions_and_serves_them_byte_exact(server, h
             (got["descriptors"], len(SPECS), chunk_ends)
 
     # Unpublish withdraws the cut too.
-    for hub in ranks:
-        hub.call("unpublish", model="m", version=2)
+    _unpublish(ranks, 2)
     assert not any(r.origin for r in _replicas(server.address, 2))
 
 
@@ -230,8 +229,8 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
         _pull(reader, 2, ("tp", w, 2), keep="dest")
     addrs = {}
     for version in (3, 4):
+        _unpublish(ranks, version - 1)
         for hub in ranks:
-            hub.call("unpublish", model="m", version=version - 1)
             hub.call("overwrite", model="m", version=version - 1, seed=version)
         for r, hub in enumerate(ranks):
             hub.send("republish", model="m", version=version, of=version - 1, how="rows", rank=r, world=2,
@@ -284,10 +283,18 @@ def test_a_reader_takes_a_chunk_that_two_cut_holders_share_from_them_not_from_th
         assert got["read_bytes"] == got["nbytes"] == first[w]["nbytes"], (w, got["read_bytes"], got["nbytes"])
 
 
+def _unpublish(ranks: list[HubProcess], version: int) -> list[dict]:
+    """Every rank withdraws its cut and shards at once, as it published them
+    (``Publication.unpublish`` of a publication made with ``cut=``: a collective)."""
+    for hub in ranks:
+        hub.send("unpublish", model="m", version=version)
+    return [hub.result() for hub in ranks]
+
+
 def _republish(ranks: list[HubProcess], version: int) -> None:
     """Every rank's step from the same buffers (its shards and its cut buffer), with the cut."""
+    _unpublish(ranks, version - 1)  # every rank's cut and shards, sent by rank 0
     for hub in ranks:
-        hub.call("unpublish", model="m", version=version - 1)  # the cut first, then the shards
         hub.call("overwrite", model="m", version=version - 1, seed=version)
     for r, hub in enumerate(ranks):
         hub.send("republish", model="m", version=version, of=version - 1, how="rows", rank=r, world=len(ranks),
@@ -296,7 +303,7 @@ def _republish(ranks: list[HubProcess], version: int) -> None:
         hub.result()
 
 
-def test_a_steady_step_announces_every_ranks_cut_and_shards_in_one_message(server, hubs):
+def test_a_steady_step_withdraws_and_announces_every_ranks_cut_and_shards_in_one_message_each(server, hubs):
     ranks = _trainer(hubs)
     for r, hub in enumerate(ranks):
         hub.send("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=r, world=2,
@@ -314,11 +321,11 @@ def test_a_steady_step_announces_every_ranks_cut_and_shards_in_one_message(serve
     finally:
         client.close()
     sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0) and k != "Heartbeat"}
-    # Per rank one Batch withdrawing its cut and shards; one Batch, sent by rank 0, announcing every
-    # rank's cut and shards (Holdings.announce_together over the trainer group); rank 0's ask for the
-    # readers' cut.
+    # One Batch, sent by rank 0, withdrawing every rank's cut and shards of the version before
+    # (Publication.unpublish over the trainer group); one, sent by rank 0, announcing every rank's cut
+    # and shards (Holdings.announce_together); rank 0's ask for the readers' cut. Nothing a rank.
     sent.pop("Describe", None)
-    assert sent == {"Batch": 3, "ReaderCuts": 1}, sent
+    assert sent == {"Batch": 2, "ReaderCuts": 1}, sent
     assert sorted(r.trainer_cut for r in _replicas(server.address, 3) if r.origin) == [False, False, True, True]
     for w in range(2):  # and what they hold is version 3, exactly
         got = _pull(hubs(f"e1w{w}"), 3, ("tp", w, 2))

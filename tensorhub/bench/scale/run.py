@@ -319,8 +319,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             trainer_request, relay_request, cut_request=None) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: every holder of the version before withdraws it (a trainer rank its
-    shards, or its cut and shards in one Batch; an engine's relay workers in
-    one Batch for all of them), the trainer's ranks
+    shards; with the cut, every rank's cut and shards sent by rank 0,
+    ``MAX_BATCH`` a Batch; an engine's relay workers in one Batch for all of
+    them), the trainer's ranks
     publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
@@ -346,11 +347,13 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     # its shards (an Unpublish), or its cut and shards in one Batch (``Holdings.unpublish``); an engine's
     # relays at the start of its update, in one Batch for its workers (``EngineShare.exchange``).
     cpu0 = _cpu(pid)
-    for r in range(ranks):
-        if cut_request is not None and version > 2:
-            _withdraw(stub, [(f"rank{r}", f"rank{r}.{1000 + version - 1}"), (f"rank{r}", f"rank{r}.{version - 1}")])
-        else:
-            _withdraw(stub, [(f"rank{r}", f"rank{r}.{version - 1}")])
+    if cut_request is not None:  # ranks publishing with the cut withdraw together: rank 0 sends them all
+        every = [(f"rank{r}", f"rank{r}.{v}") for r in range(ranks)
+                 for v in ((1000 + version - 1, version - 1) if version > 2 else (version - 1,))]
+        for start in range(0, len(every), wire.MAX_BATCH):
+            _withdraw(stub, every[start:start + wire.MAX_BATCH], batch=True)
+    for r in range(ranks) if cut_request is None else ():
+        _withdraw(stub, [(f"rank{r}", f"rank{r}.{version - 1}")])
     for e in range(engines):
         _withdraw(stub, [(f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
     withdraw_cpu = _cpu(pid) - cpu0
@@ -410,11 +413,12 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
 
 
-def _withdraw(stub, replicas: list[tuple[str, str]]) -> None:
+def _withdraw(stub, replicas: list[tuple[str, str]], batch: bool = False) -> None:
     """The withdrawals of (agent, replica of the version before): one Unpublish,
-    or a Batch of several (nobody reads them by now: no drain)."""
+    or a Batch of several, or of any number (``batch``: a group's, sent by its
+    first member; nobody reads them by now: no drain)."""
     requests = [pb.UnpublishRequest(agent_id=a, replica_id=r, drain_timeout_s=10) for a, r in replicas]
-    if len(requests) == 1:
+    if len(requests) == 1 and not batch:
         answers = [stub.Unpublish(requests[0], timeout=120)]
     else:
         outcomes = stub.Batch(pb.BatchRequest(withdrawals=requests), timeout=120).withdrawals
