@@ -6,10 +6,11 @@ for all of them (``groupanswer`` draws the Hub's side).
 
     every worker, each update, in the same order (collective):
       exchange   all: its previous replica's withdrawal ── gather ─▶ first worker
-                 first worker ── one Batch of the withdrawals ──▶ server (drains together)
-                              ── Hub.resolve_for_group, meanwhile ──▶ answer ─┐
-                                                                               ├─ broadcast ─▶ all:
-                 a failed resolve: None, each resolves on its own ────────────┘   withdrawn, pull(answer=)
+                 first worker ── Hub.resolve_for_group(withdrawals=) ──▶ server: the answer, then
+                              the withdrawals (drains together) ──▶ answer + outcomes ─┐
+                                                                                        ├─ broadcast ─▶ all:
+                 a failed resolve: None, each resolves on its own; the withdrawals ──────┘  withdrawn,
+                 go in a Batch of their own                                                 pull(answer=)
                  (a withdrawal not drained or not sent: its worker unpublishes alone before its pull)
       announce   all (inside pull, before any READ): its announce ── gather ─▶ first worker
                  first worker ── one Batch of the announces ──▶ server ── taken? ─▶ broadcast
@@ -18,8 +19,8 @@ for all of them (``groupanswer`` draws the Hub's side).
                  first worker ── one Batch: reports, pulled bytes, the answer's lease ──▶ server
                  a report the server did not take: its worker's heartbeat sends it
 
-So a steady version costs the server four messages per engine (withdrawals,
-Resolve, announces, end), not four per worker. The answer is a few KiB in the steady
+So a steady version costs the server three messages per engine (the Resolve
+with the withdrawals, the announces, the end), not four per worker. The answer is a few KiB in the steady
 state (holders come lean), so its broadcast costs less than the Resolve each
 worker would send. The lease must outlive every worker's reads, hence the
 barrier before its release; it is bounded by the pull's own deadline, so a
@@ -30,7 +31,6 @@ on the way, so peers read what they have.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import datetime
 import logging
 from collections.abc import Callable
@@ -69,7 +69,6 @@ class EngineShare:
         self._model, self._engine = model, engine
         self._timeout = datetime.timedelta(seconds=pull_timeout_s + _BARRIER_SLACK_S)
         self._members: list[str] | None = None  # every worker's agent id, learnt at the first update
-        self._sender = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorhub-group-withdraw")
 
     def update(self, hub: Hub, version: int | str,
                pull: Callable[[GroupAnswer | None, Callable[[bytes], bool]], PullResult],
@@ -107,13 +106,14 @@ class EngineShare:
         failure: BaseException | None = None
         sent: list[Any] = [None, [None] * self.world]
         if self.rank == 0:
-            withdrawn = self._sender.submit(hub.send_group_withdrawals, messages) if any(messages) else None
             try:
-                sent[0] = hub.resolve_for_group(self._model, version, group=self._engine, members=self._members)
+                sent[0] = hub.resolve_for_group(self._model, version, group=self._engine, members=self._members,
+                                                withdrawals=messages)
+                sent[1] = list(sent[0].withdrawn)
             except Exception as e:  # noqa: BLE001  the others resolve on their own and meet it too
                 failure = e
-            if withdrawn is not None:
-                sent[1] = withdrawn.result()  # never raises: a Batch that failed is None for each
+                if any(messages):  # the resolve handled none of them: in a Batch of their own
+                    sent[1] = hub.send_group_withdrawals(messages)  # never raises: None for each where it failed
         dist.broadcast_object_list(sent, src=0, group=self._group)
         if withdrawal is not None:
             try:

@@ -41,6 +41,9 @@ class GroupAnswer:
     group: str
     lease_id: str
     data: bytes  # the serialized ResolveResponse
+    # Per withdrawal handed to ``resolve_for_group`` (b"": None), its outcome
+    # as ``Hub.send_group_withdrawals`` gives it.
+    withdrawn: tuple = ()
 
     def __repr__(self) -> str:
         return (f"GroupAnswer({self.model!r} v{self.version}, group {self.group!r}, lease {self.lease_id[:8]}, "

@@ -411,21 +411,30 @@ class Hub:
     # ---------------------------------------------------------------- pull
 
     def resolve_for_group(self, model: str, version: int | Literal["latest"] = "latest", *, group: str,
-                          members: list[str]) -> GroupAnswer:
+                          members: list[str], withdrawals: Sequence[bytes] = ()) -> GroupAnswer:
         """Resolve ``model`` once for this process and the other ``members`` (their
         ``agent_id``s) of ``group``: hand the answer to them over the group's own
         channel, each passes it to ``pull(answer=)``, and once every member's pull
         is done this process calls ``release_group_answer``. One Resolve per
         engine and version reaches the server instead of one per worker
-        (``groupanswer``). Its lease covers every member's reads."""
+        (``groupanswer``). Its lease covers every member's reads.
+        ``withdrawals``: the members' ``withdrawal`` messages (b"": none), sent
+        with the resolve (one message a step, not two); their outcomes in
+        ``GroupAnswer.withdrawn``, as ``send_group_withdrawals`` gives them. A
+        resolve that raises handled none of them."""
         model = _check_model(model)
         wanted = None if version == "latest" else _check_version(version)
         if not group:
             raise InvalidRequest("resolve_for_group needs the group's name (group=)")
         others = sorted(set(members) - {self.agent_id})
+        sent = [i for i, w in enumerate(withdrawals) if w]
         resolved = self._holdings.with_agent(lambda: self._rpc.resolve(
-            self.agent_id, model, wanted, group=group, lease=True, members=others))
-        return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared)
+            self.agent_id, model, wanted, group=group, lease=True, members=others,
+            withdrawals=[withdrawals[i] for i in sent]))
+        withdrawn: list = [None] * len(withdrawals)
+        for i, outcome in zip(sent, resolved.withdrawn, strict=True):
+            withdrawn[i] = outcome
+        return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared, tuple(withdrawn))
 
     def release_group_answer(self, answer: GroupAnswer) -> None:
         """Every member's pull with ``answer`` is done: its lease goes (without

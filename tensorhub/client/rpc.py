@@ -112,6 +112,9 @@ class Resolved:
     # The answer as sent, for the other members of the group it was resolved
     # for (``ReferenceClient.resolve(members=)``; ``adopt`` on their side).
     shared: bytes = field(default=b"", repr=False)
+    # Per withdrawal sent with the resolve (``resolve(withdrawals=)``), what
+    # ``withdraw_batch`` answers for it.
+    withdrawn: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,8 +482,12 @@ class ReferenceClient:
         if len(answer.withdrawals) != len(request.withdrawals):
             raise TensorHubError(f"reference server at {self.address} answered {len(answer.withdrawals)} "
                                  f"withdrawals of a Batch of {len(request.withdrawals)}")
+        return self._withdrawal_outcomes(answer.withdrawals)
+
+    def _withdrawal_outcomes(self, outcomes: Sequence[pb.BatchOutcome]) -> list[tuple[bool, int, bool] | Exception]:
+        """Per withdrawal sent together, what ``unpublish`` would return, or its typed error."""
         out: list[tuple[bool, int, bool] | Exception] = []
-        for o in answer.withdrawals:
+        for o in outcomes:
             if o.code == grpc.StatusCode.NOT_FOUND.name:
                 out.append((True, 0, False))
             elif o.code:
@@ -513,18 +520,22 @@ class ReferenceClient:
 
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
                 group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
-                seen_change: int = 0, members: Sequence[str] = ()) -> Resolved:
+                seen_change: int = 0, members: Sequence[str] = (), withdrawals: Sequence[bytes] = ()) -> Resolved:
         """Which version to read and who holds it. ``lease=True`` also leases every
         replica returned, saving a round trip on small pulls. ``wait_change_s``: a
         long poll; the server answers once the version's holders changed since the
         answer whose ``change`` was ``seen_change``, or after that long.
         ``members``: the other members of ``group`` this answer is for; the
         answer's ``shared`` bytes go to them (``adopt``), and its lease is
-        theirs too, released by ``release_shared`` once all are done."""
+        theirs too, released by ``release_shared`` once all are done.
+        ``withdrawals``: ``withdrawal`` messages the server handles after the
+        answer, as ``withdraw_batch`` would (the answer then waits for their
+        drains); their outcomes in ``Resolved.withdrawn``."""
         request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     wait_change_s=wait_change_s, seen_change=seen_change,
                                     known_fingerprint=self._known_fingerprint(model),
-                                    release_leases=self._take_releases(), pulled=self._take_pulled(), members=members)
+                                    release_leases=self._take_releases(), pulled=self._take_pulled(), members=members,
+                                    withdrawals=[pb.UnpublishRequest.FromString(w) for w in withdrawals])
         request.known_memory.extend(self._memories.get(model, {}))
         request.known_layouts.extend(self._layouts.get(model, {}))
         if self._layout_numbers:
@@ -536,12 +547,20 @@ class ReferenceClient:
             request.latest = True
         else:
             request.version = version
+        drain_s = max((w.drain_timeout_s for w in request.withdrawals), default=0.0)
         sent = time.monotonic()
-        resp = self._call(self._stub.Resolve, request, timeout=self.timeout_s + wait_change_s,
+        resp = self._call(self._stub.Resolve, request, timeout=self.timeout_s + wait_change_s + drain_s,
                           not_found=lambda d: VersionNotFound(model, "latest" if version is None else version, d))
         if resp.instance_id:
             self.last_resolve = (resp.instance_id, sent)
         resolved = self._decode(model, resp, sent, broken="the server is broken")
+        if request.withdrawals:
+            withdrawn: list = self._withdrawal_outcomes(resp.withdrawals)
+            if len(withdrawn) != len(request.withdrawals):  # an older server: it handled none of them
+                withdrawn = [TensorHubError(f"reference server at {self.address} answered {len(withdrawn)} "
+                                            f"withdrawals of {len(request.withdrawals)}")] * len(request.withdrawals)
+            resolved = replace(resolved, withdrawn=tuple(withdrawn))
+            resp.ClearField("withdrawals")  # the members' answer is the resolve's alone
         if not members:
             return resolved
         self._share(resp.lease_id)

@@ -331,7 +331,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders", "withdrawals")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +352,7 @@ class ResolveRequest(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -372,10 +373,11 @@ class ResolveRequest(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     layout_ids: str
     packed_holders: bool
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ...) -> None: ...
+    withdrawals: _containers.RepeatedCompositeFieldContainer[UnpublishRequest]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ..., withdrawals: _Optional[_Iterable[_Union[UnpublishRequest, _Mapping]]] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed")
+    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed", "withdrawals")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +388,7 @@ class ResolveResponse(_message.Message):
     CHANGE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
@@ -396,7 +399,8 @@ class ResolveResponse(_message.Message):
     change: int
     layout_ids: str
     packed: PackedHolders
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ...) -> None: ...
+    withdrawals: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ..., withdrawals: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ...) -> None: ...
 
 class PackedHolders(_message.Message):
     __slots__ = ("layout_id_step", "replica_suffix", "flags", "chunk_crc32", "chunk_bitmap", "busy_row", "busy_reads")

@@ -11,7 +11,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -44,6 +44,7 @@ MAX_READER_CUTS_BYTES = 8 << 20  # and at most about this many bytes of them (th
 _FINGERPRINT = re.compile(r"^[0-9a-f]{16,128}$")
 RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
 RESOLVE_PACKED_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["packed"].number
+RESOLVE_WITHDRAWALS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["withdrawals"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
 Resp = TypeVar("Resp")
@@ -523,6 +524,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.known_memory) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_memory)} known_memory digests, more than {MAX_KNOWN_MEMORY}")
             known = frozenset(request.known_memory)
+            if len(request.withdrawals) > MAX_BATCH:
+                raise Invalid(f"{len(request.withdrawals)} withdrawals with a resolve, more than {MAX_BATCH}")
             if len(request.known_layouts) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_layouts)} known_layouts, more than {MAX_KNOWN_MEMORY}")
             layouts = frozenset(request.known_layouts)
@@ -568,6 +571,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             answer = response.SerializeToString() + (
                 self._group_holders(model, resolved, sources, known, layouts, by_number, packed, response.lease_id)
                 if shared else self._holders(sources, known, layouts, by_number, packed, response.lease_id))
+            if request.withdrawals:  # after the answer is made, as a Batch's (a failed resolve handles none)
+                waited = time.perf_counter()
+                answer += wire.embedded_fields(RESOLVE_WITHDRAWALS_FIELD, [
+                    o.SerializeToString() for o in await self._withdrawals(request.withdrawals)])
+                started += time.perf_counter() - waited  # the drains are not the resolve's time
             control = self.state.control
             control.resolves += 1
             control.answers_shared += len(others)
@@ -790,23 +798,30 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             answer = pb.BatchResponse(publishes=[self._outcome(self._publish, m) for m in request.publishes],
                                       reports=[self._outcome(self._report_chunks, m) for m in request.reports],
                                       releases=[self._outcome(self._release_lease, m) for m in request.releases])
-            withdrawn: list[tuple[pb.BatchOutcome, Replica, float]] = []
-            for m in request.withdrawals:
-                outcome, replica = self._outcome_of(self._withdraw, m)
-                answer.withdrawals.add().CopyFrom(outcome)
-                outcome = answer.withdrawals[-1]  # the answer's own: filled in below (append copies)
-                if outcome.code:
-                    continue
-                if replica is None:
-                    outcome.unpublished.retain_required = True
-                else:
-                    withdrawn.append((outcome, replica, m.drain_timeout_s))
-            for (outcome, _, _), unpublished in zip(withdrawn, await asyncio.gather(
-                    *(self._drained(replica, timeout_s) for _, replica, timeout_s in withdrawn))):
-                outcome.unpublished.CopyFrom(unpublished)
+            answer.withdrawals.extend(await self._withdrawals(request.withdrawals))
             return answer
 
         return await self._run(context, go)
+
+    async def _withdrawals(self, requests: Sequence[pb.UnpublishRequest]) -> list[pb.BatchOutcome]:
+        """Withdrawals sent together (a Batch's, a group's Resolve's): each
+        checked and withdrawn as an Unpublish alone, then their drains waited
+        for together; one outcome each, in order."""
+        outcomes: list[pb.BatchOutcome] = []
+        withdrawn: list[tuple[pb.BatchOutcome, Replica, float]] = []
+        for m in requests:
+            outcome, replica = self._outcome_of(self._withdraw, m)
+            outcomes.append(outcome)
+            if outcome.code:
+                continue
+            if replica is None:
+                outcome.unpublished.retain_required = True
+            else:
+                withdrawn.append((outcome, replica, m.drain_timeout_s))
+        for (outcome, _, _), unpublished in zip(withdrawn, await asyncio.gather(
+                *(self._drained(replica, timeout_s) for _, replica, timeout_s in withdrawn))):
+            outcome.unpublished.CopyFrom(unpublished)
+        return outcomes
 
     def _outcome(self, handle: Callable[[Any], Any], message: Any) -> pb.BatchOutcome:
         """What ``handle`` answered ``message``, as the status it would have had alone."""

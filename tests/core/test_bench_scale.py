@@ -163,14 +163,14 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # rank's withdrawals of its cut and its shards of the version before, sent by rank 0 (32 of them
         # here, MAX_BATCH a Batch); one Batch of every rank's shards and share of the readers' cut
         # (--trainer-cut), sent by rank 0, and its ask for the cut; per engine
-        # three Batches (its relays' withdrawals of the version before; their announces; their complete
-        # reports and pulled bytes with the first answer's lease: tensorhub.client.engineshare), two
-        # Resolves and the second's release.
+        # two Batches (its relays' announces; their complete reports and pulled bytes with the first
+        # answer's lease: tensorhub.client.engineshare), two Resolves (the first with its relays'
+        # withdrawals of the version before) and the second's release.
         engines, ranks = row["engines"], row["trainer_ranks"]
         assert 2 * ranks <= wire.MAX_BATCH
-        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 3 * engines,
+        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 2 * engines,
                                                     "Resolve": 2 * engines, "ReleaseReadLease": engines}
-        assert row["steady_messages"] == 3 + 6 * engines
+        assert row["steady_messages"] == 3 + 5 * engines
         assert row["steady_server_cpu_withdraw_s"] >= 0  # measured apart (in 10 ms ticks: it may read 0 here)
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]

@@ -126,10 +126,12 @@ def test_each_message_of_a_batch_is_answered_as_it_would_be_alone(server, hubs):
         channel.close()
 
 
-def test_withdrawals_in_a_batch_are_each_answered_as_unpublish_would(server, hubs):
-    """A group's withdrawals go in one Batch (``EngineShare.exchange``): each is
-    checked and answered as an Unpublish alone, and their drains are waited
-    for together, each up to its own deadline."""
+@pytest.mark.parametrize("carrier", ["Batch", "Resolve"])
+def test_withdrawals_sent_together_are_each_answered_as_unpublish_would(server, hubs, carrier):
+    """A group's withdrawals go with its Resolve (``EngineShare.exchange``), or
+    in a Batch where that failed: each is checked and answered as an
+    Unpublish alone, and their drains are waited for together, each up to its
+    own deadline."""
     ranks = [hubs("rank0")]
     workers = [hubs("w0"), hubs("w1")]
     answer, _ = _engine_update(ranks, workers, 1)  # its lease (not released here) covers rank 0's replica
@@ -138,15 +140,27 @@ def test_withdrawals_in_a_batch_are_each_answered_as_unpublish_would(server, hub
     channel = grpc.insecure_channel(server.address)
     try:
         stub = pb_grpc.ReferenceServiceStub(channel)
-        start = time.monotonic()
-        got = stub.Batch(pb.BatchRequest(withdrawals=[
+        withdrawals = [
             pb.UnpublishRequest(agent_id=ranks[0].agent_id, replica_id=replica[ranks[0].agent_id],
                                 drain_timeout_s=1.0, force=True),  # leased: not drained by its deadline
             pb.UnpublishRequest(agent_id=w1, replica_id="no-such-replica", drain_timeout_s=1.0),
             pb.UnpublishRequest(agent_id=w1, replica_id=replica[w0], drain_timeout_s=1.0),  # another's
             pb.UnpublishRequest(agent_id=w1, replica_id=replica[w1], drain_timeout_s=-1.0),
             pb.UnpublishRequest(agent_id=w1, replica_id=replica[w1], drain_timeout_s=1.0),  # drains at once
-        ]), timeout=30, metadata=wire.auth_metadata(""))
+        ]
+        if carrier == "Resolve":  # a resolve that fails handles none of them
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Resolve(pb.ResolveRequest(agent_id=w1, model="m", version=7, withdrawals=withdrawals),
+                             timeout=30, metadata=wire.auth_metadata(""))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert not any(r.withdrawn for v in _status(server.address).models[0].versions for r in v.replicas)
+        start = time.monotonic()
+        if carrier == "Batch":
+            got = stub.Batch(pb.BatchRequest(withdrawals=withdrawals), timeout=30, metadata=wire.auth_metadata(""))
+        else:
+            got = stub.Resolve(pb.ResolveRequest(agent_id=w1, model="m", version=1, withdrawals=withdrawals),
+                               timeout=30, metadata=wire.auth_metadata(""))
+            assert got.version == 1 and got.replicas  # the answer, as without them
         took = time.monotonic() - start
     finally:
         channel.close()
@@ -178,7 +192,7 @@ def _update(workers: list[HubProcess], version: int) -> list[dict]:
     return got
 
 
-def test_an_engines_step_costs_the_server_four_messages_not_four_per_worker(server, hubs):
+def test_an_engines_step_costs_the_server_three_messages_not_four_per_worker(server, hubs):
     ranks = [hubs("rank0"), hubs("rank1")]
     workers = _engine(hubs, 3)
     for rank, hub in enumerate(ranks):
@@ -198,10 +212,10 @@ def test_an_engines_step_costs_the_server_four_messages_not_four_per_worker(serv
         sent.pop("Describe", None)
         sent.pop("Heartbeat", None)  # on their clock, not per step
         refreshes = sum(g["refreshes"] for g in got)
-        # The engine's workers' withdrawals of their previous version in one Batch, its Resolve, their
-        # announces in another Batch, and their last reports, pulled bytes and the lease in a third.
+        # The engine's Resolve, with its workers' withdrawals of their previous version; their announces
+        # in a Batch, and their last reports, pulled bytes and the lease in another.
         assert sent.pop("Resolve") == 1 + refreshes
-        assert sent.pop("Batch") == (3 if version > 1 else 2)
+        assert sent.pop("Batch") == 2
         assert "Unpublish" not in sent, sent
         # Reports on the way are the pull's own (none on a quick pull); nothing else per worker.
         sent.pop("ReportChunks", None)

@@ -320,8 +320,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     """``version`` from the same buffers as the one before, as an RL step makes
     it: every holder of the version before withdraws it (a trainer rank its
     shards; with the cut, every rank's cut and shards sent by rank 0,
-    ``MAX_BATCH`` a Batch; an engine's relay workers in one Batch for all of
-    them), the trainer's ranks
+    ``MAX_BATCH`` a Batch; an engine's relay workers with its first Resolve),
+    the trainer's ranks
     publish naming their earlier layout, every engine resolves once
     for its 8 workers (the first asks for all, ``members``, with a read lease,
     as vLLM's workers do: ``groupshare``) knowing the holders' layouts from its
@@ -354,9 +354,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             _withdraw(stub, every[start:start + wire.MAX_BATCH], batch=True)
     for r in range(ranks) if cut_request is None else ():
         _withdraw(stub, [(f"rank{r}", f"rank{r}.{version - 1}")])
-    for e in range(engines):
-        _withdraw(stub, [(f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
-    withdraw_cpu = _cpu(pid) - cpu0
+    withdraw_cpu = _cpu(pid) - cpu0  # the trainer's; an engine's relays' go with its Resolve (below)
     cpu0 = _cpu(pid)
     if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
         stub.ReaderCuts(pb.ReaderCutsRequest(model="m", fingerprint=fingerprint), timeout=120)
@@ -383,7 +381,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         cpu = _cpu(pid)
         for e in range(engines):
             answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests,
-                                     release=stage == 1)
+                                     release=stage == 1, withdrawals=[] if stage else [
+                                         (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
             if stage == 0:
                 leases[e] = answer.lease_id
             answers.append(answer.ByteSize())
@@ -445,8 +444,8 @@ def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], 
     complete) and the bytes it read, and the release of the engine's
     answer's lease. A pull slower than the server's answers sends reports
     between them (``tensorhub bench cluster --versions`` counts them for
-    real), and the engine's workers withdraw their previous version (a
-    Batch, counted with the withdrawals)."""
+    real); the engine's workers' withdrawals of their previous version went
+    with its first Resolve."""
     for request in requests:
         request.state = pb.REPLICA_STATE_FILLING
     announced = stub.Batch(pb.BatchRequest(publishes=[_lean(r) for r in requests]), timeout=120)
@@ -466,15 +465,22 @@ def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], 
 
 
 def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
-                    sizes: list[int] | None = None, release: bool = True) -> pb.ResolveResponse:
+                    sizes: list[int] | None = None, release: bool = True,
+                    withdrawals: list[tuple[str, str]] = ()) -> pb.ResolveResponse:
     """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
     of them with a read lease (``Hub.resolve_for_group``), released as the
-    pulls end (``release``; else the caller releases it with the engine's Batch)."""
+    pulls end (``release``; else the caller releases it with the engine's Batch),
+    with its workers' ``withdrawals`` of (agent, replica) of the version before."""
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
-                                layout_ids=numbering.get(e, ""), packed_holders=e in numbering)
+                                layout_ids=numbering.get(e, ""), packed_holders=e in numbering,
+                                withdrawals=[pb.UnpublishRequest(agent_id=a, replica_id=r, drain_timeout_s=10)
+                                             for a, r in withdrawals])
     answer = stub.Resolve(request, timeout=120)
+    if any(o.code or not o.unpublished.drained for o in answer.withdrawals) or \
+            len(answer.withdrawals) != len(withdrawals):
+        raise RuntimeError(f"engine {e}'s withdrawals with its resolve: {list(answer.withdrawals)[:3]}")
     numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
     if release:
         stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
