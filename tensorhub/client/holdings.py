@@ -577,8 +577,10 @@ class Holdings:
             if group is None:
                 outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=slack)
             else:  # every rank takes part, with or without withdrawals of its own
+                # A rank that does not come within half the timeout fails the round: the
+                # other half is left for each rank's withdrawal alone, drain included.
                 outcomes = sent_by_first([w for _, w in sent], group,
-                                         lambda every: self._withdraw_batches(every, slack), bound_s=timeout)
+                                         lambda every: self._withdraw_batches(every, slack), bound_s=timeout / 2)
         except TensorHubError as e:
             log.info("withdrawing %d replicas in one message: %s; each goes alone", len(sent), e)
             outcomes = [e] * len(sent)

@@ -264,7 +264,8 @@ class Hub:
         with the publication. The ranks withdraw it together too, as they
         published it: call ``unpublish`` on every rank of ``cut_group`` at once
         (the first sends every rank's withdrawals; a rank that does not come
-        within the timeout fails that message for all, and each withdraws alone).
+        within half the timeout fails that message for all, and each withdraws
+        alone in the other half).
 
         ``fp8=True`` also publishes the version's block-FP8 companion
         (``tensorhub.fp8``: 2-D floating ``*.weight`` tensors as float8_e4m3fn

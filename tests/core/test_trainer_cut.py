@@ -9,6 +9,7 @@ a real gRPC server."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -330,3 +331,22 @@ def test_a_steady_step_withdraws_and_announces_every_ranks_cut_and_shards_in_one
     for w in range(2):  # and what they hold is version 3, exactly
         got = _pull(hubs(f"e1w{w}"), 3, ("tp", w, 2))
         assert got["read_bytes"] == got["nbytes"]
+
+
+def test_a_rank_that_does_not_come_to_the_groups_withdrawal_costs_the_others_only_their_timeout(server, hubs):
+    """``unpublish`` of a publication made with ``cut=`` is collective over the
+    trainer group; a rank that never calls it does not hang the others: past
+    half the unpublish's timeout the round fails for the rank that came (gloo's
+    monitored barrier), and it withdraws alone in the other half, its memory
+    free once it returns."""
+    ranks = _trainer(hubs)
+    _publish(ranks, 1)
+    start = time.monotonic()
+    ranks[0].send("unpublish", model="m", version=1, timeout=3.0)  # rank 1 never comes
+    out = ranks[0].result(timeout=30)
+    assert 1.5 <= out["end"] - start < 3.0 + 10.0, out["end"] - start
+    left = {r.agent_id for r in _replicas(server.address, 1) if not r.withdrawn}
+    assert left == {ranks[1].agent_id}, left
+    ranks[1].send("unpublish", model="m", version=1, timeout=3.0)  # alone too: rank 0 has done its part
+    ranks[1].result(timeout=30)
+    assert not any(not r.withdrawn for r in _replicas(server.address, 1))
