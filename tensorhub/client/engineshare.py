@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.groupmessages import AnnounceOnce
+from tensorhub.client.groupsend import sent_by_first
 from tensorhub.client.hub import Hub, PullResult
 
 log = logging.getLogger(__name__)
@@ -129,12 +130,8 @@ class EngineShare:
         def announce(data: bytes) -> bool:
             # Bounded: a worker that died before its turn fails this round at the
             # pull's deadline (each then announces alone), not at the group's own timeout.
-            dist.monitored_barrier(group=self._group, timeout=self._timeout)
-            everyone: list[Any] = [None] * self.world
-            dist.all_gather_object(everyone, data, group=self._group)
-            taken: list[Any] = [hub.send_group_announces(everyone) if self.rank == 0 else None]
-            dist.broadcast_object_list(taken, src=0, group=self._group)
-            return bool(taken[0][self.rank])
+            return bool(sent_by_first([data], self._group, hub.send_group_announces,
+                                      bound_s=self._timeout.total_seconds())[0])
 
         return announce
 

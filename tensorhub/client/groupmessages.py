@@ -58,18 +58,15 @@ class GroupMessages:
         """Every member's withdrawal of its previous replica (``Holdings.withdrawal``;
         b"": none) in one message; per member its outcome (None: not sent, that
         member withdraws alone)."""
-        sent = [(i, w) for i, w in enumerate(withdrawals) if w]
-        out: list[tuple[bool, int, bool] | Exception | None] = [None] * len(withdrawals)
+        sent = [w for w in withdrawals if w]
         if not sent:
-            return out
+            return [None] * len(withdrawals)
         try:
-            outcomes = self._rpc.withdraw_batch([w for _, w in sent])
+            outcomes = iter(self._rpc.withdraw_batch(sent))
         except TensorHubError as e:
             log.info("the group's withdrawals did not reach the server (%s); each member withdraws alone", e)
-            return out
-        for (i, _), outcome in zip(sent, outcomes, strict=True):
-            out[i] = outcome
-        return out
+            return [None] * len(withdrawals)
+        return [next(outcomes) if w else None for w in withdrawals]
 
     def member_report(self, held_report: bytes) -> MemberReport:
         """This member's end of the update: its held last report and the bytes its pulls read (taken)."""

@@ -29,7 +29,7 @@ class GroupRoundFailed(TensorHubError):
 
 
 def sent_by_first(mine: list, group: Any, send: Callable[[list], list], *, bound_s: float | None = None) -> list:
-    """Every rank of ``group`` (a torch.distributed process group) calls this
+    """Every rank of ``group`` (a torch.distributed process group; None: the default one) calls this
     at once with its ``mine``; the first rank calls ``send`` with every rank's
     items in rank order, which answers one picklable result per item, and each
     rank gets its own items' results. ``bound_s``: on a gloo group, a rank that
@@ -55,7 +55,7 @@ def sent_by_first(mine: list, group: Any, send: Callable[[list], list], *, bound
                 at += len(items)
         except BaseException as e:  # noqa: BLE001  the others must not wait on a broadcast that never comes
             box[0], failure = None, e
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     if failure is not None:
         raise failure
     if box[0] is None:

@@ -572,24 +572,26 @@ class Holdings:
         done = {p for p, w in begun if not w}
         if group is None and not sent:
             return done
+        mine = [w for _, w in sent]
         slack = _call_slack(timeout)
+
+        def send(every: list[bytes]) -> list:
+            return self._withdraw_batches(every, slack)
+
         try:
-            if group is None:
-                outcomes: list = self._rpc.withdraw_batch([w for _, w in sent], call_slack_s=slack)
-            else:  # every rank takes part, with or without withdrawals of its own
-                # A rank that does not come within half the timeout fails the round: the
-                # other half is left for each rank's withdrawal alone, drain included.
-                outcomes = sent_by_first([w for _, w in sent], group,
-                                         lambda every: self._withdraw_batches(every, slack), bound_s=timeout / 2)
-        except TensorHubError as e:
-            log.info("withdrawing %d replicas in one message: %s; each goes alone", len(sent), e)
-            outcomes = [e] * len(sent)
+            # With a group every rank takes part, with or without withdrawals of its own; a
+            # rank that does not come within half the timeout fails the round: the other
+            # half is left for each rank's withdrawal alone, drain included.
+            outcomes: list = send(mine) if group is None else sent_by_first(mine, group, send, bound_s=timeout / 2)
+        except TensorHubError as e:  # the group's round failed
+            log.info("withdrawing %d replicas with the group's: %s; each goes alone", len(sent), e)
+            outcomes = [None] * len(sent)
         done.update(p for (p, _), outcome in zip(sent, outcomes, strict=True)
                     if self._closed_if_drained(p, outcome, timeout))
         return done
 
     def _withdraw_batches(self, withdrawals: list[bytes], slack: float) -> list:
-        """A group's ``withdrawals``, ``MAX_BATCH`` a message, the messages sent
+        """``withdrawals`` (a group's, or one rank's), ``MAX_BATCH`` a message, the messages sent
         at once (each waits for its drains: one after another, the last would
         drain past its timeout); per withdrawal its outcome, or None (not sent:
         it goes alone). Picklable, for every rank."""
@@ -599,7 +601,7 @@ class Holdings:
             try:
                 outcomes = self.with_agent(lambda: self._rpc.withdraw_batch(part, call_slack_s=slack))
             except TensorHubError as e:
-                log.info("withdrawing %d replicas of the group in one message: %s; each goes alone", len(part), e)
+                log.info("withdrawing %d replicas in one message: %s; each goes alone", len(part), e)
                 return [None] * len(part)
             return [o if isinstance(o, tuple) else None for o in outcomes]
 

@@ -428,14 +428,12 @@ class Hub:
         if not group:
             raise InvalidRequest("resolve_for_group needs the group's name (group=)")
         others = sorted(set(members) - {self.agent_id})
-        sent = [i for i, w in enumerate(withdrawals) if w]
         resolved = self._holdings.with_agent(lambda: self._rpc.resolve(
             self.agent_id, model, wanted, group=group, lease=True, members=others,
-            withdrawals=[withdrawals[i] for i in sent]))
-        withdrawn: list = [None] * len(withdrawals)
-        for i, outcome in zip(sent, resolved.withdrawn, strict=True):
-            withdrawn[i] = outcome
-        return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared, tuple(withdrawn))
+            withdrawals=[w for w in withdrawals if w]))
+        outcomes = iter(resolved.withdrawn)
+        return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared,
+                           tuple(next(outcomes) if w else None for w in withdrawals))
 
     def release_group_answer(self, answer: GroupAnswer) -> None:
         """Every member's pull with ``answer`` is done: its lease goes (without

@@ -344,8 +344,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         knows[e] |= {info.layout for info in before.replicas}
     calls0 = _calls(stub)
     # Every holder of the version before withdraws it before its buffers take this one: a trainer rank
-    # its shards (an Unpublish), or its cut and shards in one Batch (``Holdings.unpublish``); an engine's
-    # relays at the start of its update, in one Batch for its workers (``EngineShare.exchange``).
+    # its shards (an Unpublish), or, publishing with the cut, every rank's cut and shards sent by rank 0
+    # (``Holdings.withdraw_together(group=)``); an engine's relays with its first Resolve (below).
     cpu0 = _cpu(pid)
     if cut_request is not None:  # ranks publishing with the cut withdraw together: rank 0 sends them all
         every = [(f"rank{r}", f"rank{r}.{v}") for r in range(ranks)
@@ -416,17 +416,24 @@ def _withdraw(stub, replicas: list[tuple[str, str]], batch: bool = False) -> Non
     """The withdrawals of (agent, replica of the version before): one Unpublish,
     or a Batch of several, or of any number (``batch``: a group's, sent by its
     first member; nobody reads them by now: no drain)."""
-    requests = [pb.UnpublishRequest(agent_id=a, replica_id=r, drain_timeout_s=10) for a, r in replicas]
+    requests = _unpublish_requests(replicas)
     if len(requests) == 1 and not batch:
-        answers = [stub.Unpublish(requests[0], timeout=120)]
-    else:
-        outcomes = stub.Batch(pb.BatchRequest(withdrawals=requests), timeout=120).withdrawals
-        if any(o.code for o in outcomes):
-            raise RuntimeError(f"the server refused withdrawals: {[o.detail for o in outcomes if o.code]}")
-        answers = [o.unpublished for o in outcomes]
-    for (_, replica_id), answer in zip(replicas, answers, strict=True):
+        answer = stub.Unpublish(requests[0], timeout=120)
         if not answer.drained:
-            raise RuntimeError(f"{replica_id} did not drain: {answer}")
+            raise RuntimeError(f"{replicas[0][1]} did not drain: {answer}")
+    else:
+        _check_withdrawn(replicas, stub.Batch(pb.BatchRequest(withdrawals=requests), timeout=120).withdrawals)
+
+
+def _unpublish_requests(replicas: list[tuple[str, str]]) -> list[pb.UnpublishRequest]:
+    """The withdrawals of (agent, replica of the version before)."""
+    return [pb.UnpublishRequest(agent_id=a, replica_id=r, drain_timeout_s=10) for a, r in replicas]
+
+
+def _check_withdrawn(replicas: list[tuple[str, str]], outcomes) -> None:
+    """Every withdrawal sent together answered, taken and drained."""
+    if len(outcomes) != len(replicas) or any(o.code or not o.unpublished.drained for o in outcomes):
+        raise RuntimeError(f"withdrawals of {[r for _, r in replicas][:3]}...: {list(outcomes)[:3]}")
 
 
 def _calls(stub) -> dict[str, int]:
@@ -475,12 +482,9 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
                                 layout_ids=numbering.get(e, ""), packed_holders=e in numbering,
-                                withdrawals=[pb.UnpublishRequest(agent_id=a, replica_id=r, drain_timeout_s=10)
-                                             for a, r in withdrawals])
+                                withdrawals=_unpublish_requests(withdrawals))
     answer = stub.Resolve(request, timeout=120)
-    if any(o.code or not o.unpublished.drained for o in answer.withdrawals) or \
-            len(answer.withdrawals) != len(withdrawals):
-        raise RuntimeError(f"engine {e}'s withdrawals with its resolve: {list(answer.withdrawals)[:3]}")
+    _check_withdrawn(withdrawals, answer.withdrawals)
     numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
     if release:
         stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
