@@ -83,6 +83,10 @@ class ControlView:
     publishes_full: int = 0
     publishes_lean: int = 0
     answers_shared: int = 0  # members answered by another member's Resolve (one per engine: ``members``)
+    # Resolves that named their previous pull's holders (``named_layouts``): answered with
+    # those alone (no ranking: the steady state), or, one of them missing, ranked as usual
+    answers_named: int = 0
+    named_missed: int = 0
     calls: dict[str, int] = field(default_factory=dict)  # every RPC received, by method (Publish, Resolve, ...)
 
 
@@ -191,7 +195,9 @@ def render(status: HubStatus, console: Any | None = None) -> None:
                       f"whole {c.holders_full:,} / lean {c.holders_lean:,}; publishes whole {c.publishes_full:,} / by "
                       f"layout {c.publishes_lean:,}; pulls replayed {c.pulls_replayed:,} / planned {c.pulls_planned:,}"
                       + (f"; {c.answers_shared:,} members answered by their engine's resolve" if c.answers_shared
-                         else ""))
+                         else "")
+                      + (f"; answered with the holders read before {c.answers_named:,} / ranked anew "
+                         f"{c.named_missed:,}" if c.answers_named or c.named_missed else ""))
     if c.calls:
         console.print("messages received: " + ", ".join(f"{name} {n:,}" for name, n in
                                                         sorted(c.calls.items(), key=lambda kv: -kv[1])))

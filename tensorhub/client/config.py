@@ -50,6 +50,13 @@ class HubConfig:
     # (NIXL notifications, tensorhub.client.peernews), and a pull that hears its
     # peers asks the server who holds what less often. Off: only the server says.
     chunk_news: bool = True
+    # The steady state: a pull names the holders (by layout) its previous pull
+    # of the model read from, and the server answers with their replicas of the
+    # version alone, without ranking every holder (``server/named.py``),
+    # waiting up to this long for one not published yet (an upstream relay
+    # whose own pull is starting). 0: no wait (a holder missing: ranked as
+    # usual); negative: never name holders.
+    named_wait_s: float = 1.0
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

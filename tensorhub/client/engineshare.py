@@ -5,8 +5,10 @@ TP workers, ``tensorhub_vllm.groupshare``), and its first worker sends each
 for all of them (``groupanswer`` draws the Hub's side).
 
     every worker, each update, in the same order (collective):
-      exchange   all: its previous replica's withdrawal ── gather ─▶ first worker
-                 first worker ── Hub.resolve_for_group(withdrawals=) ──▶ server: the answer, then
+      exchange   all: its previous replica's withdrawal, the holders its previous pull read from
+                 (``Hub.named_layouts``) ── gather ─▶ first worker
+                 first worker ── Hub.resolve_for_group(withdrawals=, named_layouts=) ──▶ server: the answer
+                              (the holders named, when all are there; else ranked), then
                               the withdrawals (drains together) ──▶ answer + outcomes ─┐
                                                                                         ├─ broadcast ─▶ all:
                  a failed resolve: None, each resolves on its own; the withdrawals ──────┘  withdrawn,
@@ -102,14 +104,19 @@ class EngineShare:
             members: list[Any] = [None] * self.world
             dist.all_gather_object(members, hub.agent_id, group=self._group)
             self._members = [str(m) for m in members]
-        messages: list[Any] = [None] * self.world
-        dist.all_gather_object(messages, withdrawal.message if withdrawal is not None else b"", group=self._group)
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (withdrawal.message if withdrawal is not None else b"",
+                                          hub.named_layouts(self._model)), group=self._group)
+        messages = [message for message, _ in gathered]
+        # The group reads what its members read: all of them named, or none (a member's pull was not steady).
+        named = tuple(dict.fromkeys(k for _, layouts in gathered for k in layouts)) \
+            if all(layouts for _, layouts in gathered) else ()
         failure: BaseException | None = None
         sent: list[Any] = [None, [None] * self.world]
         if self.rank == 0:
             try:
                 sent[0] = hub.resolve_for_group(self._model, version, group=self._engine, members=self._members,
-                                                withdrawals=messages)
+                                                withdrawals=messages, named_layouts=named)
                 sent[1] = list(sent[0].withdrawn)
             except Exception as e:  # noqa: BLE001  the others resolve on their own and meet it too
                 failure = e

@@ -16,7 +16,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -124,6 +124,9 @@ class PullResult:
     # two why it did not replay.
     path: str = PLANNED
     not_replayed: str = ""
+    # The server answered with the holders the previous pull read from, by
+    # name, without ranking every holder (``HubConfig.named_wait_s``)
+    named: bool = False
     # ``pull(defer_complete=True)``, serving: the last report (complete), held
     # for the group to send (``member_report``); b"": sent as usual
     held_report: bytes = b""
@@ -194,6 +197,9 @@ class Hub:
         self._news = PeerNews(self._nixl) if config.chunk_news else None  # chunk news between relaying peers
         self._read_sets = ReadSets()  # destinations checked, and their read layouts, kept while the same
         self._plans = PlanCache()  # holder tables and chunk READs, kept while the layouts stay the same
+        # Per model, the server layouts of the holders its last steady pull read from (every
+        # holder known, none lost): the next pull names them (``named_layouts``)
+        self._read_before: dict[str, tuple[bytes, ...]] = {}
         # Per model, this rank's last trainer-cut buffer and its publication: reused once that is closed
         self._cut_buffers: dict[str, tuple[Any, Publication]] = {}
         self._deltas = DeltaPulls(self._holdings, self.pull)
@@ -412,7 +418,8 @@ class Hub:
     # ---------------------------------------------------------------- pull
 
     def resolve_for_group(self, model: str, version: int | Literal["latest"] = "latest", *, group: str,
-                          members: list[str], withdrawals: Sequence[bytes] = ()) -> GroupAnswer:
+                          members: list[str], withdrawals: Sequence[bytes] = (),
+                          named_layouts: Sequence[bytes] = ()) -> GroupAnswer:
         """Resolve ``model`` once for this process and the other ``members`` (their
         ``agent_id``s) of ``group``: hand the answer to them over the group's own
         channel, each passes it to ``pull(answer=)``, and once every member's pull
@@ -422,7 +429,9 @@ class Hub:
         ``withdrawals``: the members' ``withdrawal`` messages (b"": none), sent
         with the resolve (one message a step, not two); their outcomes in
         ``GroupAnswer.withdrawn``, as ``send_group_withdrawals`` gives them. A
-        resolve that raises handled none of them."""
+        resolve that raises handled none of them. ``named_layouts``: what the
+        members' previous pulls read from (each one's ``named_layouts``): the
+        answer names those holders alone when the server has them all."""
         model = _check_model(model)
         wanted = None if version == "latest" else _check_version(version)
         if not group:
@@ -430,7 +439,8 @@ class Hub:
         others = sorted(set(members) - {self.agent_id})
         resolved = self._holdings.with_agent(lambda: self._rpc.resolve(
             self.agent_id, model, wanted, group=group, lease=True, members=others,
-            withdrawals=[w for w in withdrawals if w]))
+            withdrawals=[w for w in withdrawals if w], named_layouts=named_layouts,
+            named_wait_s=self._named_wait_s(named_layouts)))
         outcomes = iter(resolved.withdrawn)
         return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared,
                            tuple(next(outcomes) if w else None for w in withdrawals))
@@ -493,8 +503,27 @@ class Hub:
             except ShareUnusable as e:  # this member's history differs: it asks on its own
                 log.info("%r v%d: the group answer is not usable here (%s); resolving", model, answer.version, e)
                 wanted, group = answer.version, ""  # that version exactly: no round of the group pins another
+        named = self.named_layouts(model)
         return self._holdings.with_agent(
-            lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True))
+            lambda: self._rpc.resolve(self.agent_id, model, wanted, group=group, group_round=group_round, lease=True,
+                                      named_layouts=named, named_wait_s=self._named_wait_s(named)))
+
+    def named_layouts(self, model: str) -> tuple[bytes, ...]:
+        """The holders (their server layouts) this process's last pull of ``model``
+        read from, if it was steady (every holder's layout known from before, none
+        lost): the next pull names them, and the server answers with their replicas
+        of the version alone (``server/named.py``). () when not, or switched off
+        (``HubConfig.named_wait_s`` < 0)."""
+        return self._read_before.get(model, ()) if self.config.named_wait_s >= 0 else ()
+
+    def _named_wait_s(self, named: Sequence[bytes]) -> float:
+        return max(0.0, self.config.named_wait_s) if named else 0.0
+
+    def _remember_read(self, model: str, steady: bool, layouts: Iterable[bytes]) -> None:
+        if steady:
+            self._read_before[model] = tuple(layouts)
+        else:
+            self._read_before.pop(model, None)
 
     def pull(self, model: str, version: int | Literal["latest"] = "latest",
              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
@@ -668,6 +697,8 @@ class Hub:
         self._rpc.report_pulled(self.agent_id, _bytes_by_kind(stats), flush=not defer_complete)
         path = path_of(earlier_pulls=job.plans.pulls, holders_read=stats.lean_sources.items(),
                        lost=stats.lost_sources, plans_made=stats.plans_made)
+        self._remember_read(model, job.plans.pulls > 0 and not stats.lost_sources
+                            and all(stats.lean_sources.values()), stats.read_layouts)
         job.plans.pulls += 1
         self._rpc.report_path(path.replayed)
         if publication is None:
@@ -681,7 +712,7 @@ class Hub:
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
                           chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused,
                           refreshes=stats.refreshes, news_heard=stats.news_heard, path=path.path,
-                          not_replayed=path.why, held_report=held_report)
+                          not_replayed=path.why, held_report=held_report, named=resolved.named)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
                  start: float) -> PullResult:

@@ -546,7 +546,8 @@ class PullJob:
                     if reads.failed(chunk):
                         continue
                     name = replica.source.agent_name
-                    stats.read_from(name, (self.labels.tier(replica.source.labels), replica.source.origin), replica.lean)
+                    stats.read_from(name, (self.labels.tier(replica.source.labels), replica.source.origin), replica.lean,
+                                    replica.wire_layout)
                     self._checks.arrived(transfer)  # its CRC now, while its bytes are in cache
                     whole = reads.landed(chunk, name, transfer)
                     if whole is not None:  # counted once the whole chunk is in (``chunkreads``)

@@ -37,15 +37,21 @@ class PullStats:
     # Holders a byte was read from, by agent name: whether each came lean (its
     # layout known from an earlier answer: ``replay``)
     lean_sources: dict[str, bool] = field(default_factory=dict)
+    # The server's layouts of the holders a byte was read from (``RemoteReplica.wire_layout``):
+    # what the next pull into the same buffers names (``server/named.py``)
+    read_layouts: dict[bytes, None] = field(default_factory=dict)
     # Per chunk of the read set, the holder (agent name) most of its bytes came
     # from: readers of one version cut alike share chunk numbers, so a relay
     # tree can be traced chunk by chunk (``bench cluster``'s depth).
     chunk_sources: dict[int, str] = field(default_factory=dict)
 
-    def read_from(self, name: str, kind: tuple[int, bool], lean: bool) -> None:
-        """A READ from holder ``name`` landed: its kind (``Labels.tier``, origin), whether it came lean."""
+    def read_from(self, name: str, kind: tuple[int, bool], lean: bool, layout: bytes = b"") -> None:
+        """A READ from holder ``name`` landed: its kind (``Labels.tier``, origin), whether it came
+        lean, its server layout (b"": none)."""
         self.source_kinds[name] = kind
         self.lean_sources[name] = self.lean_sources.get(name, True) and lean
+        if layout:
+            self.read_layouts[layout] = None
 
     def chunk_done(self, chunk: int, sources: dict[str, int]) -> None:
         """Every READ of ``chunk`` landed, ``sources`` giving it these bytes each (agent name -> bytes)."""

@@ -96,6 +96,10 @@ class RemoteReplica:
     # whatever the version: b"" (a replica made by hand) is known by its id.
     layout_key: bytes = b""
     lean: bool = False  # sent lean: its layout was known from an earlier answer (nothing decoded)
+    # The server's ReplicaInfo.layout of it (b"": made by hand), which stays put from
+    # one version to the next: what a reader names to read the next version from it
+    # again (``ResolveRequest.named_layouts``).
+    wire_layout: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,7 @@ class Resolved:
     # Per withdrawal sent with the resolve (``resolve(withdrawals=)``), what
     # ``withdraw_batch`` answers for it.
     withdrawn: tuple = ()
+    named: bool = False  # the replicas are exactly those of ``resolve(named_layouts=)``
 
 
 @dataclass(frozen=True, slots=True)
@@ -520,7 +525,8 @@ class ReferenceClient:
 
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
                 group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
-                seen_change: int = 0, members: Sequence[str] = (), withdrawals: Sequence[bytes] = ()) -> Resolved:
+                seen_change: int = 0, members: Sequence[str] = (), withdrawals: Sequence[bytes] = (),
+                named_layouts: Sequence[bytes] = (), named_wait_s: float = 0.0) -> Resolved:
         """Which version to read and who holds it. ``lease=True`` also leases every
         replica returned, saving a round trip on small pulls. ``wait_change_s``: a
         long poll; the server answers once the version's holders changed since the
@@ -530,8 +536,11 @@ class ReferenceClient:
         theirs too, released by ``release_shared`` once all are done.
         ``withdrawals``: ``withdrawal`` messages the server handles after the
         answer, as ``withdraw_batch`` would (the answer then waits for their
-        drains); their outcomes in ``Resolved.withdrawn``."""
-        request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
+        drains); their outcomes in ``Resolved.withdrawn``. ``named_layouts``: the
+        layouts (``RemoteReplica.wire_layout``) of the holders an earlier pull read
+        from: the answer names their replicas of the version alone when all are
+        there (``Resolved.named``), waiting up to ``named_wait_s`` for them."""
+        request = pb.ResolveRequest(named_layouts=named_layouts, named_wait_s=named_wait_s,agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     wait_change_s=wait_change_s, seen_change=seen_change,
                                     known_fingerprint=self._known_fingerprint(model),
                                     release_leases=self._take_releases(), pulled=self._take_pulled(), members=members,
@@ -549,7 +558,7 @@ class ReferenceClient:
             request.version = version
         drain_s = max((w.drain_timeout_s for w in request.withdrawals), default=0.0)
         sent = time.monotonic()
-        resp = self._call(self._stub.Resolve, request, timeout=self.timeout_s + wait_change_s + drain_s,
+        resp = self._call(self._stub.Resolve, request, timeout=self.timeout_s + wait_change_s + drain_s + named_wait_s,
                           not_found=lambda d: VersionNotFound(model, "latest" if version is None else version, d))
         if resp.instance_id:
             self.last_resolve = (resp.instance_id, sent)
@@ -657,7 +666,7 @@ class ReferenceClient:
         self._layouts[model] = seen
         self._last_fingerprint[model] = resp.fingerprint
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
-                        resp.instance_id, resp.change)
+                        resp.instance_id, resp.change, named=resp.named)
 
     @staticmethod
     def _unpacked(packed: pb.PackedHolders, numbers: dict[int, bytes], templates: dict[bytes, RemoteReplica],
@@ -878,4 +887,4 @@ def _replica(msg: pb.ReplicaInfo, manifest: Manifest, memory: _Memory,
     key.update(np.ascontiguousarray(regions, np.uint64).tobytes())
     key.update(f"{msg.chunk_size}/{manifest.fingerprint}".encode())
     return RemoteReplica(source, msg.agent_id, kind, held, regions, metadata, msg.chunk_size, bytes(msg.chunk_bitmap),
-                         crcs, tuple(msg.deltas), key.digest())
+                         crcs, tuple(msg.deltas), key.digest(), wire_layout=msg.layout)

@@ -331,7 +331,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders", "withdrawals")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders", "withdrawals", "named_layouts", "named_wait_s")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,8 @@ class ResolveRequest(_message.Message):
     LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -374,10 +376,12 @@ class ResolveRequest(_message.Message):
     layout_ids: str
     packed_holders: bool
     withdrawals: _containers.RepeatedCompositeFieldContainer[UnpublishRequest]
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ..., withdrawals: _Optional[_Iterable[_Union[UnpublishRequest, _Mapping]]] = ...) -> None: ...
+    named_layouts: _containers.RepeatedScalarFieldContainer[bytes]
+    named_wait_s: float
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ..., withdrawals: _Optional[_Iterable[_Union[UnpublishRequest, _Mapping]]] = ..., named_layouts: _Optional[_Iterable[bytes]] = ..., named_wait_s: _Optional[float] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed", "withdrawals")
+    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed", "withdrawals", "named")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +393,7 @@ class ResolveResponse(_message.Message):
     LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
@@ -400,7 +405,8 @@ class ResolveResponse(_message.Message):
     layout_ids: str
     packed: PackedHolders
     withdrawals: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ..., withdrawals: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ...) -> None: ...
+    named: bool
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ..., withdrawals: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., named: _Optional[bool] = ...) -> None: ...
 
 class PackedHolders(_message.Message):
     __slots__ = ("layout_id_step", "replica_suffix", "flags", "chunk_crc32", "chunk_bitmap", "busy_row", "busy_reads")
@@ -697,7 +703,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., control: _Optional[_Union[ControlCounters, _Mapping]] = ...) -> None: ...
 
 class ControlCounters(_message.Message):
-    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean", "answers_shared", "calls")
+    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean", "answers_shared", "calls", "answers_named", "named_missed")
     class CallsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -715,6 +721,8 @@ class ControlCounters(_message.Message):
     PUBLISHES_LEAN_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_SHARED_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_NAMED_FIELD_NUMBER: _ClassVar[int]
+    NAMED_MISSED_FIELD_NUMBER: _ClassVar[int]
     resolves: int
     holders_full: int
     holders_lean: int
@@ -725,4 +733,6 @@ class ControlCounters(_message.Message):
     publishes_lean: int
     answers_shared: int
     calls: _containers.ScalarMap[str, int]
-    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ..., answers_shared: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    answers_named: int
+    named_missed: int
+    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ..., answers_shared: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., answers_named: _Optional[int] = ..., named_missed: _Optional[int] = ...) -> None: ...

@@ -125,6 +125,9 @@ _CONTROL_COUNTERS = (
      "before)"), "form", (("full", "publishes_full"), ("lean", "publishes_lean"))),
     ("tensorhub_resolve_answers", ("Readers answered: by a Resolve of their own, or shared (another member of their "
      "engine resolved for the group)"), "how", (("own", "resolves"), ("shared", "answers_shared"))),
+    ("tensorhub_resolve_named", ("Resolves that named the holders of the reader's previous pull: answered with "
+     "those alone (the steady state), or ranked anew (one of them was missing)"), "outcome",
+     (("named", "answers_named"), ("missed", "named_missed"))),
 )
 
 

@@ -25,6 +25,7 @@ from tensorhub.proto import wire
 from tensorhub.regiontable import RegionTable, shapes_of
 from tensorhub.server.changes import VersionChanges
 from tensorhub.server.metrics import NoMetrics
+from tensorhub.server.named import NamedHolders
 from tensorhub.server.state import Held, Lease, Replica, State, StateError, check_held, held_bytes
 from tensorhub.topology import Labels, Reliability
 
@@ -252,6 +253,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self._numbering_generation = 0
         self._numbering = f"{state.instance_id}/0"
         self.changes = VersionChanges()  # what long-poll Resolves wait on
+        # Readers that name the holders they read before (the steady state): ``named``
+        self._named = NamedHolders(lambda replica: self._wire_info(replica)[2], self.changes)
 
     def _held_of(self, manifest: Manifest, request: pb.PublishRequest) -> tuple[RegionTable, np.ndarray | None, bytes]:
         """The request's held regions, checked; with their bytes and wire form
@@ -529,6 +532,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             if len(request.known_layouts) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_layouts)} known_layouts, more than {MAX_KNOWN_MEMORY}")
             layouts = frozenset(request.known_layouts)
+            if len(request.named_layouts) > MAX_KNOWN_MEMORY or any(len(k) > 64 for k in request.named_layouts):
+                raise Invalid(f"named_layouts: at most {MAX_KNOWN_MEMORY}, each a ReplicaInfo.layout")
+            if not 0 <= request.named_wait_s <= MAX_WAIT_CHANGE_S:
+                raise Invalid(f"named_wait_s must be within [0, {MAX_WAIT_CHANGE_S}]")
             others = self._members(agent_id, request)
             self.state.control.pulls_replayed += request.pulls_replayed
             self.state.control.pulls_planned += request.pulls_planned
@@ -548,7 +555,16 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 outcome = "not_found" if e.code == "NOT_FOUND" else outcome
                 raise
             shared_list: list = []
-            if request.group and not request.max_sources:  # one list per engine (State.group_sources)
+            named = None
+            if request.named_layouts:  # the steady state: the holders the reader read before (``named``)
+                waited = time.perf_counter()
+                named = await self._named.holders(model, resolved, entry, request.named_layouts,
+                                                  request.named_wait_s, others | {agent_id}, self.state.agents,
+                                                  self.state.expire)
+                started += time.perf_counter() - waited  # waiting is not the resolve's time (a small overcount)
+            if named is not None:
+                sources = named
+            elif request.group and not request.max_sources:  # one list per engine (State.group_sources)
                 sources = shared_list = self.state.group_sources(model, entry, agent_id, request.group,
                                                                  others=others)
             else:
@@ -566,7 +582,13 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 if len(lease.replica_ids) < len(sources):  # the reader takes the answer as all leased
                     granted = set(lease.replica_ids)
                     sources = [r for r in sources if r.replica_id in granted]
-            shared = request.group and not request.max_sources and len(sources) == len(shared_list)
+            shared = request.group and not request.max_sources and named is None and len(sources) == len(shared_list)
+            response.named = named is not None and len(sources) == len(named)  # all leased, when asked
+            if request.named_layouts:
+                if response.named:
+                    self.state.control.answers_named += 1
+                else:
+                    self.state.control.named_missed += 1
             packed = request.packed_holders
             answer = response.SerializeToString() + (
                 self._group_holders(model, resolved, sources, known, layouts, by_number, packed, response.lease_id)
@@ -692,6 +714,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             layout.update(memory)
             layout.update(self.state.models[replica.model][replica.version].fingerprint.encode())
             number = self._layout_number(layout.digest())
+            self._named.laid_out(layout.digest(), replica)
             own = pb.ReplicaInfo(chunk_crc32=replica.chunk_crc32 or [], deltas=replica.deltas).SerializeToString()
             per_version = pb.ReplicaInfo(replica_id=replica.replica_id, layout=layout.digest(),
                                          layout_id=number).SerializeToString() + own

@@ -205,6 +205,11 @@ class Version:
     # Reader agent id -> (live holders, their fixed keys) as of State._holders_changed == ranked_at: State._ranking.
     ranked: dict[str, tuple[list[Replica], list[int]]] = field(default_factory=dict)
     ranked_at: int = -1
+    # Layout key (ReplicaInfo.layout) -> the replica laid out so, for readers that name
+    # the holders they read before (ResolveRequest.named_layouts): the service indexes
+    # the replicas published since (``unindexed``) when such a reader asks.
+    laid_out: dict[bytes, Replica] = field(default_factory=dict)
+    unindexed: list[Replica] = field(default_factory=list)
 
     def describe_missing(self) -> str:
         if not self.missing_count:
@@ -390,6 +395,8 @@ class State:
         entry.alike.setdefault(id(replica.held), (replica.held, {}))[1][replica_id] = None
         entry.replicas[replica_id] = replica
         self.replicas[replica_id] = replica
+        if len(entry.unindexed) < 4 * len(entry.replicas) + 64:  # else nobody names holders: no index kept
+            entry.unindexed.append(replica)
         self._holders_changed += 1
         if trainer_cut:  # never counted for coverage (``_counts``): no refinement, no refresh
             return replica

@@ -154,6 +154,34 @@ def test_a_group_answer_is_refused_for_strangers_and_without_a_lease(server, hub
             assert err.value.code() == code and says in err.value.details(), err.value.details()
 
 
+def test_a_steady_reader_names_its_holders_and_is_ranked_again_when_one_is_laid_out_anew(server, hubs):
+    """From the third version on (the second was steady), the reader's answer
+    is the holders it read before, named, with no ranking; a rank that
+    publishes from fresh buffers is not waited for (another layout will not
+    come), and the answer is ranked again, byte-exact."""
+    ranks = [hubs("rank0"), hubs("rank1")]
+    reader = hubs("reader", named_wait_s=5.0)
+    _publish(ranks, 1, seed=1)
+    assert not _pull(reader, 1, 1)["named"]
+    _step(ranks, 1, 2, seed=2)
+    assert not _pull(reader, 2, 2)["named"]  # its pull of version 1 was the first into these buffers
+    before = _control(server.address)
+    _step(ranks, 2, 3, seed=3)
+    got = _pull(reader, 3, 3)
+    assert got["named"] and got["path"] == REPLAYED and set(got["sources"]) == {"rank0", "rank1"}
+    after = _control(server.address)
+    assert (after["answers_named"] - before["answers_named"], after["named_missed"]) == (1, before["named_missed"])
+    for hub in ranks:
+        hub.call("unpublish", model="m", version=3)
+    ranks[0].call("overwrite", model="m", version=3, seed=4)
+    ranks[0].call("republish", model="m", version=4, of=3, how="rows", rank=0, world=2, chunk_size=CHUNK)
+    ranks[1].call("publish_shard", model="m", version=4, specs=SPECS, seed=4, how="rows", rank=1, world=2,
+                  chunk_size=CHUNK)  # fresh buffers
+    got = _pull(reader, 4, 4)
+    assert not got["named"] and got["path"] == PLANNED and got["seconds"] < 4.0  # not the 5 s wait
+    assert _control(server.address)["named_missed"] == before["named_missed"] + 1
+
+
 def test_a_new_trainer_world_size_is_planned_and_exact(hubs):
     ranks = [hubs("rank0"), hubs("rank1")]
     reader = hubs("reader")

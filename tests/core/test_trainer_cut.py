@@ -219,7 +219,7 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
     """A trainer's step: withdraw version v (shards and cut), write the new
     bytes in place, publish v+1 from the same buffers with its cut. The cut
     lands in the buffer of v's cut (closed by then), so its readers, like the
-    shards' readers, replay their plans."""
+    shards' readers, replay their plans, and once steady name the cut holders."""
     ranks = _trainer(hubs)
     _publish(ranks, 1)
     for w, hub in enumerate([hubs("w0"), hubs("w1")]):
@@ -229,7 +229,7 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
     for w, reader in enumerate(readers):
         _pull(reader, 2, ("tp", w, 2), keep="dest")
     addrs = {}
-    for version in (3, 4):
+    for version in (3, 4, 5):
         _unpublish(ranks, version - 1)
         for hub in ranks:
             hub.call("overwrite", model="m", version=version - 1, seed=version)
@@ -241,9 +241,13 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
         addrs[version] = [o["cut_addr"] for o in outs]
         for w, reader in enumerate(readers):
             got = _pull(reader, version, ("tp", w, 2), keep="dest")
-            assert got["path"] == "replayed", got["not_replayed"]
+            assert got["named"] == (version > 3)  # version 3's pull was steady: from 4 on it names the cut holders
+            if version == 4:  # the holders ranked are the cut's alone now, not the cut's and the shards': once
+                assert got["path"] == "planned" and "plan(s) made afresh" in got["not_replayed"]
+            else:
+                assert got["path"] == "replayed", got["not_replayed"]
             assert got["read_bytes"] == got["nbytes"]  # from the cut: exactly the read set
-    assert addrs[3] == addrs[4]  # one buffer per rank, step after step
+    assert addrs[3] == addrs[4] == addrs[5]  # one buffer per rank, step after step
 
 
 # A chunk of reader 0 that two cut holders share and one row shard holds whole:

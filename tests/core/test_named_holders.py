@@ -1,0 +1,132 @@
+"""The steady state's answer (``server/named.py``): a reader names the holders
+it read before, by layout, and the server answers with their replicas of the
+version alone, waits a bounded time for one that may still come, and answers
+as usual (ranked) for one that will not. A real server in this process, raw
+requests; ``test_steady_state.py`` has the real Hubs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from tensorhub.proto import tensorhub_pb2 as pb
+from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.server import EmbeddedServer
+
+CHUNK = 1 << 16
+
+
+def _publish(stub, agent: str, version: int, *, addr: int = 1 << 32, state=pb.REPLICA_STATE_COMPLETE) -> None:
+    stub.Publish(pb.PublishRequest(
+        agent_id=agent, replica_id=f"{agent}.{version}", model="m", version=version, chunk_size=CHUNK,
+        origin=agent.startswith("t"), state=state,
+        manifest=pb.Manifest(tensors=[pb.TensorSpec(name="w", dtype="float32", shape=[256, 256], nbytes=1 << 18)]),
+        memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_DRAM, nixl_metadata=agent.encode(),
+                                regions=[pb.MemoryRegion(addr=addr, size=1 << 18)])))
+
+
+def _layouts(answer) -> dict[str, bytes]:
+    return {r.replica_id.rpartition(".")[0]: r.layout for r in answer.replicas}
+
+
+def _named(stub, reader: str, version: int, layouts, wait_s: float = 0.0, **kw):
+    return stub.Resolve(pb.ResolveRequest(agent_id=reader, model="m", version=version, named_layouts=layouts,
+                                          named_wait_s=wait_s, **kw), timeout=30)
+
+
+def _counters(stub) -> tuple[int, int]:
+    c = stub.Describe(pb.DescribeRequest(model="none")).control
+    return c.answers_named, c.named_missed
+
+
+@pytest.fixture
+def stub():
+    with EmbeddedServer(retain=0) as srv, grpc.insecure_channel(srv.address) as channel:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        for agent in ("t0", "t1", "t2", "r1", "r2", "reader"):
+            stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent))
+        for agent in ("t0", "t1", "t2"):
+            _publish(stub, agent, 1)
+        yield stub
+
+
+def test_the_holders_named_come_alone_and_leased(stub):
+    v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)))
+    for agent in ("t0", "t1", "t2"):
+        _publish(stub, agent, 2)  # the same memory: the same layouts
+    answer = _named(stub, "reader", 2, [v1["t0"], v1["t2"]], lease=True)
+    assert answer.named and sorted(r.replica_id for r in answer.replicas) == ["t0.2", "t2.2"]
+    lease = stub.AcquireReadLease(pb.AcquireReadLeaseRequest(agent_id="reader", replica_ids=["t1.2"]))
+    assert lease.granted == ["t1.2"]  # the answer's lease was the named ones' alone: t1 is leased only now
+    assert _counters(stub) == (1, 0)
+
+
+def test_a_holder_laid_out_anew_or_gone_is_not_waited_for(stub):
+    v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)))
+    _publish(stub, "t0", 2)
+    _publish(stub, "t1", 2, addr=2 << 32)  # fresh buffers: another layout, and t1 holds version 2
+    stub.Unpublish(pb.UnpublishRequest(agent_id="t2", replica_id="t2.1"))
+    started = time.monotonic()
+    answer = _named(stub, "reader", 2, [v1["t0"], v1["t1"]], wait_s=5.0)
+    assert not answer.named and {r.replica_id for r in answer.replicas} == {"t0.2", "t1.2"}  # ranked as usual
+    assert time.monotonic() - started < 4.0  # not the wait: t1's layout will never come
+    answer = _named(stub, "reader", 2, [b"\x01" * 16], wait_s=5.0)  # a layout no agent ever had
+    assert not answer.named and time.monotonic() - started < 4.0
+    assert _counters(stub) == (0, 2)
+
+
+def test_a_holder_not_yet_published_is_waited_for_within_the_bound(stub):
+    v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)))
+    _publish(stub, "t0", 2)
+    got = {}
+
+    def ask() -> None:
+        started = time.monotonic()
+        got["answer"], got["s"] = _named(stub, "reader", 2, [v1["t0"], v1["t1"]], wait_s=5.0), time.monotonic() - started
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.5)
+    _publish(stub, "t1", 2)  # t1's step comes late: the reader's answer waited for it
+    asker.join(30)
+    assert got["answer"].named and sorted(r.replica_id for r in got["answer"].replicas) == ["t0.2", "t1.2"]
+    assert 0.4 < got["s"] < 4.0
+    # One that never comes: the wait's bound, then ranked (t0.2 covers the version).
+    started = time.monotonic()
+    answer = _named(stub, "reader", 2, [v1["t2"]], wait_s=0.5)
+    assert not answer.named and 0.4 < time.monotonic() - started < 4.0
+
+
+def test_two_relays_that_name_each_other_do_not_wait_for_each_other(stub):
+    for relay in ("r1", "r2"):
+        _publish(stub, relay, 1)
+    v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)))
+    _publish(stub, "t0", 2)
+    got = {}
+
+    def first() -> None:
+        got["r1"] = _named(stub, "r1", 2, [v1["r2"]], wait_s=5.0)
+
+    waiting = threading.Thread(target=first)
+    waiting.start()
+    time.sleep(0.3)  # r1 waits for r2's replica of version 2
+    started = time.monotonic()
+    second = _named(stub, "r2", 2, [v1["r1"]], wait_s=5.0)
+    assert not second.named and time.monotonic() - started < 4.0  # r1 waits itself: r2 is answered at once
+    _publish(stub, "r2", 2, state=pb.REPLICA_STATE_FILLING)  # r2 starts its pull: r1's wait ends
+    waiting.join(30)
+    assert got["r1"].named and [r.replica_id for r in got["r1"].replicas] == ["r2.2"]
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"named_wait_s": 60.0}, "named_wait_s"),
+    ({"named_layouts": [b"x" * 65]}, "named_layouts"),
+    ({"named_layouts": [b"x"] * 4097}, "named_layouts"),
+])
+def test_a_bad_naming_is_refused_clearly(stub, fields, want):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1, **fields))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and want in e.value.details()
