@@ -239,7 +239,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
         return 2
     cfg = scale.ScaleConfig(models=args.models, engines=args.engines, trainer_ranks=args.trainer_ranks,
                             nic_gbit=args.nic_gbit, sample=args.sample, layouts=args.layouts,
-                            trainer_cut=args.trainer_cut)
+                            trainer_cut=args.trainer_cut, named=not args.ranked)
     scale.run(cfg, out=args.out)
     return 0
 
@@ -458,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--trainer-cut", action="store_true",
                        help="versions 2 and 3 also published in the readers' cut (Hub.publish(cut='readers')): "
                             "their messages sent for real, the steady first hop read from the cut")
+    scale.add_argument("--ranked", action="store_true",
+                       help="version 3's answers ranked as version 2's (every engine resolving twice), not the "
+                            "holders each engine read before, named (the steady state a Hub reaches)")
     scale.add_argument("--out", help="folder for scale.json and scale.png")
     scale.set_defaults(func=_bench_scale)
 

@@ -141,7 +141,7 @@ def test_link_model_adds_up():
 
 def test_bench_scale_runs_through_the_real_server(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "scale", "--models", "qwen3-30b-a3b",
-                          "--engines", "2", "--trainer-ranks", "16", "--sample", "2", "--trainer-cut",
+                          "--engines", "4", "--trainer-ranks", "16", "--sample", "2", "--trainer-cut",
                           "--out", str(tmp_path)],
                          check=False, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -152,25 +152,27 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         for key in ("model", "gpus", "engines", "trainer_ranks", "predicted_s", "link_limit_s", "control_plane_s",
                     "resolve_response_bytes_max", "server_bytes_per_replica_max", "descriptors_per_reader_max"):
             assert key in row, key
-        assert (row["gpus"], row["engines"], row["trainer_ranks"]) == (16, 2, 16)
+        assert (row["gpus"], row["engines"], row["trainer_ranks"]) == (32, 4, 16)
+        assert row["wave0_engines"] == 2  # engines 2 and 3 relay from 0 and 1
         assert row["resolve_holders_first"] == 16  # every FSDP rank holds some rows any worker needs
         assert 0 < row["link_limit_s"] <= row["predicted_s"]
         assert row["publish_request_bytes"] < 8192 < row["publish_request_bytes_first"]  # by fingerprint after the first
         # The steady stage: every reader's messages sent for real, every holder lean, small answers.
-        # One Resolve per engine (its first worker asks for all), at the start and once relays hold it.
-        assert row["steady_resolves"] == row["steady_first_resolves"] == 2 * row["engines"]
+        # Version 2 ranked: one Resolve per engine (its first worker asks for all), at the start and
+        # once relays hold it. Version 3 (the steady state): one, naming the holders it read before.
+        engines, ranks = row["engines"], row["trainer_ranks"]
+        assert row["steady_first_resolves"] == 2 * engines and row["steady_resolves"] == engines
+        assert row["steady_answers_named"] == engines
         # Every message of a steady version, as the server counted them: one Batch of every trainer
         # rank's withdrawals of its cut and its shards of the version before, sent by rank 0 (32 of them
         # here, MAX_BATCH a Batch); one Batch of every rank's shards and share of the readers' cut
         # (--trainer-cut), sent by rank 0, and its ask for the cut; per engine
-        # two Batches (its relays' announces; their complete reports and pulled bytes with the first
-        # answer's lease: tensorhub.client.engineshare), two Resolves (the first with its relays'
-        # withdrawals of the version before) and the second's release.
-        engines, ranks = row["engines"], row["trainer_ranks"]
+        # two Batches (its relays' announces; their complete reports and pulled bytes with the
+        # answer's lease: tensorhub.client.engineshare) and one Resolve (with its relays'
+        # withdrawals of the version before).
         assert 2 * ranks <= wire.MAX_BATCH
-        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 2 * engines,
-                                                    "Resolve": 2 * engines, "ReleaseReadLease": engines}
-        assert row["steady_messages"] == 3 + 5 * engines
+        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 2 * engines, "Resolve": engines}
+        assert row["steady_messages"] == 3 + 3 * engines
         assert row["steady_server_cpu_withdraw_s"] >= 0  # measured apart (in 10 ms ticks: it may read 0 here)
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]
@@ -181,9 +183,11 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         assert row["steady_holders_full"] == 0 and row["steady_holders_lean"] > 0
         assert row["steady_answer_bytes_max"] <= 4096 < row["resolve_response_bytes_max"]
         # Every holder of the largest steady answer sent packed, ~7 bytes each (one CRC a chunk is 4 of
-        # them): at Kimi-K2's 512 holders that keeps the answer under 4 KiB (issue 47).
-        assert row["steady_answer_holders_packed"] == row["steady_answer_holders"] > 0
-        assert row["steady_answer_bytes_per_holder"] <= 8, row["steady_answer_bytes_per_holder"]
+        # them): at Kimi-K2's 512 holders that kept a ranked answer under 4 KiB (issue 47).
+        # Named (version 3): wave 0 is told of the cut alone, the engines behind it of their relay's 8 workers.
+        assert 0 < row["steady_answer_holders_packed"] == row["steady_answer_holders"] <= ranks
+        # A relay's row while it fills carries its bitmap too (a bit a 64 MiB chunk: ~15 B here).
+        assert row["steady_answer_bytes_per_holder"] <= 32, row["steady_answer_bytes_per_holder"]
         assert row["steady_server_cpu_s"] >= 0 and row["steady_predicted_s"] <= row["predicted_s"]
     tp, ep = rows["tp"], rows["ep"]
     assert ep["bytes_per_gpu"] == tp["bytes_per_gpu"]  # 1/8 of every expert's bytes either way

@@ -41,9 +41,15 @@ class Prediction:
     relay_bytes: int
 
 
+def wave0_engines(engines: int, trainer_ranks: int, tp: int) -> int:
+    """The engines that read the trainer (one worker per trainer rank); engine
+    ``e`` past them relays from engine ``e - wave0``, a chain behind each."""
+    return max(1, min(engines, trainer_ranks // tp))
+
+
 def predict(*, engines: int, trainer_ranks: int, tp: int, bytes_per_gpu: int, first_hop_s: float,
             first_hop_read_bytes: int, chunk: int, link: LinkCost, control_plane_s: float) -> Prediction:
-    wave0 = max(1, min(engines, trainer_ranks // tp))
+    wave0 = wave0_engines(engines, trainer_ranks, tp)
     chunks = max(1, math.ceil(bytes_per_gpu / chunk))
     relay_hop_s = link.read_s(chunks, bytes_per_gpu)
     depth = math.ceil((engines - wave0) / wave0)  # chain length behind each wave-0 engine

@@ -81,6 +81,9 @@ class ScaleConfig:
     link: str = "rdma"
     layouts: list[str] = field(default_factory=lambda: list(cuts.LAYOUTS))
     trainer_cut: bool = False  # steady versions also published in the readers' cut (Hub.publish(cut="readers"))
+    # The steady state's answers name the holders each engine read before (``server/named.py``; from the
+    # step after one that was steady: version 3 here); False: ranked, every engine resolving twice (as version 2)
+    named: bool = True
 
     def ranks_for(self, engines: int, i: int) -> int:
         if self.trainer_ranks:
@@ -232,7 +235,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                     lambda e, w, v=version: publish_request(f"engine{e}.{w}",
                                                             *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41,
                                                             False, False, version=v),
-                    (lambda r, v=version: cut_request(r, v)) if cfg.trainer_cut else None)
+                    (lambda r, v=version: cut_request(r, v)) if cfg.trainer_cut else None,
+                    named=cfg.named and version == 3)
             for version in (2, 3))
 
     # 4. the reader's READs and the link model
@@ -298,9 +302,12 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         steady_answer_holders=steady["answer_holders"], steady_answer_holders_packed=steady["answer_holders_packed"],
         steady_answer_bytes_per_holder=steady["answer_bytes_per_holder"],
         steady_request_bytes_max=steady["request_bytes_max"], steady_resolves=steady["resolves"],
+        steady_answers_named=steady["answers_named"],
         steady_holders_full=steady["holders_full"], steady_holders_lean=steady["holders_lean"],
         steady_server_cpu_publish_s=steady["publish_cpu_s"], steady_server_cpu_resolve_s=steady["resolve_cpu_s"],
         steady_server_cpu_withdraw_s=steady["withdraw_cpu_s"],
+        # of the publishes': the trainer's announces (its cut and shards; with the readers' cut ask)
+        steady_server_cpu_trainer_publish_s=steady["trainer_publish_cpu_s"],
         steady_parse_s=steady["parse_s"], steady_predicted_s=ps.predicted_s,
         steady_predicted_over_limit=ps.predicted_s / ps.link_limit_s,
         # version 2, the first from the same buffers (``steady_*``: version 3)
@@ -316,7 +323,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
             numbering: dict[int, str], version: int, relay_chunks: list[int],
-            trainer_request, relay_request, cut_request=None) -> dict:
+            trainer_request, relay_request, cut_request=None, named: bool = False) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: every holder of the version before withdraws it (a trainer rank its
     shards; with the cut, every rank's cut and shards sent by rank 0,
@@ -330,11 +337,36 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     complete in another (``relay_chunks``: worker w's chunks; with their
     pulled bytes and the answer's lease: ``engineshare``), and every engine resolves
     again. Every message is sent
-    for real, none sampled, and the server's CPU for all of them is measured."""
+    for real, none sampled, and the server's CPU for all of them is measured.
+
+    ``named``: the steady state from the step after (a Hub names the holders
+    its previous pull read from once that pull was steady: ``server/named.py``).
+    Each engine's Resolve names the holders it read the version before from
+    (wave 0: the trainer's cut, or its shards; engine e past it: engine
+    e - wave0's relays, ``links.wave0_engines``) and is answered with them
+    alone; the engines resolve wave by wave, each wave after the one it
+    relays from announced (the server holds a named Resolve until its
+    holders announce: here they already have), and no engine resolves again."""
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
     per_holder = (0.0, 0, 0)  # the largest answer's bytes a holder, its holders, how many packed
     parse_s = 0.0
+    read_before = _read_before(stub, ranks, engines, version - 1, cut_request is not None) if named else {}
+    for e, layouts in read_before.items():
+        knows[e] |= set(layouts)  # it read from them: it has their layouts
+
+    def took(e: int, answer: pb.ResolveResponse) -> None:
+        """An engine's answer's size, its bytes a holder (the largest's), the layouts it makes known."""
+        nonlocal per_holder
+        answers.append(answer.ByteSize())
+        holders = len(answer.replicas) + len(answer.packed.flags)
+        if answers[-1] == max(answers) and holders:  # the largest answer's bytes a holder (packed or not)
+            bare = pb.ResolveResponse()
+            bare.CopyFrom(answer)
+            bare.ClearField("replicas")
+            bare.ClearField("packed")
+            per_holder = ((answers[-1] - bare.ByteSize()) / holders, holders, len(answer.packed.flags))
+        knows[e] |= {info.layout for info in answer.replicas if info.layout}  # as a Hub keeps them
     # What each engine was told of the version before (``knows``: as it started; not measured, that was
     # that version's cost), then once relays held it: the trainer's holders and the relays its answer named,
     # the agents this version's answers name. Its workers know the same: they all took its answers
@@ -369,9 +401,39 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         if cut_request is not None:  # the first cut goes whole, alone; then the shards by their layout
             stub.Publish(cut_request(r), timeout=120)
         _publish_lean(stub, trainer_request(r))
-    publish_cpu = _cpu(pid) - cpu0
+    publish_cpu = trainer_publish_cpu = _cpu(pid) - cpu0
     leases: dict[int, str] = {}  # each engine's first answer's lease: it goes with the engine's Batch
-    for stage in range(2):
+    answered_named = 0
+    if named:
+        counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
+        wave0 = links.wave0_engines(engines, ranks, cuts.TP)
+        for start in range(0, engines, wave0):
+            wave = range(start, min(engines, start + wave0))
+            cpu = _cpu(pid)
+            for e in wave:
+                answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests,
+                                         release=False, named=read_before[e], withdrawals=[
+                                             (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
+                if not answer.named:
+                    raise RuntimeError(f"engine {e}'s answer is not the {len(read_before[e])} holders it named")
+                leases[e] = answer.lease_id
+                took(e, answer)
+            resolve_cpu += _cpu(pid) - cpu
+            cpu = _cpu(pid)
+            for e in wave:  # they start their pulls: the next wave's holders
+                _announce(stub, [relay_request(e, w) for w in range(cuts.TP)])
+            publish_cpu += _cpu(pid) - cpu
+        cpu = _cpu(pid)
+        for e in range(engines):
+            _end(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
+        publish_cpu += _cpu(pid) - cpu
+        counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
+        full, lean = counters.holders_full - counters0.holders_full, counters.holders_lean - counters0.holders_lean
+        answered_named = counters.answers_named - counters0.answers_named
+        t0 = time.perf_counter()  # one reader's parse of its answer
+        pb.ResolveResponse.FromString(answer.SerializeToString())
+        parse_s = time.perf_counter() - t0
+    for stage in range(0 if named else 2):
         if stage == 1:
             cpu = _cpu(pid)
             for e in range(engines):
@@ -385,15 +447,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                                          (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
             if stage == 0:
                 leases[e] = answer.lease_id
-            answers.append(answer.ByteSize())
-            holders = len(answer.replicas) + len(answer.packed.flags)
-            if answers[-1] == max(answers) and holders:  # the largest answer's bytes a holder (packed or not)
-                bare = pb.ResolveResponse()
-                bare.CopyFrom(answer)
-                bare.ClearField("replicas")
-                bare.ClearField("packed")
-                per_holder = ((answers[-1] - bare.ByteSize()) / holders, holders, len(answer.packed.flags))
-            knows[e] |= {info.layout for info in answer.replicas if info.layout}  # as a Hub keeps them
+            took(e, answer)
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         full += counters.holders_full - counters0.holders_full
@@ -405,11 +459,12 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     messages = {name: n - calls0.get(name, 0) for name, n in calls.items() if n > calls0.get(name, 0)}
     return {"messages": messages,
             "server_cpu_s": withdraw_cpu + publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu,
+            "trainer_publish_cpu_s": trainer_publish_cpu,
             "resolve_cpu_s": resolve_cpu, "withdraw_cpu_s": withdraw_cpu,
             "answer_bytes_max": max(answers), "request_bytes_max": max(requests), "resolves": len(answers),
             "answer_bytes_per_holder": per_holder[0], "answer_holders": per_holder[1],
             "answer_holders_packed": per_holder[2],
-            "holders_full": full, "holders_lean": lean, "parse_s": parse_s}
+            "holders_full": full, "holders_lean": lean, "parse_s": parse_s, "answers_named": answered_named}
 
 
 def _withdraw(stub, replicas: list[tuple[str, str]], batch: bool = False) -> None:
@@ -453,12 +508,23 @@ def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], 
     between them (``tensorhub bench cluster --versions`` counts them for
     real); the engine's workers' withdrawals of their previous version went
     with its first Resolve."""
+    _announce(stub, requests)
+    _end(stub, requests, chunks, lease_id)
+
+
+def _announce(stub, requests: list[pb.PublishRequest]) -> None:
+    """An engine's workers' announces (Publish FILLING, by layout) in one Batch."""
     for request in requests:
         request.state = pb.REPLICA_STATE_FILLING
     announced = stub.Batch(pb.BatchRequest(publishes=[_lean(r) for r in requests]), timeout=120)
     refused = [o.detail for o in announced.publishes if o.code]
     if refused:
         raise RuntimeError(f"the server refused an engine's announces in part: {refused[:3]}")
+
+
+def _end(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: str) -> None:
+    """An engine's workers' last reports (complete), the bytes they read and the
+    release of the engine's answer's lease, in one Batch."""
     pulled = wire.pulled_to_wire({(1, True): 1 << 30})  # from a peer on its host (tier 1) and the trainer
     batch = pb.BatchRequest(
         reports=[pb.ReportChunksRequest(agent_id=r.agent_id, replica_id=r.replica_id, chunks=range(chunks[w]),
@@ -473,7 +539,7 @@ def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], 
 
 def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
                     sizes: list[int] | None = None, release: bool = True,
-                    withdrawals: list[tuple[str, str]] = ()) -> pb.ResolveResponse:
+                    withdrawals: list[tuple[str, str]] = (), named: list[bytes] = ()) -> pb.ResolveResponse:
     """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
     of them with a read lease (``Hub.resolve_for_group``), released as the
     pulls end (``release``; else the caller releases it with the engine's Batch),
@@ -482,7 +548,7 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
                                 layout_ids=numbering.get(e, ""), packed_holders=e in numbering,
-                                withdrawals=_unpublish_requests(withdrawals))
+                                withdrawals=_unpublish_requests(withdrawals), named_layouts=named)
     answer = stub.Resolve(request, timeout=120)
     _check_withdrawn(withdrawals, answer.withdrawals)
     numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
@@ -492,6 +558,31 @@ def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[byt
     if sizes is not None:
         sizes.append(request.ByteSize())
     return answer
+
+
+def _read_before(stub, ranks: int, engines: int, version: int, cut: bool) -> dict[int, list[bytes]]:
+    """What each engine read ``version`` from, by layout (``ReplicaInfo.layout``),
+    as its Hub remembers it (``Hub.named_layouts``): wave 0 the trainer's cut
+    (or its shards), engine e past it engine e - wave0's relays. Learnt from
+    probes' answers, not measured: a probe on the trainer's side is told of
+    every trainer holder (the cut always, every shard to cover), one on engine
+    u's host of u's relays first (the same host ranks first)."""
+    def layouts(probe: str, labels: pb.Labels, mine, want: int) -> list[bytes]:
+        stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=probe, name=probe, labels=labels), timeout=60)
+        answer = stub.Resolve(pb.ResolveRequest(agent_id=probe, model="m", version=version), timeout=120)
+        found = [info.layout for info in answer.replicas if mine(info.replica_id)]
+        if len(found) != want:
+            raise RuntimeError(f"{probe} was told of {len(found)} of the {want} holders it looks for")
+        return found
+
+    suffix = f".{1000 + version if cut else version}"
+    trainer = layouts("probe-trainer", pb.Labels(host="probe", rack="trainer"),
+                      lambda rid: rid.startswith("rank") and rid.endswith(suffix), ranks)
+    wave0 = links.wave0_engines(engines, ranks, cuts.TP)
+    return {e: trainer if e < wave0 else layouts(f"probe{e - wave0}", pb.Labels(host=f"e{e - wave0}",
+                                                                                 rack=f"r{(e - wave0) // 16}"),
+                                                 lambda rid, u=e - wave0: rid.startswith(f"engine{u}."), cuts.TP)
+            for e in range(engines)}
 
 
 def _publish_lean(stub, request: pb.PublishRequest) -> None:
