@@ -747,8 +747,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             self.state.control.holders_lean += 1  # a packed row: no message of it is built
             number, suffix, crc = row
             reads = len(replica.leases) - (lease_id in replica.leases)
-            rows.append((number, suffix, replica.complete, crc, b"" if replica.complete else bytes(replica.bitmap),
-                         reads))
+            # A filling holder's bitmap without its trailing zero bytes (readers take the chunks past it
+            # as not landed): a relay that just announced sends none, not a bit per chunk of its own.
+            rows.append((number, suffix, replica.complete, crc,
+                         b"" if replica.complete else bytes(replica.bitmap).rstrip(b"\0"), reads))
         encoded = wire.embedded_fields(RESOLVE_REPLICAS_FIELD, messages)
         if rows:
             encoded += wire.embedded_fields(RESOLVE_PACKED_FIELD,
@@ -832,15 +834,16 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         for together; one outcome each, in order."""
         outcomes: list[pb.BatchOutcome] = []
         withdrawn: list[tuple[pb.BatchOutcome, Replica, float]] = []
-        for m in requests:
-            outcome, replica = self._outcome_of(self._withdraw, m)
-            outcomes.append(outcome)
-            if outcome.code:
-                continue
-            if replica is None:
-                outcome.unpublished.retain_required = True
-            else:
-                withdrawn.append((outcome, replica, m.drain_timeout_s))
+        with self.state.withdrawals_together():  # each version's visibility recomputed once, at the end
+            for m in requests:
+                outcome, replica = self._outcome_of(self._withdraw, m)
+                outcomes.append(outcome)
+                if outcome.code:
+                    continue
+                if replica is None:
+                    outcome.unpublished.retain_required = True
+                else:
+                    withdrawn.append((outcome, replica, m.drain_timeout_s))
         for (outcome, _, _), unpublished in zip(withdrawn, await asyncio.gather(
                 *(self._drained(replica, timeout_s) for _, replica, timeout_s in withdrawn))):
             outcome.unpublished.CopyFrom(unpublished)

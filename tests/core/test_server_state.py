@@ -4,6 +4,7 @@ versions, retention per shard, the WaitForVersion long poll."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -406,3 +407,34 @@ def test_a_withdrawal_recomputes_coverage_only_when_no_holder_alike_still_counts
     s.withdraw("a1", "relay1")  # the last of the first half
     assert computed == [1] and s.visible_versions("m") == []
     assert "layers.0.w rows 0:500" in not_found(s, 1)
+
+
+def test_withdrawals_made_together_leave_every_version_as_one_by_one_would():
+    """A Batch's withdrawals recompute each version's visibility once, at the
+    end (``withdrawals_together``); inside, retention still sees each version
+    as the withdrawals before left it."""
+    alone, together = state(retain=1), state(retain=1)
+    for s in (alone, together):
+        four_shards(s, version=1)
+        publish(s, "a5", [rows(0, 1000), (B, Region())], version=1)  # a whole copy
+        four_shards(s, version=2)
+        publish(s, "a6", [rows(0, 1000), (B, Region())], version=2)
+    order = [("a0", "a0.1"), ("a5", "a5.1"), ("a1", "a1.1"), ("a6", "a6.2"), ("a0", "a0.2"), ("a1", "a1.2")]
+
+    def run(s, wrap):
+        kept = []
+        with wrap():
+            for agent, replica in order:
+                if s.needs_retention(agent, replica):
+                    kept.append(replica)  # must be retained first: not withdrawn
+                else:
+                    s.withdraw(agent, replica)
+        return kept, s.visible_versions("m"), s.describe().models[0].versions
+
+    got_alone = run(alone, contextlib.nullcontext)
+    got_together = run(together, together.withdrawals_together)
+    assert got_alone[:2] == got_together[:2]
+    # Version 1 lost its whole copy and two shards: not visible; version 2, the retained one, keeps
+    # ranks 0 and 1's shards (no other copy of their rows once the whole one went).
+    assert got_together[:2] == (["a0.2", "a1.2"], [2])
+    assert [v.visible for v in got_alone[2]] == [v.visible for v in got_together[2]]
