@@ -209,10 +209,13 @@ class Version:
     laid_out: dict[bytes, Replica] = field(default_factory=dict)
     unindexed: list[Replica] = field(default_factory=list)
 
-    def describe_missing(self) -> str:
+    def missing(self) -> tuple[list[tuple[int, Bounds]], int]:
         """The first (tensor, box) nobody complete holds, and how many there are:
         worked out when asked (a message, a status), not at every publish."""
-        missing, count = self.coverage.missing(MISSING_SHOWN) if self.coverage is not None else ([], 0)
+        return self.coverage.missing(MISSING_SHOWN) if self.coverage is not None else ([], 0)
+
+    def describe_missing(self) -> str:
+        missing, count = self.missing()
         if not count:
             return "nothing"
         parts = []

@@ -74,7 +74,7 @@ def test_a_replica_of_1e5_column_slices_costs_under_100_bytes_a_region_to_keep()
     # Withdrawing a slice makes it invisible again, naming the uncovered columns as boxes.
     state.withdraw(f"w{TP - 1}", f"w{TP - 1}.1")
     entry = state.models["m"][1]
-    assert not entry.visible and entry.missing_count == N
+    assert not entry.visible and entry.missing()[1] == N
     assert entry.describe_missing().startswith(f"model.layers.0.mlp.experts.0.down_proj.weight [0:4096, {COLS - WIDTH}:{COLS}]")
 
 
@@ -169,4 +169,4 @@ def test_trainer_cuts_beside_their_shards_leave_the_groups_as_the_shards_cut_the
         state.withdraw(f"rank{r}", f"rank{r}.1")
     assert entry.visible and entry.grouping.count == 1  # the cuts alone cover it, on a grouping of their own
     state.withdraw("rank0", "rank0.cut")
-    assert not entry.visible and entry.missing_count == tensors // ranks  # rank 0's tensors: nobody has them
+    assert not entry.visible and entry.missing()[1] == tensors // ranks  # rank 0's tensors: nobody has them
