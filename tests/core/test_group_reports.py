@@ -223,6 +223,9 @@ def test_an_engines_step_costs_the_server_three_messages_not_four_per_worker(ser
         assert set(_relays(server.address, version).values()) == {True}
         if version > 1:
             assert all(g["path"] == "replayed" for g in got), [g["not_replayed"] for g in got]
+        # From the step after a steady one, the engine's Resolve names what its workers read before
+        # (EngineShare gathers them): the answer is those holders alone, no ranking.
+        assert [g["named"] for g in got] == [version > 2] * len(workers)
 
 
 def test_a_worker_that_fails_keeps_the_engines_rounds_in_step(server, hubs):
