@@ -540,8 +540,9 @@ class ReferenceClient:
         layouts (``RemoteReplica.wire_layout``) of the holders an earlier pull read
         from: the answer names their replicas of the version alone when all are
         there (``Resolved.named``), waiting up to ``named_wait_s`` for them."""
-        request = pb.ResolveRequest(named_layouts=named_layouts, named_wait_s=named_wait_s,agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
+        request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     wait_change_s=wait_change_s, seen_change=seen_change,
+                                    named_layouts=named_layouts, named_wait_s=named_wait_s,
                                     known_fingerprint=self._known_fingerprint(model),
                                     release_leases=self._take_releases(), pulled=self._take_pulled(), members=members,
                                     withdrawals=[pb.UnpublishRequest.FromString(w) for w in withdrawals])
