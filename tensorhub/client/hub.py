@@ -234,7 +234,7 @@ class Hub:
                 manifest: Manifest | Mapping[str, Entry] | None = None, chunk_size: int | None = None,
                 delta_from: int | None = None, previous: Mapping[str, Entry] | None = None,
                 delta: Delta | None = None, cut: Literal["readers"] | None = None, cut_group: Any = None,
-                cut_gather_bytes: int | None = None, fp8: bool = False) -> Publication:
+                cut_gather_bytes: int | None = None, fp8: bool = False, trainer_group: Any = None) -> Publication:
         """Make ``tensors`` pullable as ``version`` of ``model``, in place (their
         memory is registered with NIXL, not copied). Do not modify them until
         the returned publication is unpublished.
@@ -273,6 +273,14 @@ class Hub:
         within half the timeout fails that message for all, and each withdraws
         alone in the other half).
 
+        ``trainer_group``: a torch.distributed process group whose every rank
+        publishes this version at once (a trainer's ranks, each its shards),
+        without the cut: as with ``cut=``, the group's first rank sends every
+        rank's announce in one message where they go lean (every step from the
+        same buffers), and the ranks withdraw it together: call ``unpublish``
+        on every rank at once. A step then costs the server two messages for the
+        whole trainer, not two per rank (``tensorhub bench scale --trainer-group``).
+
         ``fp8=True`` also publishes the version's block-FP8 companion
         (``tensorhub.fp8``: 2-D floating ``*.weight`` tensors as float8_e4m3fn
         plus fp32 ``*.weight_scale_inv`` per 128x128 block, rounded as vLLM
@@ -295,6 +303,11 @@ class Hub:
         if not parts:
             raise InvalidRequest(f"publish {model!r} version {version}: no tensor or region to publish")
         chunk_size = chunk_size or self.config.chunk_size
+        if trainer_group is not None and (delta_from is not None or fp8):
+            raise InvalidRequest(f"publish {model!r} version {version}: trainer_group= goes with neither delta_from= "
+                                 "nor fp8= (not built yet). Nothing was published.")
+        if cut is not None and cut_group is None:
+            cut_group = trainer_group  # the trainer's group gathers the cut
         if fp8:
             if cut is not None or delta_from is not None:
                 raise InvalidRequest(f"publish {model!r} version {version}: fp8=True goes with neither cut= nor "
@@ -312,6 +325,8 @@ class Hub:
                                           shards=lambda: self.publish(model, version, tensors, manifest=manifest,
                                                                       chunk_size=chunk_size, delta_from=delta_from,
                                                                       previous=previous, delta=delta))
+        if delta_from is None and trainer_group is not None:
+            return self._publish_together(model, version, manifest, parts, chunk_size, trainer_group)
         if delta_from is None:
             return self._holdings.publish(model, version, manifest, parts, chunk_size)
         delta_from = _check_version(delta_from)
@@ -324,6 +339,23 @@ class Hub:
                                    from_version=delta_from, to_version=version)
         return publish_with_delta(self._holdings, model=model, version=version, manifest=manifest, parts=parts,
                                   chunk_size=chunk_size, from_version=delta_from, delta=delta)
+
+    def _publish_together(self, model: str, version: int, manifest: Manifest, parts: list, chunk_size: int,
+                          group: Any) -> Publication:
+        """``publish(trainer_group=)``: this rank's shards published unannounced, then
+        announced with every rank's by the group's first rank (``Holdings.announce_together``);
+        withdrawn together too (``Publication.group``)."""
+        pub = self._holdings.publish(model, version, manifest, parts, chunk_size, announce=False)
+        try:
+            self._holdings.announce_together([pub], group=group)
+        except BaseException:
+            try:
+                pub.unpublish(timeout=self._holdings.lease_ttl_s + 1)
+            except TensorHubError as e:  # the error that brought us here is the one to raise
+                log.warning("%r v%d: withdrawing %s: %s", model, version, pub.replica_id, e)
+            raise
+        pub.group = group
+        return pub
 
     def _publish_with_cut(self, model: str, version: int, manifest: Manifest, parts: list, chunk_size: int, *,
                           cut: str, group: Any, gather_bytes: int | None, together: bool,

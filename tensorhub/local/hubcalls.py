@@ -41,18 +41,19 @@ def _publish(hub: Any, held: dict, *, model: str, version: int, specs: list, see
 
 def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, how: str,
                    rank: int, world: int, replicated: tuple[str, ...] = (), chunk_size: int | None = None,
-                   cut: str | None = None, cut_gather_bytes: int | None = None) -> dict:
+                   cut: str | None = None, cut_gather_bytes: int | None = None, together: bool = False) -> dict:
     """Publish rank ``rank``'s regions of the seeded tensors, as one trainer rank
     would. ``cut``: with its share of the readers' cut too (every rank at once,
     over the group ``init_group`` made); ``cut_mismatched`` then names the
-    regions of it whose bytes differ from the full tensors'."""
+    regions of it whose bytes differ from the full tensors'. ``together``:
+    every rank at once over that group (``publish(trainer_group=)``)."""
     full = make_tensors(specs, seed)
     shards: dict[str, Shard] = {}
     for name, tensor in full.items():
         region = shard_region(tuple(tensor.shape), "whole" if name in replicated else how, rank, world)
         if region is not None:
             shards[name] = Shard.of(tensor, box=region.box, flat=region.flat)
-    extra = {} if cut is None else {"cut": cut, "cut_gather_bytes": cut_gather_bytes}
+    extra = ({} if cut is None else {"cut": cut, "cut_gather_bytes": cut_gather_bytes}) | _together(together)
     pub = hub.publish(model, version, shards, manifest=Manifest.of(full), chunk_size=chunk_size, **extra)
     held[(model, version)] = pub
     held[("tensors", model, version)] = (specs, full)  # row shards are views of these: see _overwrite
@@ -64,6 +65,15 @@ def _publish_shard(hub: Any, held: dict, *, model: str, version: int, specs: lis
             f"{p.name} {p.region.describe()}" for p in pub.cut.parts
             if not torch.equal(p.tensor.reshape(-1), take(full[p.name], p.region).reshape(-1))]
     return out
+
+
+def _together(together: bool) -> dict:
+    """``publish(trainer_group=)`` over the default group (``init_group``), when ``together``."""
+    if not together:
+        return {}
+    import torch.distributed as dist
+
+    return {"trainer_group": dist.group.WORLD}
 
 
 def _publish_at(hub: Any, held: dict, *, model: str, version: int, specs: list, seed: int, offsets: list[int],
@@ -121,13 +131,13 @@ def _shards(tensors: dict[str, torch.Tensor], how: str | None, rank: int, world:
 
 
 def _republish(hub: Any, held: dict, *, model: str, version: int, of: int, how: str | None = None, rank: int = 0,
-               world: int = 1, chunk_size: int | None = None, cut: str | None = None) -> dict:
+               world: int = 1, chunk_size: int | None = None, cut: str | None = None, together: bool = False) -> dict:
     """Publish the buffers of this process's (unpublished) version ``of`` again
     as ``version`` (rank ``rank``'s regions with ``how``): what a trainer does
     every step, after ``overwrite`` put the step's bytes in place."""
     specs, full = held[("tensors", model, of)]
     pub = hub.publish(model, version, _shards(full, how, rank, world), manifest=Manifest.of(full),
-                      chunk_size=chunk_size, **({} if cut is None else {"cut": cut}))
+                      chunk_size=chunk_size, **({} if cut is None else {"cut": cut}), **_together(together))
     held[(model, version)] = pub
     held[("tensors", model, version)] = (specs, full)
     out = {"nbytes": pub.nbytes}

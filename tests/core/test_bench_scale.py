@@ -203,3 +203,18 @@ def test_bench_scale_refuses_an_unknown_layout():
     out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "scale", "--layouts", "tp,dp"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown layout" in out.stderr, out.stderr
+
+
+def test_ranks_publishing_together_without_the_cut_send_two_batches_a_step(tmp_path):
+    """``--trainer-group`` (``Hub.publish(trainer_group=)``): no cut, but every
+    rank's withdrawals and announces go in Batches sent by rank 0, not a
+    Publish and an Unpublish per rank."""
+    out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "scale", "--models", "qwen3-30b-a3b",
+                          "--engines", "2", "--trainer-ranks", "16", "--sample", "2", "--layouts", "ep",
+                          "--trainer-group", "--out", str(tmp_path)],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = json.loads((tmp_path / "scale.json").read_text())["results"]
+    engines = row["engines"]
+    assert row["trainer_group"] and row["steady_answers_named"] == engines
+    assert row["steady_messages_by_method"] == {"Batch": 2 + 2 * engines, "Resolve": engines}

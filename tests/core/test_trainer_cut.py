@@ -241,9 +241,10 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
         addrs[version] = [o["cut_addr"] for o in outs]
         for w, reader in enumerate(readers):
             got = _pull(reader, version, ("tp", w, 2), keep="dest")
-            assert got["named"] == (version > 3)  # version 3's pull was steady: from 4 on it names the cut holders
+            # version 3's pull was steady: from 4 on it names the cut holders
+            assert got["named"] == (version > 3), (version, got["path"], got["not_replayed"], got["lost"])
             if version == 4:  # the holders ranked are the cut's alone now, not the cut's and the shards': once
-                assert got["path"] == "planned" and "plan(s) made afresh" in got["not_replayed"]
+                assert got["path"] == "planned" and "plan(s) made afresh" in got["not_replayed"], got["not_replayed"]
             else:
                 assert got["path"] == "replayed", got["not_replayed"]
             assert got["read_bytes"] == got["nbytes"]  # from the cut: exactly the read set
@@ -354,3 +355,43 @@ def test_a_rank_that_does_not_come_to_the_groups_withdrawal_costs_the_others_onl
     ranks[1].send("unpublish", model="m", version=1, timeout=3.0)  # alone too: rank 0 has done its part
     ranks[1].result(timeout=30)
     assert not any(not r.withdrawn for r in _replicas(server.address, 1))
+
+
+def test_ranks_that_publish_together_without_the_cut_cost_the_server_two_messages_a_step(server, hubs):
+    """``publish(trainer_group=)``: no cut, but the ranks' announces go in one
+    message sent by rank 0 (from the step whose publishes go lean), and so do
+    their withdrawals (``unpublish`` on every rank at once). The reader gets
+    every version byte-exact."""
+    ranks = _trainer(hubs)
+    reader = hubs("reader")
+
+    def step(version: int) -> None:
+        if version > 1:
+            _unpublish(ranks, version - 1)  # every rank's shards, sent by rank 0
+            for hub in ranks:
+                hub.call("overwrite", model="m", version=version - 1, seed=version)
+        for r, hub in enumerate(ranks):
+            if version > 1:
+                hub.send("republish", model="m", version=version, of=version - 1, how="rows", rank=r, world=2,
+                         chunk_size=CHUNK, together=True)
+            else:
+                hub.send("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=r, world=2,
+                         chunk_size=CHUNK, together=True)
+        for hub in ranks:
+            hub.result()
+
+    step(1)  # the first publishes go whole, each rank its own
+    _pull(reader, 1, ("tp", 0, 2), keep="dest")
+    step(2)
+    client = ReferenceClient(server.address)
+    try:
+        before = dict(client.describe().control.calls)
+        step(3)
+        after = dict(client.describe().control.calls)
+    finally:
+        client.close()
+    sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0) and k not in ("Heartbeat",)}
+    sent.pop("Describe", None)
+    assert sent == {"Batch": 2}, sent  # no Publish, no Unpublish of a rank's own
+    got = _pull(reader, 3, ("tp", 0, 2), keep="dest")
+    assert set(got["sources"]) == {"rank0", "rank1"}

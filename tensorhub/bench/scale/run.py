@@ -81,6 +81,9 @@ class ScaleConfig:
     link: str = "rdma"
     layouts: list[str] = field(default_factory=lambda: list(cuts.LAYOUTS))
     trainer_cut: bool = False  # steady versions also published in the readers' cut (Hub.publish(cut="readers"))
+    # Without the cut, the ranks still publish and withdraw together (Hub.publish(trainer_group=)):
+    # their messages sent by rank 0, a few Batches a step instead of a Publish and an Unpublish a rank
+    trainer_group: bool = False
     # The steady state's answers name the holders each engine read before (``server/named.py``; from the
     # step after one that was steady: version 3 here); False: ranked, every engine resolving twice (as version 2)
     named: bool = True
@@ -168,7 +171,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     readers = engines * cuts.TP
     sample = min(cfg.sample, readers)
     out: dict = {"model": model_cfg.name, "layout": layout, "parameters": parameters(model), "tensors": len(model),
-                 "gpus": readers, "engines": engines, "trainer_ranks": ranks, "sample_readers": sample}
+                 "gpus": readers, "engines": engines, "trainer_ranks": ranks, "sample_readers": sample,
+                 "trainer_group": cfg.trainer_group}
     with ServerProcess(agent_ttl_s=3600, lease_ttl_s=3600, retain=0) as server, \
             grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 256 << 20),
                                                            ("grpc.max_send_message_length", 256 << 20)]) as ch:
@@ -236,7 +240,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                                             *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41,
                                                             False, False, version=v),
                     (lambda r, v=version: cut_request(r, v)) if cfg.trainer_cut else None,
-                    named=cfg.named and version == 3)
+                    named=cfg.named and version == 3, together=cfg.trainer_group)
             for version in (2, 3))
 
     # 4. the reader's READs and the link model
@@ -323,7 +327,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
             numbering: dict[int, str], version: int, relay_chunks: list[int],
-            trainer_request, relay_request, cut_request=None, named: bool = False) -> dict:
+            trainer_request, relay_request, cut_request=None, named: bool = False, together: bool = False) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: every holder of the version before withdraws it (a trainer rank its
     shards; with the cut, every rank's cut and shards sent by rank 0,
@@ -379,25 +383,29 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     # its shards (an Unpublish), or, publishing with the cut, every rank's cut and shards sent by rank 0
     # (``Holdings.withdraw_together(group=)``); an engine's relays with its first Resolve (below).
     cpu0 = _cpu(pid)
-    if cut_request is not None:  # ranks publishing with the cut withdraw together: rank 0 sends them all
+    together = together or cut_request is not None  # ranks that publish with the cut are a group too
+    if together:  # the ranks withdraw together: rank 0 sends them all
         every = [(f"rank{r}", f"rank{r}.{v}") for r in range(ranks)
-                 for v in ((1000 + version - 1, version - 1) if version > 2 else (version - 1,))]
+                 for v in ((1000 + version - 1, version - 1) if cut_request is not None and version > 2
+                           else (version - 1,))]
         for start in range(0, len(every), wire.MAX_BATCH):
             _withdraw(stub, every[start:start + wire.MAX_BATCH], batch=True)
-    for r in range(ranks) if cut_request is None else ():
+    for r in range(ranks) if not together else ():
         _withdraw(stub, [(f"rank{r}", f"rank{r}.{version - 1}")])
     withdraw_cpu = _cpu(pid) - cpu0  # the trainer's; an engine's relays' go with its Resolve (below)
     cpu0 = _cpu(pid)
     if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
         stub.ReaderCuts(pb.ReaderCutsRequest(model="m", fingerprint=fingerprint), timeout=120)
-    if cut_request is not None and version > 2:  # as Hub.publish(cut=...): every rank's share of the cut and
+    batched = together and (cut_request is None or version > 2)
+    if batched:  # as Hub.publish(cut=... or trainer_group=...): every rank's share of the cut (if any) and
         # its shards, naming their layouts, sent by the group's first rank (``Holdings.announce_together``)
-        announces = [_lean(request(r)) for r in range(ranks) for request in (cut_request, trainer_request)]
+        kinds = (trainer_request,) if cut_request is None else (cut_request, trainer_request)
+        announces = [_lean(request(r)) for r in range(ranks) for request in kinds]
         for start in range(0, len(announces), wire.MAX_BATCH):
             announced = stub.Batch(pb.BatchRequest(publishes=announces[start:start + wire.MAX_BATCH]), timeout=120)
             if any(o.code for o in announced.publishes):
                 raise RuntimeError(f"the server refused the ranks' publishes: {announced.publishes}")
-    for r in range(ranks) if cut_request is None or version <= 2 else ():
+    for r in range(ranks) if not batched else ():
         if cut_request is not None:  # the first cut goes whole, alone; then the shards by their layout
             stub.Publish(cut_request(r), timeout=120)
         _publish_lean(stub, trainer_request(r))
