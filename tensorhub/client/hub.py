@@ -349,13 +349,20 @@ class Hub:
         try:
             self._holdings.announce_together([pub], group=group)
         except BaseException:
-            try:
-                pub.unpublish(timeout=self._holdings.lease_ttl_s + 1)
-            except TensorHubError as e:  # the error that brought us here is the one to raise
-                log.warning("%r v%d: withdrawing %s: %s", model, version, pub.replica_id, e)
+            self._withdraw_quietly(model, version, [pub])
             raise
         pub.group = group
         return pub
+
+    def _withdraw_quietly(self, model: str, version: int, pubs: Iterable[Publication | None]) -> None:
+        """Withdraw what a publish that failed had published, logging what could not
+        be: the error that brought us here is the one to raise."""
+        for pub in pubs:
+            if pub is not None:
+                try:
+                    pub.unpublish(timeout=self._holdings.lease_ttl_s + 1)
+                except TensorHubError as e:
+                    log.warning("%r v%d: withdrawing %s: %s", model, version, pub.replica_id, e)
 
     def _publish_with_cut(self, model: str, version: int, manifest: Manifest, parts: list, chunk_size: int, *,
                           cut: str, group: Any, gather_bytes: int | None, together: bool,
@@ -414,12 +421,7 @@ class Hub:
                     self._holdings.announce_together([p for p in (cut_pub, pub) if p is not None and pub is not None],
                                                      group=group)
         except BaseException:
-            for withdrawn in (cut_pub, pub):
-                if withdrawn is not None:
-                    try:
-                        withdrawn.unpublish(timeout=self._holdings.lease_ttl_s + 1)
-                    except TensorHubError as e:  # the error that brought us here is the one to raise
-                        log.warning("%r v%d: withdrawing %s: %s", model, version, withdrawn.replica_id, e)
+            self._withdraw_quietly(model, version, (cut_pub, pub))
             raise
         pub.cut, pub.cut_report = cut_pub, report
         if together:  # announced together: withdrawn together too (Publication.unpublish)

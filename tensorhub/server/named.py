@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tensorhub.server.changes import VersionChanges
 from tensorhub.server.state import Replica, Version
@@ -58,7 +58,7 @@ class NamedHolders:
             self._agent_of.clear()
         self._agent_of[layout] = (replica.agent_id, replica.trainer_cut)
 
-    def find(self, entry: Version, layouts: Sequence[bytes], agents: Iterable[str] | dict,
+    def find(self, entry: Version, layouts: Sequence[bytes], agents: Mapping[str, object],
              askers: frozenset[str]) -> tuple[list[Replica], list[bytes]]:
         """The live replicas of ``entry`` laid out as ``layouts`` (never an asker's
         own), and the layouts that have none."""
@@ -77,7 +77,7 @@ class NamedHolders:
                 found.append(replica)
         return found, missing
 
-    def worth_waiting(self, entry: Version, missing: list[bytes], agents: Iterable[str] | dict) -> bool:
+    def worth_waiting(self, entry: Version, missing: list[bytes], agents: Mapping[str, object]) -> bool:
         """Whether every missing layout may still come: its agent is known and
         alive, holds no replica of the version of that kind yet (one laid out
         otherwise would be its replica of the version), and is not itself waiting."""
@@ -92,7 +92,8 @@ class NamedHolders:
         return True
 
     async def holders(self, model: str, version: int, entry: Version, layouts: Sequence[bytes], wait_s: float,
-                      askers: frozenset[str], agents: dict, expire: Callable[[], None]) -> list[Replica] | None:
+                      askers: frozenset[str], agents: Mapping[str, object],
+                      expire: Callable[[], None]) -> list[Replica] | None:
         """The replicas to answer with, or None (answer as usual). Waits at most
         ``wait_s`` for missing ones that may still come (see the module's drawing)."""
         deadline = time.monotonic() + wait_s

@@ -511,11 +511,8 @@ class State:
         self._holders_changed += 1
         if not replica.leases:
             replica.drained.set()
-        entry = self.models[replica.model][replica.version]
-        if self._pending is None:
-            self._refresh(entry, removed=replica)
-        elif not (entry.visible and self._alike_counts(entry, replica)):  # else nothing it held is lost
-            self._pending[(replica.model, replica.version)] = entry
+        key = (replica.model, replica.version)
+        self._refresh(self.models[key[0]][key[1]], removed=replica, key=key)
         return replica
 
     @contextlib.contextmanager
@@ -598,17 +595,23 @@ class State:
         of groups for every coverage question to walk."""
         return replica.complete and not replica.trainer_cut and self._live(replica)
 
-    def _refresh(self, entry: Version, *, added: Replica | None = None, removed: Replica | None = None) -> None:
+    def _refresh(self, entry: Version, *, added: Replica | None = None, removed: Replica | None = None,
+                 key: tuple[str, int] | None = None) -> None:
         """Recompute whether the version is visible. ``added``: the only change
         is this replica becoming a complete holder, so a visible version stays
         visible and the coverage kept so far only needs its regions (one
         publish costs its own regions, not all the holders' again).
         ``removed``: the only change is this replica no longer counting
         (withdrawn, lost); where another counting replica holds the same
-        table, the distinct regions held are the same and nothing changes."""
+        table, the distinct regions held are the same and nothing changes.
+        ``key`` (the version's (model, version)): inside ``withdrawals_together``
+        a removal is only noted, and the version recomputed once as the block ends."""
         if added is not None and entry.visible:
             return
         if removed is not None and entry.visible and self._alike_counts(entry, removed):
+            return
+        if removed is not None and key is not None and self._pending is not None:
+            self._pending[key] = entry  # withdrawals made together: recomputed once, as their block ends
             return
         holders = [r for r in entry.replicas.values() if self._counts(r)]
         grouping = _grouping(entry)
