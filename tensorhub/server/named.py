@@ -10,6 +10,8 @@ search, an answer that does not grow with the trainer's ranks.
 
     Resolve(named_layouts, named_wait_s)
       │
+      ├─ the asking group's own layouts (a member read a sibling) ─▶ left out: never waited for
+      │
       ├─ every layout has a live replica of the version ──────────▶ those replicas (ResolveResponse.named)
       │
       ├─ some missing, each one's agent alive and not yet holding
@@ -97,6 +99,13 @@ class NamedHolders:
         """The replicas to answer with, or None (answer as usual). Waits at most
         ``wait_s`` for missing ones that may still come (see the module's drawing)."""
         deadline = time.monotonic() + wait_s
+        # The asking group's own earlier replicas (a TP worker read a sibling's
+        # replicated tensors as it filled): none can hold the version before this
+        # answer, which the group waits for, so they are neither waited for nor
+        # needed; what they gave is in the others, or a refresh finds it.
+        layouts = [key for key in layouts if self._agent_of.get(key, ("", False))[0] not in askers]
+        if not layouts:
+            return None
         while True:
             found, missing = self.find(entry, layouts, agents, askers)
             if not missing:

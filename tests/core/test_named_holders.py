@@ -121,6 +121,23 @@ def test_two_relays_that_name_each_other_do_not_wait_for_each_other(stub):
     assert got["r1"].named and [r.replica_id for r in got["r1"].replicas] == ["r2.2"]
 
 
+def test_a_members_own_layout_is_left_out_not_waited_for(stub):
+    """A TP worker may read a sibling's replicated tensors as they land (a
+    refresh finds the sibling filling); the group's next Resolve then names the
+    sibling, who cannot publish before the group has its answer. That layout is
+    left out at once (it waited the whole bound before: a second per update of
+    a vLLM TP=2 engine), and the others are the named answer."""
+    _publish(stub, "r2", 1)
+    v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="r1", model="m", version=1)))
+    _publish(stub, "t0", 2)
+    started = time.monotonic()
+    answer = _named(stub, "r1", 2, [v1["t0"], v1["r2"]], wait_s=5.0, group="engine", lease=True, members=["r2"])
+    assert time.monotonic() - started < 4.0  # not the wait
+    assert answer.named and [r.replica_id for r in answer.replicas] == ["t0.2"]
+    only_members = _named(stub, "r1", 2, [v1["r2"]], wait_s=5.0, group="engine", lease=True, members=["r2"])
+    assert not only_members.named and time.monotonic() - started < 4.0  # nothing else named: ranked at once
+
+
 @pytest.mark.parametrize("fields, want", [
     ({"named_wait_s": 60.0}, "named_wait_s"),
     ({"named_layouts": [b"x" * 65]}, "named_layouts"),

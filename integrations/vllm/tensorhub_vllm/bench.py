@@ -199,7 +199,13 @@ def measure(cfg: VllmBenchConfig) -> list[dict]:
                      "checkpoint_bytes": samples[-1]["checkpoint_nbytes"],
                      "pull_seconds": statistics.median(s["pull_s"] for s in samples),
                      "apply_seconds": statistics.median(s["apply_s"] for s in samples),
-                     "seconds": statistics.median(seconds), "samples": seconds})
+                     "seconds": statistics.median(seconds), "samples": seconds,
+                     # per update: the pull's path, whether the server named its holders, its refreshes; the
+                     # last one's bytes by holder (a sibling worker's replicated tensors show here)
+                     "paths": [s.get("path", "") for s in samples], "named": [s.get("named", False) for s in samples],
+                     "refreshes": [s.get("refreshes", 0) for s in samples],
+                     "not_replayed": [s.get("not_replayed", "") for s in samples],
+                     "bytes_by_source": samples[-1].get("bytes_by_source", {})})
     rows.append({"method": "tensorhub-update", "seconds": statistics.median(updates), "samples": updates})
     rows.append({"method": "disk-reload", "seconds": statistics.median(disk), "samples": disk})
     if disk_repack:

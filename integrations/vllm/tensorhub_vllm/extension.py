@@ -81,13 +81,16 @@ class TensorHubWorkerExtension:
         read set against the checkpoint; its own agent name; ``delta_from``:
         the version whose deltas it patched (None: read whole), and the bytes
         it read (``read_bytes``: the deltas' then, against ``nbytes``) and the
-        READ descriptors that took (``descriptors``)."""
+        READ descriptors that took (``descriptors``); the pull's ``path``
+        ("replayed": an earlier pull's plan), whether the server answered with
+        the holders it named (``named``), and its ``refreshes``."""
         u = self._tensorhub_updater(which)
         return {} if u is None else {
             "pull_s": u.pull_s, "apply_s": u.apply_s, "nbytes": u.nbytes, "bytes_by_source": dict(u.bytes_by_source),
             "read_set_nbytes": u.read_set.nbytes(), "checkpoint_nbytes": u.read_set.checkpoint_nbytes(),
             "agent": u.receiver.hub.name, "delta_from": u.delta_from, "read_bytes": u.read_bytes,
-            "descriptors": u.descriptors}
+            "descriptors": u.descriptors, "path": u.path, "named": u.named, "refreshes": u.refreshes,
+            "not_replayed": getattr(u, "not_replayed", "")}
 
     def tensorhub_read_set(self, which: str = "extension") -> dict[str, Any]:
         """This worker's read set: the boxes it reads per tensor (absent: whole),
