@@ -167,8 +167,9 @@ def test_a_steady_reader_names_its_holders_and_is_ranked_again_when_one_is_laid_
     assert not _pull(reader, 2, 2)["named"]  # its pull of version 1 was the first into these buffers
     before = _control(server.address)
     _step(ranks, 2, 3, seed=3)
-    got = _pull(reader, 3, 3)
+    got = _pull(reader, 3, 3, pace_s=0.03)  # slower than a refresh interval
     assert got["named"] and got["path"] == REPLAYED and set(got["sources"]) == {"rank0", "rank1"}
+    assert got["refreshes"] == 0  # the holders named give it all: no "who else holds it" mid-pull
     after = _control(server.address)
     assert (after["answers_named"] - before["answers_named"], after["named_missed"]) == (1, before["named_missed"])
     for hub in ranks:
