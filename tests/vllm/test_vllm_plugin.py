@@ -144,6 +144,27 @@ def test_the_trainer_cut_needs_a_process_group():
             source=ModuleSource(torch.nn.Linear(2, 2)))
 
 
+def test_publish_together_names_the_field_when_it_cannot_be():
+    """``publish_together=True`` announces over the default process group:
+    without one, trainer_init refuses before it connects; with ``lora`` (each
+    rank's adapter alone) and a non-bool, the init info itself does."""
+    import torch.distributed as dist
+    from tensorhub_vllm.trainer import TensorHubTrainerInitInfo
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"TensorHubTrainerInitInfo\.publish_together: the ranks publish as the "
+                                         r"default torch\.distributed group, and none is initialized"):
+        WeightTransferTrainerFactory.trainer_init(
+            TensorHubTrainerInitInfo(hub="127.0.0.1:1", model="m", rank=0, publish_together=True), client=None,
+            source=ModuleSource(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match=r"TensorHubTrainerInitInfo\.publish_together: an adapter version"):
+        TensorHubTrainerInitInfo(hub="h:1", model="m", rank=0, publish_together=True, lora=True)
+    with pytest.raises(ValueError, match=r"TensorHubTrainerInitInfo\.publish_together: must be True or False"):
+        TensorHubTrainerInitInfo(hub="h:1", model="m", rank=0, publish_together="yes")
+
+
 def test_moe_updates_with_eplb_are_refused_at_init():
     """EPLB moves experts between workers at run time: the read set of init would
     go stale. Stand-ins for the layer and the config, because vLLM builds MoE

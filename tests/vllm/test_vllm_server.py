@@ -80,6 +80,33 @@ def test_fsdp_trainer_with_the_readers_cut(server, hub_server, tiny_model, tmp_p
     assert server.complete(PROMPT) == server.base
 
 
+def test_fsdp_trainer_publishing_together_sends_no_message_per_rank(server, hub_server, tiny_model, tmp_path):
+    """``TensorHubTrainerInitInfo(publish_together=True)``: the 2 FSDP2 ranks
+    announce each version as one group and withdraw it as one, rank 0 sending
+    both ranks' messages (``Hub.publish(trainer_group=)``): two versions cost
+    the server no Publish and no Unpublish of a rank, and the serving TP
+    engine runs the weights of its files exactly."""
+    key = MODEL_KEY + "-together"
+    rpc = ReferenceClient(hub_server.address)
+    try:
+        before = dict(rpc.describe().control.calls)
+        reports = fsdp_trainer_send(hub_server.address, server, tiny_model, key, 1, tmp_path, versions=2,
+                                    cut="together")
+        after = dict(rpc.describe().control.calls)
+    finally:
+        rpc.close()
+    sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+    assert [[s["version"] for s in r["sent"]] for r in reports] == [[1, 2], [1, 2]]
+    # Each rank alone would send a Publish and an Unpublish a version (4 each here). The first version's
+    # announces go whole, each rank its own; from the second, rank 0 sends both ranks' in a Batch, and
+    # every withdrawal went in the group's Batches. An engine's workers that served another model's
+    # version before (a test before this one) withdraw that one alone: at most one Unpublish each.
+    assert sent.get("Publish", 0) == 2 and sent.get("Unpublish", 0) <= server.tp, sent
+    assert sent["Batch"] >= 4, sent
+    assert server.get("/weight_info") == {"weight_version": "2"}
+    assert server.complete(PROMPT) == server.base
+
+
 def test_server_updates_from_another_engines_replica(server, engine, trainer, hub_server):
     server.post("/init_weight_transfer_engine", {"init_info": {"hub": hub_server.address, "model": MODEL_KEY,
                                                                  "hub_config": HUB_CONFIG}})

@@ -4,14 +4,15 @@ with backend ``tensorhub`` and vLLM's HTTP client. ``DTensor.full_tensor`` is
 made to fail, so a gather anywhere fails the run. Writes what it published
 (bytes, and the model's parameter names: fused experts for a transformers-5 MoE).
 With VERSIONS > 1 it sends that many versions (the same weights) one after
-the other; with CUT ``readers`` each rank also publishes its share of the
-readers' cut (``TensorHubTrainerInitInfo.cut``), and after each version rank
+the other; with SETTINGS ``readers`` each rank also publishes its share of the
+readers' cut (``TensorHubTrainerInitInfo.cut``), with ``together`` the ranks
+publish as one group (``publish_together``; both: ``readers,together``), and after each version rank
 0 records the server workers' ``tensorhub_stats`` (the server runs the
 worker extension and vLLM's dev routes).
 The ranks meet at the rendezvous named by MASTER_ADDR and MASTER_PORT in the
 environment (the test's ``tensorhub.testing.rendezvous``).
 
-    python vllm_fsdp_trainer.py HUB SERVER_URL MODEL_DIR MODEL_KEY RANK WORLD OUT_JSON VERSION [VERSIONS [CUT]]
+    python vllm_fsdp_trainer.py HUB SERVER_URL MODEL_DIR MODEL_KEY RANK WORLD OUT_JSON VERSION [VERSIONS [SETTINGS]]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ HUB_CONFIG = {"connect_timeout_s": 60.0}
 
 def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, out: str, version: int,
          versions: int = 1, cut: str | None = None) -> None:
+    settings = (cut or "").split(",")  # "readers": the readers' cut; "together": publish_together
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -54,13 +56,14 @@ def main(hub: str, url: str, model_dir: str, key: str, rank: int, world: int, ou
 
     engine = WeightTransferTrainerFactory.trainer_init(
         TensorHubTrainerInitInfo(hub=hub, model=key, rank=rank, first_version=version, hub_config=HUB_CONFIG,
-                                 engine={"hub_config": HUB_CONFIG}, cut=cut),
+                                 engine={"hub_config": HUB_CONFIG}, cut="readers" if "readers" in settings else None,
+                                 publish_together="together" in settings),
         client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(model))
     sent = []
     for _ in range(versions):
         engine.send_weights()
         sent.append({"version": engine.version, "published_bytes": engine.published_bytes,
-                     "cut_bytes": engine.cut_bytes, "workers": _worker_stats(url) if cut and rank == 0 else None})
+                     "cut_bytes": engine.cut_bytes, "workers": _worker_stats(url) if "readers" in settings and rank == 0 else None})
     with open(out, "w") as f:
         json.dump({"rank": rank, "published_bytes": engine.published_bytes, "version": engine.version,
                    "names": [n for n, _ in model.named_parameters()], "sent": sent}, f)
