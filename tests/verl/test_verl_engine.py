@@ -307,6 +307,62 @@ def test_two_trainer_ranks_publish_the_readers_cut(engines, server):
                 proc.kill()
 
 
+def test_two_trainer_ranks_publish_together(engines, server):
+    """``publish_together: true`` (with ``delta: off``): two trainer ranks in
+    their own processes (gloo world) announce each step as one group and
+    withdraw it as one: from the second step the server gets two Batches a
+    step from the whole trainer and no Publish or Unpublish of a rank, and a
+    rollout receives every step byte-exact."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tensorhub.client.rpc import ReferenceClient
+    from tensorhub.testing import ask_ranks, rank_result, rendezvous
+
+    script = Path(__file__).with_name("verl_cut_rank.py")
+    rollout = engines()
+    rpc = ReferenceClient(server.address)
+    with rendezvous(2) as dist_env:
+        env = {**os.environ, **dist_env, "OMP_NUM_THREADS": "1"}
+        ranks = [subprocess.Popen([sys.executable, str(script), server.address, str(r), "2", "together"], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(2)]
+        try:
+            assert [rank_result(proc) for proc in ranks] == ["ready", "ready"]
+            for step in (1, 2, 3):
+                before = dict(rpc.describe().control.calls)
+                ask_ranks(ranks, str(step))
+                after = dict(rpc.describe().control.calls)
+                sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+                sent.pop("Describe", None)
+                sent.pop("Heartbeat", None)  # on their clock
+                if step == 1:  # the first announces go whole, each rank its own
+                    assert sent.get("Publish") == 2 and "Unpublish" not in sent, sent
+                else:  # step-1 withdrawn by rank 0 for both in a Batch, both announces in another
+                    assert sent.get("Batch") == 2 and "Publish" not in sent and "Unpublish" not in sent, sent
+                assert_identical(receive(rollout, step), make_weights(step))
+            for proc in ranks:
+                proc.stdin.close()
+            assert [proc.wait(timeout=120) for proc in ranks] == [0, 0]
+        finally:
+            rpc.close()
+            for proc in ranks:
+                proc.kill()
+
+
+def test_publish_together_settings_name_the_field():
+    with pytest.raises(ValueError, match=r"TensorHubEngineConfig\.publish_together: the ranks' group announce "
+                                         r"carries no deltas; set .*engine_kwargs\.tensorhub\.delta to off"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", publish_together=True)
+    with pytest.raises(ValueError, match=r"TensorHubEngineConfig\.publish_together must be true or false"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", publish_together="yes",
+                                  delta="off")
+    with pytest.raises(ValueError, match=r"TensorHubEngineConfig\.publish_together: an adapter version"):
+        TensorHubCheckpointEngine(bucket_size=0, address="127.0.0.1:1", model="m", publish_together=True,
+                                  delta="off", lora=True)
+
+
 def _two_ranks_cut(ranks, engines, server):
     from tensorhub.client.rpc import ReferenceClient
     from tensorhub.testing import ask_ranks, rank_result

@@ -41,6 +41,12 @@ class TensorHubEngineConfig:
     # partial read set (a TP worker) reads contiguous bytes. None (null): off.
     cut: str | None = None
     cut_gather_bytes: int | None = None  # per rank; None: HubConfig.cut_gather_bytes
+    # true: the trainer ranks announce and withdraw each step as one group
+    # (Hub.publish(trainer_group=), over cut_group, default the whole world): rank 0
+    # sends every rank's announce in one message and their withdrawals in another,
+    # two messages a step for the whole trainer instead of two per rank. Collective:
+    # every rank holds a part of the step; no deltas (set delta: off).
+    publish_together: bool = False
     # true: verl trains a LoRA adapter (actor_rollout_ref.model.lora_rank > 0) and
     # each trainer rank publishes only the adapter, its FSDP shards of the A/B
     # matrices in place, as an adapter version of `model` (tensorhub.lora; name
@@ -73,6 +79,15 @@ class TensorHubEngineConfig:
         if config.lora and config.cut is not None:
             raise ValueError(f"TensorHubEngineConfig.cut: the readers' cut is for base weights; an adapter is "
                              f"read whole (set {CONFIG_KEY}.cut to null with lora: true)")
+        if not isinstance(config.publish_together, bool):
+            raise ValueError(f"TensorHubEngineConfig.publish_together must be true or false, not "  # noqa: TRY004
+                             f"{config.publish_together!r} (under {CONFIG_KEY}.publish_together)")
+        if config.publish_together and config.lora:
+            raise ValueError(f"TensorHubEngineConfig.publish_together: an adapter version is published by each rank "
+                             f"alone (lora: true); set {CONFIG_KEY}.publish_together to false")
+        if config.publish_together and config.delta != "off":
+            raise ValueError(f"TensorHubEngineConfig.publish_together: the ranks' group announce carries no deltas; "
+                             f"set {CONFIG_KEY}.delta to off with it")
         if config.delta not in ("auto", "off"):
             raise ValueError(f"TensorHubEngineConfig.delta must be 'auto' or 'off', not {config.delta!r}")
         if config.cut not in (None, "readers"):

@@ -31,6 +31,13 @@ which is verl's FSDP world): each rank also publishes its share of the
 readers' cut (``Hub.publish(cut="readers")``). Every rank then publishes,
 even one whose split of the stream is empty (refused on every rank at once).
 
+``publish_together: true`` (off by default; with ``delta: off``): the ranks
+announce and withdraw each step as one group over the same group
+(``Hub.publish(trainer_group=)``): rank 0 sends every rank's announce in one
+message and their withdrawals in another, so a step costs the reference server
+two messages from the whole trainer instead of two per rank. Collective, with
+the cut's rule: every rank holds a part of the step.
+
 ``lora: true`` (verl's ``lora_rank > 0``, adapter not merged): the trainer
 ranks publish only the adapter, each its FSDP2 shards of the LoRA A/B matrices
 in place (``tensorhub.lora.publish_adapter``: PEFT's saved names, the PEFT
@@ -107,7 +114,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self._next_version = 0
         # (rank, world) of the trainer's process group; None: ask torch.distributed at the first send
         self.rank_and_world: tuple[int, int] | None = None
-        # cut: readers gathers over this torch.distributed group; None: the default (whole) world
+        # cut: readers gathers over this torch.distributed group, and publish_together announces as it;
+        # None: the default (whole) world
         self.cut_group: Any = None
         # lora: the PEFT model whose adapter this rank publishes; None: the calling verl worker's
         self.module: torch.nn.Module | None = None
@@ -175,8 +183,9 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         covered = await self._buffer.fill(weights, rank, world, delta)
         copied = time.perf_counter() - start - blocked
         delta_bytes = 0
-        if self.config.cut is not None:
-            _every_rank_holds_some(bool(self._buffer.shards), self.cut_group)
+        if self.config.cut is not None or self.config.publish_together:  # collective: every rank publishes
+            _every_rank_holds_some(bool(self._buffer.shards), self.cut_group,
+                                   "cut" if self.config.cut is not None else "publish_together")
         if self._buffer.shards:
             kwargs: dict[str, Any] = {}
             if delta is not None and covered:
@@ -185,6 +194,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             if self.config.cut is not None:
                 kwargs.update(cut=self.config.cut, cut_group=self.cut_group,
                               cut_gather_bytes=self.config.cut_gather_bytes)
+            if self.config.publish_together:
+                kwargs["trainer_group"] = self.cut_group if self.cut_group is not None else torch.distributed.group.WORLD
             self._published = await asyncio.to_thread(self.hub.publish, self.config.model, version,
                                                       self._buffer.shards, manifest=self._buffer.manifest, **kwargs)
         self._next_version = version + 1
@@ -346,18 +357,19 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             self.hub = None
 
 
-def _every_rank_holds_some(holds: bool, group: Any) -> None:
-    """``cut: readers`` publishes collectively: a rank with nothing to publish
-    could not join and the others would wait for it. Asked of every rank at
-    once, so all refuse together instead."""
+def _every_rank_holds_some(holds: bool, group: Any, setting: str = "cut") -> None:
+    """``cut: readers`` and ``publish_together`` publish collectively: a rank
+    with nothing to publish could not join and the others would wait for it.
+    Asked of every rank at once, so all refuse together instead."""
+    off = "null" if setting == "cut" else "false"
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ValueError(f"TensorHubEngineConfig.cut: 'readers' gathers over the trainer's torch.distributed "
-                         f"group, and none is initialized (set {CONFIG_KEY}.cut to null)")
+        raise ValueError(f"TensorHubEngineConfig.{setting}: the ranks publish over the trainer's torch.distributed "
+                         f"group, and none is initialized (set {CONFIG_KEY}.{setting} to {off})")
     empty = ranks_holding_nothing(holds, group)
     if empty:
-        raise ValueError(f"TensorHubEngineConfig.cut: trainer rank(s) {empty} hold nothing of this step (more "
-                         f"ranks than elements to split?), and the cut's publish needs every rank; set "
-                         f"{CONFIG_KEY}.cut to null")
+        raise ValueError(f"TensorHubEngineConfig.{setting}: trainer rank(s) {empty} hold nothing of this step (more "
+                         f"ranks than elements to split?), and a collective publish needs every rank; set "
+                         f"{CONFIG_KEY}.{setting} to {off}")
 
 
 def _rank_and_world() -> tuple[int, int]:
