@@ -245,6 +245,62 @@ def test_the_readers_cut_goes_beside_the_delta():
             dist.destroy_process_group()
 
 
+def test_ranks_publishing_together_send_two_messages_a_step():
+    """TENSORHUB_PUBLISH_TOGETHER=1, one rank (a gloo world of one: the world
+    is the partition group): from the second step the rank's withdrawal of the
+    step before and its announce go as the group's two Batches, no Publish or
+    Unpublish of its own, and an engine pulls each step byte-exact."""
+    import torch.distributed as dist
+    from tensorhub_openrlhf.publisher import WeightPublisher
+
+    from tensorhub import Hub
+    from tensorhub.client.rpc import ReferenceClient
+    from tensorhub.server import EmbeddedServer
+
+    params = {"self_attn.o_proj.weight": torch.nn.Parameter(torch.randn(64, 256).to(torch.bfloat16)),
+              "norm.weight": torch.nn.Parameter(torch.randn(64))}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with EmbeddedServer(retain=0) as server:
+        settings = TensorHubSettings.from_env({"TENSORHUB_ADDRESS": server.address,
+                                               "TENSORHUB_PUBLISH_TOGETHER": "1"})
+        assert settings.publish_together and settings.to_env()["TENSORHUB_PUBLISH_TOGETHER"] == "1"
+        publisher = WeightPublisher(settings, rank=0, world=1)
+        rpc = ReferenceClient(server.address)
+        try:
+            with Hub.connect(server.address, name="engine") as engine:
+                for step in (1, 2, 3):
+                    with torch.no_grad():
+                        for p in params.values():
+                            p.add_(1)
+                    before = dict(rpc.describe().control.calls)
+                    publisher.publish(step, params.items())
+                    after = dict(rpc.describe().control.calls)
+                    sent = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+                    sent.pop("Heartbeat", None)
+                    if step == 1:  # the first announce goes whole, on its own
+                        assert sent.get("Publish") == 1 and "Unpublish" not in sent, sent
+                    else:  # step-1's withdrawal and this step's announce, each in the group's Batch
+                        assert sent.get("Batch") == 2 and "Publish" not in sent and "Unpublish" not in sent, sent
+                    got = engine.pull("policy", step)
+                    for name, p in params.items():
+                        assert torch.equal(got.tensors[name].view(torch.uint8), p.data.view(torch.uint8)), name
+        finally:
+            rpc.close()
+            publisher.close()
+            dist.destroy_process_group()
+
+
+def test_publish_together_setting_is_checked():
+    with pytest.raises(ValueError, match="TENSORHUB_PUBLISH_TOGETHER=1: the ranks' group announce carries no deltas"):
+        TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_DELTA": "copy",
+                                    "TENSORHUB_PUBLISH_TOGETHER": "1"})
+    with pytest.raises(ValueError, match="TENSORHUB_PUBLISH_TOGETHER=1: an adapter version"):
+        TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1",
+                                    "TENSORHUB_PUBLISH_TOGETHER": "1"})
+    with pytest.raises(ValueError, match="TENSORHUB_PUBLISH_TOGETHER"):
+        TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_PUBLISH_TOGETHER": "maybe"})
+
+
 def test_delta_setting_is_checked():
     with pytest.raises(ValueError, match="TENSORHUB_DELTA must be"):
         TensorHubSettings.from_env({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_DELTA": "on"})

@@ -118,7 +118,8 @@ class WeightPublisher:
             self._published = publish_adapter(self.hub, self.settings.model, version, regions, adapter,
                                               manifest=manifest)
         else:
-            kwargs: dict[str, Any] = {} if self.settings.cut is None else self._cut_kwargs(params, bool(regions))
+            together = self.settings.cut is not None or self.settings.publish_together  # collective
+            kwargs: dict[str, Any] = self._group_kwargs(params, bool(regions)) if together else {}
             if regions:  # a rank can hold nothing (tiny model, many ranks; refused above with the cut on)
                 if self.settings.delta == "copy" and self.last_version is not None and _same_layout(
                         self._previous, regions):
@@ -140,20 +141,25 @@ class WeightPublisher:
                  self.rank, stats.regions, stats.nbytes / 2**20, self.settings.model, version, stats.publish_s)
         return stats
 
-    def _cut_kwargs(self, params: list[tuple[str, torch.nn.Parameter]], holds: bool) -> dict[str, Any]:
-        """``Hub.publish``'s arguments for the readers' cut, once every rank of
-        the partition group is known to hold something (asked of all at once,
-        so all refuse together rather than some waiting in the gathers)."""
+    def _group_kwargs(self, params: list[tuple[str, torch.nn.Parameter]], holds: bool) -> dict[str, Any]:
+        """``Hub.publish``'s arguments for the readers' cut and for the ranks
+        publishing as one group, once every rank of the partition group is known
+        to hold something (asked of all at once, so all refuse together rather
+        than some waiting in the collective)."""
+        setting = "TENSORHUB_CUT=readers" if self.settings.cut is not None else "TENSORHUB_PUBLISH_TOGETHER=1"
+        off = "TENSORHUB_CUT=off" if self.settings.cut is not None else "TENSORHUB_PUBLISH_TOGETHER=0"
         if not dist.is_initialized():
-            raise ValueError("TENSORHUB_CUT=readers gathers over the trainer's torch.distributed group, and none "
-                             "is initialized; set TENSORHUB_CUT=off")
+            raise ValueError(f"{setting} publishes over the trainer's torch.distributed group, and none is "
+                             f"initialized; set {off}")
         group = partition_group(p for _, p in params)
         empty = ranks_holding_nothing(holds, group)
         if empty:
-            raise ValueError(f"TENSORHUB_CUT=readers: trainer rank(s) {empty} of the partition group hold nothing "
-                             "of the model (more ranks than elements?), and the cut's publish needs every rank; "
-                             "set TENSORHUB_CUT=off")
-        return {"cut": self.settings.cut, "cut_group": group, "cut_gather_bytes": self.settings.cut_gather_bytes}
+            raise ValueError(f"{setting}: trainer rank(s) {empty} of the partition group hold nothing of the model "
+                             f"(more ranks than elements?), and a collective publish needs every rank; set {off}")
+        kwargs: dict[str, Any] = {"trainer_group": group} if self.settings.publish_together else {}
+        if self.settings.cut is not None:
+            kwargs.update(cut=self.settings.cut, cut_group=group, cut_gather_bytes=self.settings.cut_gather_bytes)
+        return kwargs
 
     def withdraw(self) -> float:
         """Stop serving the last version's partitions; returns once no reader

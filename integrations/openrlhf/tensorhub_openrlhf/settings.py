@@ -32,6 +32,7 @@ VARIABLES = {
     "TENSORHUB_LORA": "lora",
     "TENSORHUB_CUT": "cut",
     "TENSORHUB_CUT_GATHER_BYTES": "cut_gather_bytes",
+    "TENSORHUB_PUBLISH_TOGETHER": "publish_together",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -71,6 +72,11 @@ class TensorHubSettings:
     # cut_gather_bytes at a time and laid out back to back. None: off.
     cut: str | None = None
     cut_gather_bytes: int | None = None  # per rank; None: HubConfig.cut_gather_bytes
+    # Trainer: the ranks announce and withdraw each step as one group over the
+    # partition group (Hub.publish(trainer_group=)): the first rank sends every
+    # rank's announce in one message and their withdrawals in another, two
+    # messages a step for the whole trainer. Collective; no deltas, no LoRA.
+    publish_together: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TensorHubSettings:
@@ -101,6 +107,14 @@ class TensorHubSettings:
             if values["lora"] and values.get("delta") == "copy":
                 raise ValueError("TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1: an adapter version "
                                  "is published whole (it is small); set TENSORHUB_DELTA=off")
+        if "TENSORHUB_PUBLISH_TOGETHER" in env:
+            values["publish_together"] = _flag("TENSORHUB_PUBLISH_TOGETHER", env["TENSORHUB_PUBLISH_TOGETHER"])
+            if values["publish_together"] and values.get("delta") == "copy":
+                raise ValueError("TENSORHUB_PUBLISH_TOGETHER=1: the ranks' group announce carries no deltas; set "
+                                 "TENSORHUB_DELTA=off with it")
+            if values["publish_together"] and values.get("lora"):
+                raise ValueError("TENSORHUB_PUBLISH_TOGETHER=1: an adapter version is published by each rank alone "
+                                 "(TENSORHUB_LORA=1); set TENSORHUB_PUBLISH_TOGETHER=0")
         values.update(_cut(env, lora=values.get("lora", False)))
         if values.get("cut") and not values.get("serve", True):
             raise ValueError("TENSORHUB_CUT=readers needs TENSORHUB_SERVE=1: the trainer learns its readers' cut "
@@ -123,6 +137,7 @@ class TensorHubSettings:
             "TENSORHUB_LORA": "1" if self.lora else "0",
             "TENSORHUB_CUT": self.cut or "off",
             "TENSORHUB_CUT_GATHER_BYTES": "" if self.cut_gather_bytes is None else str(self.cut_gather_bytes),
+            "TENSORHUB_PUBLISH_TOGETHER": "1" if self.publish_together else "0",
         }
 
     def vllm_engine_args(self) -> dict[str, Any]:
