@@ -141,7 +141,7 @@ def _reader(conn, address: str, cfg: MoeBenchConfig, raw_infos: list) -> None:
                 result = steady.pull(MODEL, cmd[1], into=into)
                 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
                 conn.send((seconds, torch.equal(dest, expected), result.read_bytes, result.descriptors, cpu,
-                           result.path, result.not_replayed))
+                           result.path, result.not_replayed, result.named, result.refreshes))
                 continue
             dest.zero_()
             start = time.perf_counter()
@@ -174,20 +174,23 @@ def _versions(cfg: MoeBenchConfig, reader, publishers: list, progress: Progress)
             conn.send(("step", v))
         children.receive(publishers, 120, f"a publisher did not publish version {v}")
         reader.send((("version", v), True))
-        seconds, ok, read, descriptors, cpu, path, why = children.receive([reader], 300, f"version {v}")[0]
+        seconds, ok, read, descriptors, cpu, path, why, named, refreshes = children.receive(
+            [reader], 300, f"version {v}")[0]
         if not ok:
             raise RuntimeError(f"version {v}: the reader received wrong bytes")
         if first is None:
-            first = (seconds, read, descriptors, cpu)
+            first = (seconds, read, descriptors, cpu, named, refreshes)
         else:
             if path != "replayed":
                 raise RuntimeError(f"version {v} from the same buffers was not replayed: {why}")
-            rest.append((seconds, read, descriptors, cpu))
+            rest.append((seconds, read, descriptors, cpu, named, refreshes))
         progress.advance(task)
-    out = [("tensorhub-first-version", [first[0]], first[1], first[2], first[3])]
-    if rest:
+    out = [("tensorhub-first-version", [first[0]], first[1], first[2], first[3],
+            {"named": [first[4]], "refreshes": [first[5]]})]
+    if rest:  # from the third version on, the server names the holders the one before read from
         out.append(("tensorhub-replayed", [r[0] for r in rest], rest[-1][1], rest[-1][2],
-                    statistics.median(r[3] for r in rest)))
+                    statistics.median(r[3] for r in rest),
+                    {"named": [r[4] for r in rest], "refreshes": [r[5] for r in rest]}))
     return out
 
 
@@ -225,9 +228,9 @@ def run(cfg: MoeBenchConfig, *, json_path: str | None = None, quiet: bool = Fals
             rows.append(Row.of(method, 1, requested, values, **shape, read_bytes=reads[method][0],
                                descriptors=reads[method][1]))
         steady = _versions(cfg, conns[0], pub_conns, progress) if cfg.versions > 1 else []
-        for name, values, read, descriptors, cpu in steady:
+        for name, values, read, descriptors, cpu, how in steady:
             rows.append(Row.of(name, 1, requested, values, **shape, read_bytes=read, descriptors=descriptors,
-                               cpu_s_per_version=cpu))
+                               cpu_s_per_version=cpu, **how))
         children.stop(conns[:1], ("stop", False), pub_conns, [*procs, *publishers])
     by = {r.method: r for r in rows}
     cheaper_raw = min(by["nixl-raw-exact"].seconds, by["nixl-raw-rows"].seconds)

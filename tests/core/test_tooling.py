@@ -97,13 +97,18 @@ def test_bench_pull_moe_rows_read_the_tp8_slice_wide_beside_raw_nixl(tmp_path):
     out = tmp_path / "moe.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tensorhub.cli", "bench", "pull", "--layout", "moe", "--reader-slice", "tp8",
-         "--experts", "4", "--reps", "1", "--chunk-size", "4MiB", "--json", str(out)],
+         "--experts", "4", "--reps", "1", "--chunk-size", "4MiB", "--versions", "3", "--json", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     rows = {r["method"]: r for r in data["results"]}
+    versions = {m: rows.pop(m) for m in ("tensorhub-first-version", "tensorhub-replayed")}
     assert set(rows) == {"tensorhub", "tensorhub-exact", "nixl-raw-exact", "nixl-raw-rows", "memcpy"}
+    # Versions 3 and 4 replayed (the bench refuses otherwise); the 4th answered with the holders the 3rd
+    # read from, named, and it asks nobody else mid-pull.
+    assert versions["tensorhub-replayed"]["named"] == [False, True], versions
+    assert versions["tensorhub-replayed"]["refreshes"][-1] == 0, versions
     wanted = 4 * (2 * 96 * 2048 + 2048 * 96) * 2  # rows of gate and up, columns of down, bf16
     runs = 4 * (2 + 2048)
     assert all(r["bytes"] == r["requested_bytes"] == wanted and r["runs"] == runs for r in rows.values())
