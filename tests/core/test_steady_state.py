@@ -167,18 +167,22 @@ def test_a_steady_reader_names_its_holders_and_is_ranked_again_when_one_is_laid_
     assert not _pull(reader, 2, 2)["named"]  # its pull of version 1 was the first into these buffers
     before = _control(server.address)
     _step(ranks, 2, 3, seed=3)
-    got = _pull(reader, 3, 3, pace_s=0.03)  # slower than a refresh interval
+    got = _pull(reader, 3, 3)
     assert got["named"] and got["path"] == REPLAYED and set(got["sources"]) == {"rank0", "rank1"}
-    assert got["refreshes"] == 0  # the holders named give it all: no "who else holds it" mid-pull
     after = _control(server.address)
     assert (after["answers_named"] - before["answers_named"], after["named_missed"]) == (1, before["named_missed"])
+    _step(ranks, 3, 4, seed=4)
+    got = _pull(reader, 4, 4, pace_s=0.03)  # slower than a refresh interval: several rounds
+    # The holders named give it all: no "who else holds it" after its rounds (a plan may be made
+    # afresh on a loaded machine, where the holders' loads rank a chunk's holders otherwise)
+    assert got["named"] and got["refreshes"] == 0, {k: got[k] for k in ("path", "not_replayed", "refreshes")}
     for hub in ranks:
-        hub.call("unpublish", model="m", version=3)
-    ranks[0].call("overwrite", model="m", version=3, seed=4)
-    ranks[0].call("republish", model="m", version=4, of=3, how="rows", rank=0, world=2, chunk_size=CHUNK)
-    ranks[1].call("publish_shard", model="m", version=4, specs=SPECS, seed=4, how="rows", rank=1, world=2,
+        hub.call("unpublish", model="m", version=4)
+    ranks[0].call("overwrite", model="m", version=4, seed=5)
+    ranks[0].call("republish", model="m", version=5, of=4, how="rows", rank=0, world=2, chunk_size=CHUNK)
+    ranks[1].call("publish_shard", model="m", version=5, specs=SPECS, seed=5, how="rows", rank=1, world=2,
                   chunk_size=CHUNK)  # fresh buffers
-    got = _pull(reader, 4, 4)
+    got = _pull(reader, 5, 5)
     assert not got["named"] and got["path"] == PLANNED and got["seconds"] < 4.0  # not the 5 s wait
     assert _control(server.address)["named_missed"] == before["named_missed"] + 1
 

@@ -49,6 +49,21 @@ def _pull(reader: HubProcess, version: int, read: tuple[str, int, int], **kw) ->
     return got
 
 
+def _no_reader_in_flight(address: str, timeout: float = 10.0) -> None:
+    """Until the server holds no read lease: a pull lets its leases go in the
+    background (``release_lease_async``), and a reader that resolves while one is
+    still held sees its holders more loaded and ranks them otherwise (planner
+    rule 6), so it plans afresh what it would have replayed (on a loaded machine)."""
+    client = ReferenceClient(address)
+    try:
+        deadline = time.monotonic() + timeout
+        while client.describe().leases:
+            assert time.monotonic() < deadline, "read leases still held"
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
 def _replicas(address: str, version: int) -> list:
     client = ReferenceClient(address)
     try:
@@ -240,6 +255,7 @@ def test_the_next_steps_cut_reuses_its_buffer_and_its_readers_replay(server, hub
         assert all(o["cut_mismatched"] == [] for o in outs)
         addrs[version] = [o["cut_addr"] for o in outs]
         for w, reader in enumerate(readers):
+            _no_reader_in_flight(server.address)
             got = _pull(reader, version, ("tp", w, 2), keep="dest")
             # version 3's pull was steady: from 4 on it names the cut holders
             assert got["named"] == (version > 3), (version, got["path"], got["not_replayed"], got["lost"])
