@@ -83,14 +83,15 @@ class TensorHubWorkerExtension:
         it read (``read_bytes``: the deltas' then, against ``nbytes``) and the
         READ descriptors that took (``descriptors``); the pull's ``path``
         ("replayed": an earlier pull's plan), whether the server answered with
-        the holders it named (``named``), and its ``refreshes``."""
+        the holders it named (``named``), its ``refreshes``, and why it was not
+        replayed (``not_replayed``)."""
         u = self._tensorhub_updater(which)
         return {} if u is None else {
             "pull_s": u.pull_s, "apply_s": u.apply_s, "nbytes": u.nbytes, "bytes_by_source": dict(u.bytes_by_source),
             "read_set_nbytes": u.read_set.nbytes(), "checkpoint_nbytes": u.read_set.checkpoint_nbytes(),
             "agent": u.receiver.hub.name, "delta_from": u.delta_from, "read_bytes": u.read_bytes,
             "descriptors": u.descriptors, "path": u.path, "named": u.named, "refreshes": u.refreshes,
-            "not_replayed": getattr(u, "not_replayed", "")}
+            "not_replayed": u.not_replayed}
 
     def tensorhub_read_set(self, which: str = "extension") -> dict[str, Any]:
         """This worker's read set: the boxes it reads per tensor (absent: whole),

@@ -182,6 +182,7 @@ class WorkerUpdater:
         self.bytes_by_source = dict(adapter.result.bytes_by_source)
         self.delta_from, self.descriptors = None, adapter.result.descriptors
         self.path, self.named, self.refreshes = adapter.result.path, adapter.result.named, adapter.result.refreshes
+        self.not_replayed = adapter.result.not_replayed
         log.info("tensorhub: merged %r version %d onto %r version %d (%d bytes; pull %.3fs, apply %.3fs)", key,
                  adapter.version, self.receiver.info.model, self.receiver.version, self.nbytes, self.pull_s,
                  self.apply_s)
