@@ -269,6 +269,7 @@ class PullJob:
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
         stale_rounds = 0
+        settled = res.named and all(r.source.complete for r in res.replicas)  # see the last ask below
         while needed or self._checks.busy:
             if time.monotonic() > self.deadline:
                 raise TransferStalled(res.model, res.version, stats.lost_sources,
@@ -338,11 +339,12 @@ class PullJob:
             self._read_round(transfers, maps, needed, excluded, stats, carry=len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             # Who holds what now: peers' chunks landed, readers joined. Not for an answer of the
-            # holders named (the steady state: the ones it read before, which the server waited
-            # for): asking again only finds others to read from, at a blocking round trip each
-            # (a TP worker's 90 ms pull asked 1-3 times, ~28% of it); when those holders have
-            # nothing left to give, the branches above ask.
-            if needed and not res.named and self._asking_due():
+            # holders named, all complete (the steady state from the trainer or its cut: they give
+            # everything, and asking again only finds others to read from, at a blocking round
+            # trip each: a TP worker's 90 ms pull asked 1-3 times, ~28% of it). Named relays that
+            # are filling still do: the answers tell their progress, and readers that joined
+            # below this one, whom its news then reaches.
+            if needed and not settled and self._asking_due():
                 maps = self._refresh_quietly(excluded, maps, needed)
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
