@@ -357,7 +357,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             self.hub = None
 
 
-def _every_rank_holds_some(holds: bool, group: Any, setting: str = "cut") -> None:
+def _every_rank_holds_some(holds: bool, group: Any, setting: str) -> None:
     """``cut: readers`` and ``publish_together`` publish collectively: a rank
     with nothing to publish could not join and the others would wait for it.
     Asked of every rank at once, so all refuse together instead."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tensorhub import PullResult
 from tensorhub_vllm.adapters import WorkerAdapters
 from tensorhub_vllm.config import TensorHubAdapterInfo, TensorHubInitInfo, TensorHubUpdateInfo
 from tensorhub_vllm.worker import NotApplied, WorkerUpdater
@@ -90,8 +91,7 @@ class TensorHubWorkerExtension:
             "pull_s": u.pull_s, "apply_s": u.apply_s, "nbytes": u.nbytes, "bytes_by_source": dict(u.bytes_by_source),
             "read_set_nbytes": u.read_set.nbytes(), "checkpoint_nbytes": u.read_set.checkpoint_nbytes(),
             "agent": u.receiver.hub.name, "delta_from": u.delta_from, "read_bytes": u.read_bytes,
-            "descriptors": u.descriptors, "path": u.path, "named": u.named, "refreshes": u.refreshes,
-            "not_replayed": u.not_replayed}
+            "descriptors": u.descriptors, **_pull_path(u.last_pull)}
 
     def tensorhub_read_set(self, which: str = "extension") -> dict[str, Any]:
         """This worker's read set: the boxes it reads per tensor (absent: whole),
@@ -147,3 +147,10 @@ class TensorHubWorkerExtension:
         if self._tensorhub_adapters is not None:
             self._tensorhub_adapters.close()
             self._tensorhub_adapters = None
+
+
+def _pull_path(pull: PullResult | None) -> dict[str, Any]:
+    """How the last pull went: its path, whether its holders were named, its refreshes, why not replayed."""
+    if pull is None:
+        return {"path": "", "named": False, "refreshes": 0, "not_replayed": ""}
+    return {"path": pull.path, "named": pull.named, "refreshes": pull.refreshes, "not_replayed": pull.not_replayed}

@@ -11,6 +11,7 @@ import time
 import torch
 from vllm.config import VllmConfig
 
+from tensorhub import PullResult
 from tensorhub.lora import AdapterStaging, PulledAdapter, pull_adapter
 from tensorhub_vllm.apply import apply_checkpoint
 from tensorhub_vllm.config import TensorHubInitInfo
@@ -107,9 +108,7 @@ class WorkerUpdater:
         self.delta_from: int | None = None  # the last update patched the staging from this version's deltas
         self.read_bytes = 0
         self.descriptors = 0  # READ descriptors the last pull posted
-        # the last pull's path ("replayed": its plan reused), whether the server named its holders, and its refreshes
-        self.path, self.named, self.refreshes = "", False, 0
-        self.not_replayed = ""  # why the last pull was not replayed
+        self.last_pull: PullResult | None = None  # the last update's pull (its path, named, refreshes, ...)
         # Merged mode (info.merge_adapter): the adapter version merged into the weights, and its staging
         self.adapter: PulledAdapter | None = None
         self._adapter_parts = adapter_parts_for(self.read_set)
@@ -146,8 +145,7 @@ class WorkerUpdater:
         self.bytes_by_source = result.bytes_by_source
         self.delta_from, self.read_bytes = result.delta_from, result.read_bytes
         self.descriptors = result.descriptors
-        self.path, self.named, self.refreshes = result.path, result.named, result.refreshes
-        self.not_replayed = result.not_replayed
+        self.last_pull = result
         log.info("tensorhub: loaded %r version %d (%d bytes; pull %.3fs, apply %.3fs)", self.receiver.info.model,
                  result.version, result.nbytes, self.pull_s, self.apply_s)
         return result.version
@@ -181,8 +179,7 @@ class WorkerUpdater:
         self.nbytes, self.read_bytes = adapter.result.nbytes, adapter.result.read_bytes
         self.bytes_by_source = dict(adapter.result.bytes_by_source)
         self.delta_from, self.descriptors = None, adapter.result.descriptors
-        self.path, self.named, self.refreshes = adapter.result.path, adapter.result.named, adapter.result.refreshes
-        self.not_replayed = adapter.result.not_replayed
+        self.last_pull = adapter.result
         log.info("tensorhub: merged %r version %d onto %r version %d (%d bytes; pull %.3fs, apply %.3fs)", key,
                  adapter.version, self.receiver.info.model, self.receiver.version, self.nbytes, self.pull_s,
                  self.apply_s)
