@@ -316,7 +316,9 @@ class Worker:
             time.sleep(wait_s)
         try:
             with open(self.spec.dump_path) as f:
-                return f.read()[-8000:]
+                # Every thread's, whole: the stuck call may be in any of them (NIXL, UCX and gRPC
+                # threads list first or last), and a tail of 8,000 characters once cut it off.
+                return f.read(1 << 16)
         except OSError:
             return ""
 
