@@ -180,6 +180,11 @@ def pull_together(hosts: netns.Hosts, trainer: Any, group: list[Any], *, version
     else:
         trainer.call("overwrite", model=MODEL, version=of, seed=version)
         trainer.call("republish", model=MODEL, version=version, of=of, chunk_size=chunk)
+    # What each reader must receive, made before the clock starts (``_prepare_expected``).
+    for reader in group:
+        reader.send("prepare_expected", model=MODEL, version=version, specs=specs)
+    for reader in group:
+        reader.result(timeout=timeout_s)
     sent, zone_sent = hosts.tx_bytes("trainer"), hosts.zone_link_bytes()
     # One start instant for the group, as the raw NIXL rows have (rawrelay): the
     # pulls reach the readers one after another, and on 2 busy cores the 16th

@@ -271,7 +271,10 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
            "checks_failed": result.checks_failed, "read_bytes": result.read_bytes,
            "descriptors": result.descriptors, "plans_reused": result.plans_reused, "refreshes": result.refreshes, "news_heard": result.news_heard, "path": result.path, "not_replayed": result.not_replayed, "named": result.named, "chunk_sources": result.chunk_sources, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
-    if (expect_seed is not None or expect_step is not None or expect_saved is not None) and specs is not None:
+    prepared = held.pop(("expected", model, result.version), None)
+    if prepared is not None:  # made before the pull (``_prepare_expected``): nothing to compute now
+        out["mismatched"] = [k for k in prepared if not _same_bits(result.tensors[k], prepared[k])]
+    elif (expect_seed is not None or expect_step is not None or expect_saved is not None) and specs is not None:
         if expect_saved is not None:
             expected = _saved(held, expect_saved[0])[expect_saved[1]]
         elif expect_step is not None:
@@ -284,6 +287,21 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
             expected = {k: take(v, regions[k]) for k, v in expected.items()}
         out["mismatched"] = [k for k in expected if not _same_bits(result.tensors[k], expected[k])]
     return out
+
+
+def _prepare_expected(hub: Any, held: dict, *, model: str, version: int, specs: list,
+                      read: tuple[str, int, int] | None = None) -> None:
+    """What a pull of ``version`` (seeded with its number) must receive, made
+    now, before the pull: the next ``_pull`` of that version compares with it
+    instead of making it once its own pull ended. Readers of a relay finish
+    one after another; one that seeds 64 MiB of random weights as it ends
+    takes a core from the readers still pulling (``bench cluster``: a third of
+    a finished reader's samples, on a 2-core machine)."""
+    expected = make_tensors(specs, version)
+    if read is not None:
+        expected = {name: take(expected[name], read_region(tuple(shape), i, *read))
+                    for i, (name, _, shape) in enumerate(specs)}
+    held[("expected", model, version)] = expected
 
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -406,5 +424,5 @@ HANDLERS = {"resolve_for_group": _resolve_for_group, "release_group_answer": _re
             "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,
             "publish_saved": _publish_saved, "republish": _republish, "unpublish": _unpublish, "pull": _pull,
             "pull_latest_loop": _pull_latest_loop, "latest": _latest, "latest_near": _latest_near, "versions": _versions,
-            "overwrite": _overwrite, "free": _free, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
+            "overwrite": _overwrite, "prepare_expected": _prepare_expected, "free": _free, "corrupt": _corrupt, "wait_for_version": _wait_for_version}
 
