@@ -69,6 +69,8 @@ class HolderViews:
                     out[rid] = m
         if self.news is not None:
             self.news.know(filling)
+            # The filling holders it may read from tell it their chunks (subscriptions, ``peernews``).
+            self.news.subscribe(m.replica for m in out.values() if not m.replica.source.complete)
         return out
 
     def hear(self, maps: dict[str, HolderMap]) -> dict[str, HolderMap]:

@@ -110,6 +110,8 @@ class PullResult:
     # Peers' chunk news that told the pull of chunks it did not know of yet
     # (``client/peernews.py``: a relaying peer's notification instead of a resolve)
     news_heard: int = 0
+    # Readers that subscribed to this serving pull's chunk news (``peernews``)
+    subscribers: int = 0
     # Per chunk of the read set, the agent most of its bytes came from (empty for a delta pull)
     chunk_sources: dict[int, str] = field(default_factory=dict)
     # A pull given ``have=u`` that patched the destination from v's deltas:
@@ -707,9 +709,7 @@ class Hub:
             deadline=time.monotonic() + (timeout or self.config.pull_timeout_s),
             landed=reports.submit if reports is not None else None,
             failure_detection_s=self._nixl.failure_detection_s, wide=self._wide_reads(registration.kind),
-            news=PullNews(self._news, model=model, version=resolved.version, me=self.agent_id,
-                          replica_id=publication.replica_id if publication is not None else "")
-            if self._news is not None else None,
+            news=self._pull_news(model, resolved.version, publication) if self._news is not None else None,
         )
         if reports is not None and job.news is not None:
             reports.tell = job.news.tell
@@ -745,7 +745,8 @@ class Hub:
                           checks_failed=stats.checks_failed, checks_failed_unplaced=stats.checks_failed_unplaced,
                           read_bytes=stats.read_bytes, descriptors=stats.descriptors,
                           chunk_sources=stats.chunk_sources, plans_reused=stats.plans_reused,
-                          refreshes=stats.refreshes, news_heard=stats.news_heard, path=path.path,
+                          refreshes=stats.refreshes, news_heard=stats.news_heard, subscribers=stats.subscribers,
+                          path=path.path,
                           not_replayed=path.why, held_report=held_report, named=resolved.named)
 
     def _patched(self, resolved: Resolved, parts: list, have: int, outcome: DeltaOutcome, *, serve: bool,
@@ -764,6 +765,18 @@ class Hub:
                           verified_bytes=outcome.verified_bytes, unverified_bytes=outcome.unverified_bytes,
                           read_bytes=outcome.delta_bytes, delta_from=have, delta_bytes=outcome.delta_bytes,
                           path=DELTA, not_replayed="a delta pull (have=) patches the destination instead")
+
+    def _pull_news(self, model: str, version: int, publication: Publication | None) -> PullNews:
+        """A pull's side of the chunk news (``peernews``): a serving pull names
+        its replica, and the holders it subscribes to reach it by its
+        registration; one that does not serve, by its agent's connection."""
+        if publication is None:
+            return PullNews(self._news, model=model, version=version, me=self.agent_id,
+                            metadata=self._nixl.listen_metadata())
+        regions = np.array([(r.addr, r.size, r.device_id) for r in publication.registration.regions], np.int64)
+        return PullNews(self._news, model=model, version=version, me=self.agent_id,
+                        replica_id=publication.replica_id, metadata=publication.registration.metadata,
+                        regions=regions.reshape(-1, 3), landed_now=publication.landed)
 
     def _wide_reads(self, dest_kind: MemoryKind) -> WideReads:
         """Wide READs into host memory only: the cut is a host copy (a GPU

@@ -20,8 +20,25 @@ not list to this pull is ignored. News only ever adds chunks a relay has checked
 and landed (the same point its report is sent from), with their checksums, so a
 pull reads nothing from news that it would not have read from the next answer.
 
+Who is told: the filling peers of the pull's own answers (up to
+``MAX_TOLD``), and every reader that subscribed. A pull subscribes to each
+filling holder it reads from (once per pull and holder): a NIXL notification,
+on the connection its READs opened, carrying how the holder reaches it (a
+serving pull's replica id, NIXL metadata and memory regions; another's agent
+connection alone: ``NixlAgent.listen_metadata``). The holder's
+pull adds it to the peers it tells and at once tells it every chunk it has
+landed so far. So news reaches the readers of a relay whether or not the
+relay's own answers list them: a steady relay whose answer named only the
+holders above it (``server/named.py``) never learns of the readers below it
+from the server, and at a thousand readers a relay's answers list only a few
+of its filling peers.
+
+    reader B's pull, each round ─▶ filling holders it may read from ─▶ subscribe (once each) ─▶ relay A
+    relay A's pull, each round ─▶ PullNews.updates: new subscribers ─▶ tell them what landed so far
+    relay A lands chunk c ─▶ tell: its answer's peers + its subscribers
+
 ``PeerNews`` is the process's (it calls the NIXL agent); ``PullNews`` one
-pull's side of it; the message and ``PeerProgress`` are pure.
+pull's side of it; the messages and ``PeerProgress`` are pure.
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -54,6 +71,11 @@ log = logging.getLogger(__name__)
 MAX_TOLD = 32
 
 _HEAD = struct.Struct("<HHQI?")  # model length, replica id length, version, chunks, checksums follow
+# A subscription: after NEWS_TAG, this mark (never the start of a news head:
+# its first two bytes would say a model name of 30,067 bytes), then the head.
+SUBSCRIBE = b"sub\0"
+# model length, holder's replica id length, subscriber's replica id length, metadata length, version, regions
+_SUB_HEAD = struct.Struct("<HHHIQI")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +98,58 @@ def encode(model: str, version: int, replica_id: str, chunks: Iterable[int], crc
     return b"".join(body)
 
 
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """A reader asking holder ``holder`` (a replica id of this process) for
+    its news: where to send it (the reader's replica, as ``PeerNews.tell``
+    takes a peer)."""
+
+    model: str
+    version: int
+    holder: str
+    replica_id: str
+    metadata: bytes
+    regions: np.ndarray  # int64 (N x 3): addr, nbytes, device
+
+    @property
+    def peer(self) -> tuple[str, bytes, np.ndarray]:
+        return self.replica_id, self.metadata, self.regions
+
+
+def encode_subscription(model: str, version: int, holder: str, replica_id: str, metadata: bytes,
+                        regions: np.ndarray) -> bytes:
+    m, h, r = model.encode(), holder.encode(), replica_id.encode()
+    regions = np.ascontiguousarray(regions, dtype="<i8").reshape(-1, 3)
+    return b"".join([NEWS_TAG, SUBSCRIBE, _SUB_HEAD.pack(len(m), len(h), len(r), len(metadata), version, len(regions)),
+                     m, h, r, metadata, regions.tobytes()])
+
+
+def decode_subscription(message: bytes) -> Subscription | None:
+    """The subscription in ``message``; None if it is none or not well formed."""
+    if not message.startswith(NEWS_TAG + SUBSCRIBE):
+        return None
+    at = len(NEWS_TAG) + len(SUBSCRIBE)
+    try:
+        mlen, hlen, rlen, metalen, version, n = _SUB_HEAD.unpack_from(message, at)
+        at += _SUB_HEAD.size
+        if at + mlen + hlen + rlen + metalen + 24 * n != len(message):
+            return None
+        model, at = message[at:at + mlen].decode(), at + mlen
+        holder, at = message[at:at + hlen].decode(), at + hlen
+        replica_id, at = message[at:at + rlen].decode(), at + rlen
+        metadata, at = message[at:at + metalen], at + metalen
+        regions = np.frombuffer(message, dtype="<i8", count=3 * n, offset=at).astype(np.int64).reshape(n, 3)
+    except (struct.error, UnicodeDecodeError, ValueError):
+        return None
+    if not replica_id or not metadata:
+        return None
+    return Subscription(model, version, holder, replica_id, metadata, regions)
+
+
 def decode(message: bytes) -> News | None:
     """The news in ``message``; None if it is not news or not well formed (a
     notification is never trusted to be either)."""
-    if not message.startswith(NEWS_TAG):
+    if not message.startswith(NEWS_TAG) or message.startswith(NEWS_TAG + SUBSCRIBE):
         return None
     at = len(NEWS_TAG)
     try:
@@ -149,15 +219,18 @@ class PeerNews:
         self._nixl = nixl  # NixlAgent: reach, notify, news
         self._lock = threading.Lock()
         self._boxes: dict[tuple[str, int], list[News]] = {}
+        self._subscriptions: dict[tuple[str, int], list[Subscription]] = {}
         self._listeners: dict[tuple[str, int], int] = {}
         self.told = 0  # notifications sent
         self.heard = 0  # news filed for a listening pull
+        self.subscribed = 0  # subscriptions sent
 
     def listen(self, model: str, version: int) -> None:
         with self._lock:
             key = (model, version)
             self._listeners[key] = self._listeners.get(key, 0) + 1
             self._boxes.setdefault(key, [])
+            self._subscriptions.setdefault(key, [])
 
     def stop(self, model: str, version: int) -> None:
         with self._lock:
@@ -168,23 +241,56 @@ class PeerNews:
             else:
                 self._listeners.pop(key, None)
                 self._boxes.pop(key, None)
+                self._subscriptions.pop(key, None)
 
     def take(self, model: str, version: int) -> list[News]:
         """News of (model, version) since the last take (files the rest)."""
         with self._lock:
-            for _, message in self._nixl.news():
-                news = decode(message)
-                if news is None:
-                    continue
-                box = self._boxes.get((news.model, news.version))
-                if box is not None:
-                    box.append(news)
-                    self.heard += 1
+            self._file()
             box = self._boxes.get((model, version))
             if not box:
                 return []
             self._boxes[(model, version)] = []
             return box
+
+    def take_subscriptions(self, model: str, version: int) -> list[Subscription]:
+        """Readers that asked for the news of (model, version) since the last call."""
+        with self._lock:
+            self._file()
+            box = self._subscriptions.get((model, version))
+            if not box:
+                return []
+            self._subscriptions[(model, version)] = []
+            return box
+
+    def _file(self) -> None:  # under the lock
+        """What NIXL received, by (model, version), for the pulls listening (the rest dropped)."""
+        for _, message in self._nixl.news():
+            subscription = decode_subscription(message)
+            if subscription is not None:
+                box = self._subscriptions.get((subscription.model, subscription.version))
+                if box is not None:
+                    box.append(subscription)
+                continue
+            news = decode(message)
+            if news is None:
+                continue
+            box = self._boxes.get((news.model, news.version))
+            if box is not None:
+                box.append(news)
+                self.heard += 1
+
+    def subscribe(self, holder: tuple[str, bytes, np.ndarray], message: bytes) -> bool:
+        """Send a subscription (``encode_subscription``) to ``holder`` (replica
+        id, metadata, regions: the agent this pull reads from); whether it went."""
+        replica_id, metadata, regions = holder
+        try:
+            self._nixl.notify(self._nixl.reach(replica_id, metadata, regions), message)
+        except Exception as e:  # noqa: BLE001  the holder is gone or closing: its READs will say so
+            log.debug("subscription to %s not sent: %s", replica_id, e)
+            return False
+        self.subscribed += 1
+        return True
 
     def tell(self, peers: Iterable[tuple[str, bytes, np.ndarray]], message: bytes) -> list[str]:
         """Send ``message`` to each peer (replica id, its NIXL metadata, its
@@ -209,12 +315,28 @@ class PullNews:
     (``LandedReports``), the rest on the pull's own. A context: listening while
     the pull runs."""
 
-    def __init__(self, news: PeerNews, *, model: str, version: int, me: str, replica_id: str = "") -> None:
+    def __init__(self, news: PeerNews, *, model: str, version: int, me: str, replica_id: str = "",
+                 metadata: bytes = b"", regions: np.ndarray | None = None,
+                 landed_now: Callable[[], tuple[np.ndarray, np.ndarray | None]] | None = None) -> None:
+        """``replica_id``: this pull's own replica when it serves (what its news
+        names); ``metadata`` and ``regions``: how a holder it subscribes to
+        reaches it (its replica's; a pull that does not serve, its agent's
+        connection: ``NixlAgent.listen_metadata``, no regions); ``landed_now``:
+        the chunks it has landed so far and their checksums, told to a new
+        subscriber at once."""
         self._news, self.model, self.version = news, model, version
         self._me = me  # this pull's agent id: where it stands in the ring order
         self._replica_id = replica_id  # its own replica, when it serves (what its news names); "" tells nobody
+        # Who it is to the holders it subscribes to: its replica, or its agent (a key "<agent id>.<anything>")
+        self._listen_as = replica_id or f"{me}.listen"
+        self._metadata = metadata
+        self._regions = regions if regions is not None else np.zeros((0, 3), np.int64)
+        self._landed_now = landed_now
         self._progress = PeerProgress()
         self._peers: tuple[tuple[str, bytes, np.ndarray], ...] = ()  # (replica id, metadata, regions)
+        # Readers that subscribed to this pull's news; replaced whole (``tell`` runs on another thread)
+        self._subscribers: tuple[tuple[str, bytes, np.ndarray], ...] = ()
+        self._subscribed: set[str] = set()  # holders this pull subscribed to (or tried)
         self._untold: set[str] = set()  # peers a news could not reach: not told again
         self.heard = 0  # news that told this pull of chunks it did not know of
 
@@ -240,23 +362,67 @@ class PullNews:
                        key=lambda r: (ring_offset(r.agent_id, ring) - me) % ring)
         self._peers = tuple((r.source.replica_id, r.metadata, r.regions) for r in peers[:MAX_TOLD])
 
+    @property
+    def subscribers(self) -> int:
+        """Readers that subscribed to this pull's news."""
+        return len(self._subscribers)
+
+    def subscribe(self, filling: Iterable[RemoteReplica]) -> None:
+        """Ask each filling holder this pull may read from for its news, once."""
+        if not self._metadata:
+            return
+        for r in filling:
+            rid = r.source.replica_id
+            if rid in self._subscribed or r.source.complete:
+                continue
+            self._subscribed.add(rid)
+            self._news.subscribe((rid, r.metadata, r.regions), encode_subscription(
+                self.model, self.version, rid, self._listen_as, self._metadata, self._regions))
+
+    def _admit(self, subscriptions: list[Subscription]) -> None:
+        """New subscribers: told from now on, and at once of every chunk landed so far."""
+        if not self._replica_id:
+            return
+        known = {p[0] for p in self._subscribers} | self._untold
+        for sub in subscriptions:
+            if sub.holder != self._replica_id or sub.replica_id in known or sub.replica_id == self._replica_id:
+                continue
+            known.add(sub.replica_id)
+            # Told first, then caught up: a chunk that lands meanwhile is in the
+            # catch-up or in a news the reports thread sends it (or in both).
+            self._subscribers = (*self._subscribers, sub.peer)
+            if self._landed_now is None:
+                continue
+            chunks, crcs = self._landed_now()
+            if len(chunks):
+                failed = self._news.tell([sub.peer], encode(self.model, self.version, self._replica_id,
+                                                             chunks.tolist(), crcs))
+                self._drop(failed)
+
+    def _drop(self, failed: Iterable[str]) -> None:
+        self._untold.update(failed)
+        self._peers = tuple(p for p in self._peers if p[0] not in self._untold)
+        self._subscribers = tuple(p for p in self._subscribers if p[0] not in self._untold)
+
     def tell(self, chunks: list[int], crcs: np.ndarray | None) -> bool:
-        """Tell the peers that ``chunks`` of this pull's replica landed (with
-        their checksums); whether one was told. A peer a news cannot reach is
-        not told again by this pull."""
+        """Tell the peers and the subscribers that ``chunks`` of this pull's
+        replica landed (with their checksums); whether one was told. A peer a
+        news cannot reach is not told again by this pull."""
         peers = self._peers
-        if not peers:
+        ids = {p[0] for p in peers}
+        targets = peers + tuple(p for p in self._subscribers if p[0] not in ids)
+        if not targets:
             return False
-        failed = self._news.tell(peers, encode(self.model, self.version, self._replica_id, chunks, crcs))
+        failed = self._news.tell(targets, encode(self.model, self.version, self._replica_id, chunks, crcs))
         if failed:
-            self._untold.update(failed)
-            self._peers = tuple(p for p in peers if p[0] not in self._untold)
-        return len(failed) < len(peers)
+            self._drop(failed)
+        return len(failed) < len(targets)
 
     def updates(self, replicas: Mapping[str, RemoteReplica]) -> dict[str, RemoteReplica]:
         """Of ``replicas`` (the holders the pull knows, by replica id), those
         whose news since the last call told of chunks not known: their new views.
         News of a holder not in ``replicas`` is not used."""
+        self._admit(self._news.take_subscriptions(self.model, self.version))
         out: dict[str, RemoteReplica] = {}
         for news in self._news.take(self.model, self.version):
             replica = out.get(news.replica_id) or replicas.get(news.replica_id)

@@ -140,6 +140,17 @@ class Publication:
         with self.lock:
             bitmap_set_many(self.bitmap, chunks)
 
+    def landed(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The chunks marked landed so far and, where this replica derives
+        them as it fills, their checksums (what a new subscriber is told: ``peernews``)."""
+        with self.lock:
+            bits = bytes(self.bitmap)
+        chunks = np.flatnonzero(np.unpackbits(np.frombuffer(bits, np.uint8), bitorder="little"))
+        chunks = chunks[chunks < -(-self.nbytes // self.chunk_size)]
+        crcs = self.chunk_crc32[chunks].astype(np.uint32) if self.derives_crc32 and self.chunk_crc32 is not None \
+            else None
+        return chunks, crcs
+
     @contextlib.contextmanager
     def confirming(self, timeout: float) -> Iterator[None]:
         """Around a call that tells the server this replica is held (publish,

@@ -222,6 +222,7 @@ class PullJob:
             stats.checks_failed_unplaced = sum(m.whole for m in self._checks.mismatches)
             stats.refreshes = self._server.asked
             stats.news_heard = self.news.heard if self.news is not None else 0
+            stats.subscribers = self.news.subscribers if self.news is not None else 0
         stats.nbytes = self.layout.total_bytes
         stats.plans_reused, stats.plans_made = self._planner.reused, self._planner.made
         return stats

@@ -34,6 +34,7 @@ class PullStats:
     plans_made: int = 0  # chunk plans made by this pull (not in the cache)
     refreshes: int = 0  # resolves this pull sent after its first answer (asking again who holds what)
     news_heard: int = 0  # peers' chunk news that told this pull of chunks it did not know of (``peernews``)
+    subscribers: int = 0  # readers that subscribed to this serving pull's news (``peernews``)
     # Holders a byte was read from, by agent name: whether each came lean (its
     # layout known from an earlier answer: ``replay``)
     lean_sources: dict[str, bool] = field(default_factory=dict)

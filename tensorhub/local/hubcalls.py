@@ -269,7 +269,7 @@ def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: l
            "read_again": result.sources_read_again,
            "verified": result.verified_bytes, "unverified": result.unverified_bytes,
            "checks_failed": result.checks_failed, "read_bytes": result.read_bytes,
-           "descriptors": result.descriptors, "plans_reused": result.plans_reused, "refreshes": result.refreshes, "news_heard": result.news_heard, "path": result.path, "not_replayed": result.not_replayed, "named": result.named, "chunk_sources": result.chunk_sources, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,
+           "descriptors": result.descriptors, "plans_reused": result.plans_reused, "refreshes": result.refreshes, "news_heard": result.news_heard, "subscribers": result.subscribers, "path": result.path, "not_replayed": result.not_replayed, "named": result.named, "chunk_sources": result.chunk_sources, "delta_from": result.delta_from, "delta_bytes": result.delta_bytes,
            "in_place": all(result.tensors[k].data_ptr() == p for k, p in ptrs.items()) if into else None}
     prepared = held.pop(("expected", model, result.version), None)
     if prepared is not None:  # made before the pull (``_prepare_expected``): nothing to compute now

@@ -209,6 +209,7 @@ class NixlAgent:
         self._inbox_lock = threading.Lock()
         self._news: list[tuple[str, bytes]] = []
         self._other: dict[str, list[bytes]] = {}
+        self._listen_metadata: bytes | None = None
         # Last: its thread calls back into this agent at once.
         self._push = PushService(self) if self.transfer == "push" else None
 
@@ -240,6 +241,18 @@ class NixlAgent:
     def local_metadata(self) -> bytes:
         """This agent's whole metadata (every registration): what a holder needs to WRITE to us."""
         return self._agent.get_agent_metadata()
+
+    def listen_metadata(self) -> bytes:
+        """This agent's connection alone, no memory (as published: ``advertise``):
+        what a peer needs to notify it (``peernews`` subscriptions of a pull
+        that does not serve). Loading it adds no memory descriptor to what the
+        peer's NIXL holds of this agent (see ``_held``)."""
+        if self._listen_metadata is None:
+            empty = nixl_api().nixlBind.nixlRegDList(self._agent.nixl_mems[MemoryKind.DRAM.value],
+                                                     np.zeros((0, 3), np.int64))
+            self._listen_metadata = advertise(self._agent.get_partial_agent_metadata(empty, True, ["UCX"]),
+                                              self._push is not None)
+        return self._listen_metadata
 
     # ---------------------------------------------------------------- remotes
 

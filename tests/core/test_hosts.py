@@ -91,6 +91,22 @@ def test_readers_that_start_together_relay_chunks_instead_of_all_reading_the_tra
     assert sum(r["news_heard"] for r in results) > 0, [r["news_heard"] for r in results]
 
 
+def test_a_reader_that_starts_late_subscribes_to_the_relay_it_reads_and_hears_what_it_landed_before(tmp_path):
+    """r0 starts alone, so its own answer lists nobody to tell; r1 starts once
+    r0 has landed chunks, reads from it and subscribes (a NIXL notification
+    with r1's metadata, client/peernews.py): r0 takes it as a subscriber and
+    tells it at once what it landed before, then every landing."""
+    with _cluster(["r0", "r1"]) as (_, (r0, r1)):
+        marks = str(tmp_path / "progress")
+        r0.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True, pace_s=0.05, progress_file=marks)
+        wait_for_progress(marks)
+        r1.send("pull", model="m", specs=SPECS, expect_seed=1, serve=True)
+        first, late = r0.result(timeout=120), r1.result(timeout=120)
+    assert first["mismatched"] == [] and late["mismatched"] == []
+    assert first["subscribers"] == 1, first
+    assert late["news_heard"] > 0 and late["sources"].get("r0", 0) > 0, late
+
+
 def test_a_relaying_reader_killed_mid_pull_costs_the_others_a_replan_not_the_pull(tmp_path):
     exits = {}
     with _cluster(["r0", "r1", "r2", "r3"], chunk_timeout_s=3.0, exits=exits) as (_, readers):

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorhub.client.peernews import News, PeerNews, PeerProgress, decode, encode
+from tensorhub.client.peernews import (
+    News,
+    PeerNews,
+    PeerProgress,
+    PullNews,
+    decode,
+    decode_subscription,
+    encode,
+    encode_subscription,
+)
 from tensorhub.client.rpc import RemoteReplica
 from tensorhub.planner import Source
 from tensorhub.regions import Region
@@ -120,3 +129,77 @@ def test_a_peer_that_cannot_be_told_is_named():
     failed = PeerNews(agent).tell([(rid, b"m", regions) for rid in ("a.0", "gone.0", "b.0")], b"THN1 x")
     assert failed == ["gone.0"]
     assert [remote for remote, _ in agent.sent] == ["a", "b"]
+
+
+# ------------------------------------------------------------------ subscriptions
+
+REGIONS = np.array([[0x2000, 4096, 0], [0x9000, 100, 0]], np.int64)
+
+
+def test_a_subscription_round_trips_and_is_never_news():
+    message = encode_subscription("policy", 7, "relay.3", "reader.5", b"nixl-meta", REGIONS)
+    sub = decode_subscription(message)
+    assert (sub.model, sub.version, sub.holder, sub.replica_id, sub.metadata) == (
+        "policy", 7, "relay.3", "reader.5", b"nixl-meta")
+    assert sub.regions.tolist() == REGIONS.tolist()
+    assert decode(message) is None  # the same tag as news: a pull never reads it as chunks
+    news = encode("m", 1, "a.0", [2], None)
+    for bad in (news, message[:-1], message + b"x", b"", encode_subscription("m", 1, "h.0", "", b"x", REGIONS),
+                encode_subscription("m", 1, "h.0", "r.0", b"", REGIONS)):
+        assert decode_subscription(bad) is None, bad
+
+
+def _serving_pull(news, rid="relay.1", landed=((), None)):
+    return PullNews(news, model="m", version=1, me=rid.rpartition(".")[0], replica_id=rid, metadata=b"meta-" +
+                    rid.encode(), regions=REGIONS, landed_now=lambda: (np.array(landed[0], np.int64), landed[1]))
+
+
+def test_a_reader_subscribes_once_to_each_filling_holder_it_reads_from():
+    agent = _Agent()
+    pull = _serving_pull(PeerNews(agent), "reader.1")
+    filling, other, complete = _replica(rid="relay.0"), _replica(rid="relay2.0"), _replica(rid="t.0", complete=True)
+    pull.subscribe([filling, complete])
+    pull.subscribe([filling, other])
+    sent = [(remote, decode_subscription(m)) for remote, m in agent.sent]
+    assert [(remote, sub.holder) for remote, sub in sent] == [("relay", "relay.0"), ("relay2", "relay2.0")]
+    assert {(sub.replica_id, sub.metadata) for _, sub in sent} == {("reader.1", b"meta-reader.1")}
+    # A pull that does not serve subscribes as its agent (its connection's metadata, no regions)
+    leaf = PullNews(PeerNews(agent), model="m", version=1, me="leaf", metadata=b"conn")
+    leaf.subscribe([_replica(rid="relay3.0")])
+    sub = decode_subscription(agent.sent[-1][1])
+    assert (sub.replica_id, sub.metadata, sub.regions.shape) == ("leaf.listen", b"conn", (0, 3))
+    # Without a way to be reached, nobody
+    PullNews(PeerNews(agent), model="m", version=1, me="x").subscribe([_replica(rid="relay4.0")])
+    assert len(agent.sent) == 3
+
+
+def test_a_subscriber_is_told_what_landed_so_far_then_every_landing():
+    agent = _Agent()
+    news = PeerNews(agent)
+    relay = _serving_pull(news, "relay.0", landed=([0, 3], np.array([10, 13], np.uint32)))
+    with relay:
+        # The relay's own answers listed no peer; a reader below it subscribes
+        agent.queue = [("reader", encode_subscription("m", 1, "relay.0", "reader.1", b"meta", REGIONS)),
+                       ("x", encode_subscription("m", 1, "someone-else.0", "reader.2", b"meta", REGIONS)),
+                       ("y", encode_subscription("m", 2, "relay.0", "reader.3", b"meta", REGIONS))]
+        relay.updates({})
+        assert relay.subscribers == 1  # not for this replica, not for this version: ignored
+        (remote, caught_up), = agent.sent
+        told = decode(caught_up)
+        assert remote == "reader" and told.chunks.tolist() == [0, 3] and told.crcs.tolist() == [10, 13]
+        assert relay.tell([5], np.array([15], np.uint32))
+        assert decode(agent.sent[-1][1]).chunks.tolist() == [5] and agent.sent[-1][0] == "reader"
+        # Subscribing again changes nothing
+        agent.queue = [("reader", encode_subscription("m", 1, "relay.0", "reader.1", b"meta", REGIONS))]
+        relay.updates({})
+        assert relay.subscribers == 1 and len(agent.sent) == 2
+
+
+def test_a_subscriber_that_cannot_be_reached_is_dropped():
+    agent = _Agent(dead={"gone.1"})
+    relay = _serving_pull(PeerNews(agent), "relay.0", landed=([1], None))
+    with relay:
+        agent.queue = [("gone", encode_subscription("m", 1, "relay.0", "gone.1", b"meta", REGIONS))]
+        relay.updates({})
+        assert relay.subscribers == 0
+        assert not relay.tell([2], None)
