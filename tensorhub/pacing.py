@@ -35,10 +35,12 @@ PATIENCE_S = 1.0  # waiting for peers' chunks this long without progress: read f
 WAIT_FOR_CHANGE_S = 0.25
 WAIT_FOR_PEERS_S = 0.01
 # Once its peers' chunk news flows (``peernews``), a pull asks the server who
-# holds the version this often, at most: the news says which chunks the peers
-# it knows landed, the server who joined or left. It waits for news in
-# NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
-ASK_WITH_NEWS_S = 0.5
+# holds the version this often, at most: the news says which chunks the
+# holders it reads from landed (it subscribed to each), the server who joined
+# or left. 0.5 s before subscriptions; 2 s with them: 16 relays of a 64 MiB
+# version 60 -> 25 messages a reader, no slower (docs/history/cluster.md).
+# It waits for news in NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
+ASK_WITH_NEWS_S = 2.0
 NEWS_POLL_S = 0.001
 # A round polls its READs this often: at once again after one landed, twice
 # as long after each poll that found none, up to POLL_MAX_S.

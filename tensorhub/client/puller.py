@@ -270,7 +270,8 @@ class PullJob:
     def _rounds(self, res: Resolved, stats: PullStats, needed: set[int], maps: dict[str, HolderMap]) -> None:
         excluded: set[str] = set()
         stale_rounds = 0
-        settled = res.named and all(r.source.complete for r in res.replicas)  # see the last ask below
+        # See the last ask below. (Not ``settled``: that name holds the chunks a round's checks settled.)
+        named_complete = res.named and all(r.source.complete for r in res.replicas)
         while needed or self._checks.busy:
             if time.monotonic() > self.deadline:
                 raise TransferStalled(res.model, res.version, stats.lost_sources,
@@ -343,9 +344,9 @@ class PullJob:
             # holders named, all complete (the steady state from the trainer or its cut: they give
             # everything, and asking again only finds others to read from, at a blocking round
             # trip each: a TP worker's 90 ms pull asked 1-3 times, ~28% of it). Named relays that
-            # are filling still do: the answers tell their progress, and readers that joined
-            # below this one, whom its news then reaches.
-            if needed and not settled and self._asking_due():
+            # are filling still do, at the pace of ``_asking_due``: their news says their progress
+            # (this pull subscribed to it), the answers who joined or left.
+            if needed and not named_complete and self._asking_due():
                 maps = self._refresh_quietly(excluded, maps, needed)
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:
