@@ -42,10 +42,24 @@ WAIT_FOR_PEERS_S = 0.01
 # It waits for news in NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
 ASK_WITH_NEWS_S = 2.0
 NEWS_POLL_S = 0.001
+# The server's pace for a version's pulls whose news flows (``ResolveResponse.pace_s``):
+# each filling relay asks and reports once per pace, at about a millisecond of
+# the server's one core each; keeping them to a tenth of that core takes
+# 2 x 1 ms x relays / pace <= 0.1, a pace of 0.02 s per filling relay. At 16
+# relays 0.32 s (the client's own ASK_WITH_NEWS_S rules), at 1,024 about 20 s:
+# a pull of a few seconds then asks and reports at its start and its end only,
+# and its readers learn its chunks from its news (subscriptions, ``peernews``).
+PACE_PER_RELAY_S = 0.02
 # A round polls its READs this often: at once again after one landed, twice
 # as long after each poll that found none, up to POLL_MAX_S.
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 2e-3
+
+
+def server_pace_s(filling_relays: int) -> float:
+    """The pace the server gives a version's pulls (``ResolveResponse.pace_s``):
+    ``PACE_PER_RELAY_S`` per relay still filling it."""
+    return PACE_PER_RELAY_S * max(0, filling_relays)
 
 
 def patience_out(now: float, progress_at: float) -> bool:
@@ -54,20 +68,26 @@ def patience_out(now: float, progress_at: float) -> bool:
     return now - progress_at > PATIENCE_S
 
 
-def asking_due(now: float, asked_at: float, *, news_flowing: bool, quiet_s: float) -> bool:
+def asking_due(now: float, asked_at: float, *, news_flowing: bool, quiet_s: float, server_pace_s: float = 0.0) -> bool:
     """Whether to ask the server who holds what now: while no news came (it
     is how the pull learns of its peers), after ``quiet_s`` (every round until
     its answers stop changing, then less and less often:
     ``ServerAnswers.quiet_s``); once news comes, every ``ASK_WITH_NEWS_S``
-    (joiners, leavers, peers that do not tell it)."""
-    return now - asked_at >= (ASK_WITH_NEWS_S if news_flowing else quiet_s)
+    or the server's pace, whichever is longer (joiners, leavers)."""
+    return now - asked_at >= (news_pace(server_pace_s) if news_flowing else quiet_s)
 
 
-def news_until(asked_at: float, progress_at: float, deadline: float) -> float:
+def news_pace(server_pace_s: float) -> float:
+    """How often a pull whose news flows asks the server: ``ASK_WITH_NEWS_S``,
+    or the server's pace for the version where that is longer."""
+    return max(ASK_WITH_NEWS_S, server_pace_s)
+
+
+def news_until(asked_at: float, progress_at: float, deadline: float, server_pace_s: float = 0.0) -> float:
     """Until when a reader with nothing to read but its peers' chunks waits for
-    their news: until the server is due to be asked (``ASK_WITH_NEWS_S`` after
-    it last was), its patience runs out, or the pull's deadline."""
-    return min(asked_at + ASK_WITH_NEWS_S, progress_at + PATIENCE_S, deadline)
+    their news: until the server is due to be asked (``news_pace`` after it
+    last was), its patience runs out, or the pull's deadline."""
+    return min(asked_at + news_pace(server_pace_s), progress_at + PATIENCE_S, deadline)
 
 
 def peer_wait(now: float, asked_at: float, progress_at: float, deadline: float) -> tuple[float, float]:

@@ -713,6 +713,7 @@ class Hub:
         )
         if reports is not None and job.news is not None:
             reports.tell = job.news.tell
+            reports.server_pace = lambda: job.server_pace_s
         try:
             stats = job.run()
             held_report = b""

@@ -67,6 +67,8 @@ class LandedReports:
         # While news reaches peers, the server hears at most this often (its
         # record, for joiners and pulls no peer tells); 0: at once, as before.
         self.pace_s = REPORT_WITH_NEWS_S
+        # The server's pace for the version (``PullJob.server_pace_s``), where longer, set before the pull runs
+        self.server_pace: Callable[[], float] | None = None
         self._wake = threading.Condition()
         self._pending: list[int] = []
         self._finishing = self._dropped = self._hold_last = False
@@ -75,6 +77,9 @@ class LandedReports:
         self.reports = 0  # sent after the announce, the complete one included
         self._thread = threading.Thread(target=self._send, name="tensorhub-landed", daemon=True)
         self._thread.start()
+
+    def _pace(self) -> float:
+        return max(self.pace_s, self.server_pace()) if self.server_pace is not None else self.pace_s
 
     def submit(self, chunks: list[int]) -> None:
         with self._wake:
@@ -125,7 +130,7 @@ class LandedReports:
                     self._reporter.report_landed(self._publication, unreported, complete=last)
                     unreported = []
                     self.reports += 1
-                    report_at = time.monotonic() + (self.pace_s if told else 0.0)
+                    report_at = time.monotonic() + (self._pace() if told else 0.0)
                 if last:
                     return
         except BaseException as e:  # noqa: BLE001  handed to finish(), which raises it in the pull's thread

@@ -230,7 +230,15 @@ class PullJob:
     def _asking_due(self) -> bool:
         """Whether to ask the server who holds what now (``pacing.asking_due``)."""
         return pacing.asking_due(time.monotonic(), self._asked_at, news_flowing=self._news_flowing(),
-                                 quiet_s=self._server.quiet_s)
+                                 quiet_s=self._server.quiet_s, server_pace_s=self._server.pace_s)
+
+    @property
+    def server_pace_s(self) -> float:
+        """The server's pace for this version's pulls in its latest answer
+        (``pacing.server_pace_s``): how often, at least, this pull's reports
+        go while its news reaches peers (``LandedReports.server_pace``)."""
+        server = getattr(self, "_server", None)
+        return server.pace_s if server is not None else self.resolved.pace_s
 
     def _news_flowing(self) -> bool:
         return self.news is not None and self.news.heard > 0
@@ -239,7 +247,7 @@ class PullJob:
         """With nothing to read until peers land more: their news, waited for
         until the server is due to be asked, patience runs out, or the
         deadline; None if none came (the server is asked then)."""
-        until = pacing.news_until(self._asked_at, self._progress_at, self.deadline)
+        until = pacing.news_until(self._asked_at, self._progress_at, self.deadline, self._server.pace_s)
         while time.monotonic() < until:
             heard = self._holders.hear(maps)
             if heard is not maps:

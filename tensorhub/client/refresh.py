@@ -67,6 +67,7 @@ class ServerAnswers:
         self.asked = 0  # resolves sent after the first answer (PullStats.refreshes)
         self._unchanged = 0  # answers in a row that listed what the one before did (the quiet time)
         self._listed = _listed(first)
+        self.pace_s = first.pace_s  # the server's pace in its last answer (``pacing.server_pace_s``)
 
     def ask(self, wait_s: float = 0.0) -> Resolved:
         """Who holds the version now; ``wait_s`` > 0: once that changed since the
@@ -89,6 +90,7 @@ class ServerAnswers:
         self._unchanged = self._unchanged + 1 if listed == self._listed else 0
         self._listed = listed
         self._seen_change = fresh.change
+        self.pace_s = fresh.pace_s
         if fresh.instance_id and fresh.instance_id != self._instance:
             if self._instance:
                 log.info("the server restarted mid-pull: its holders get %.0f s to announce themselves",

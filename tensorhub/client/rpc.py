@@ -120,6 +120,7 @@ class Resolved:
     # ``withdraw_batch`` answers for it.
     withdrawn: tuple = ()
     named: bool = False  # the replicas are exactly those of ``resolve(named_layouts=)``
+    pace_s: float = 0.0  # the server's pace for this version's pulls whose news flows (``pacing.server_pace_s``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -667,7 +668,7 @@ class ReferenceClient:
         self._layouts[model] = seen
         self._last_fingerprint[model] = resp.fingerprint
         return Resolved(model, resp.version, manifest, tuple(replicas), resp.lease_id, resp.lease_ttl_s, sent,
-                        resp.instance_id, resp.change, named=resp.named)
+                        resp.instance_id, resp.change, named=resp.named, pace_s=resp.pace_s)
 
     @staticmethod
     def _unpacked(packed: pb.PackedHolders, numbers: dict[int, bytes], templates: dict[bytes, RemoteReplica],

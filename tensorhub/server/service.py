@@ -19,6 +19,7 @@ import numpy as np
 
 from tensorhub.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from tensorhub.manifest import Manifest
+from tensorhub.pacing import server_pace_s
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
 from tensorhub.proto import wire
@@ -571,7 +572,8 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 sources = self.state.sources(entry, agent_id, request.max_sources)
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
                                           instance_id=self.state.instance_id, change=change,
-                                          layout_ids=self._numbering)
+                                          layout_ids=self._numbering,
+                                          pace_s=server_pace_s(entry.filling_relays()))
             by_number = request.layout_ids == self._numbering
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)

@@ -209,6 +209,10 @@ class Version:
     laid_out: dict[bytes, Replica] = field(default_factory=dict)
     unindexed: list[Replica] = field(default_factory=list)
 
+    def filling_relays(self) -> int:
+        """Replicas of this version still filling (relays mid-pull), not withdrawn or lost."""
+        return sum(1 for r in self.replicas.values() if not r.complete and not r.withdrawn and not r.lost)
+
     def missing(self) -> tuple[list[tuple[int, Bounds]], int]:
         """The first (tensor, box) nobody complete holds, and how many there are:
         worked out when asked (a message, a status), not at every publish."""

@@ -111,3 +111,19 @@ def test_while_news_reaches_peers_the_server_hears_at_its_pace_and_the_peers_at_
     reports.finish()
     assert server.calls[-1] == ("report", [], True)
     assert [c for chunks in told for c in chunks] == list(range(10))
+
+
+def test_the_servers_pace_slows_the_reports_where_it_is_longer_than_the_pulls_own():
+    server = Recorder()
+    reports = LandedReports(server, publication=object())
+    reports.tell = lambda chunks, crcs: True
+    reports.pace_s = 0.05
+    pace = [30.0]  # the server's, from the pull's latest answer (PullJob.server_pace_s)
+    reports.server_pace = lambda: pace[0]
+    reports.submit([0])
+    _wait_for(lambda: len(server.calls) == 2)
+    reports.submit([1])
+    time.sleep(0.3)  # six of the pull's own paces: the server's 30 s holds the report back
+    assert server.calls == [("announce", [], False), ("report", [0], False)]
+    reports.finish()  # the last report goes at once, whatever the pace
+    assert server.calls[-1] == ("report", [1], True)

@@ -147,3 +147,23 @@ def test_a_bad_naming_is_refused_clearly(stub, fields, want):
     with pytest.raises(grpc.RpcError) as e:
         stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1, **fields))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and want in e.value.details()
+
+
+def test_the_answers_pace_grows_with_the_versions_filling_relays(stub):
+    """``ResolveResponse.pace_s`` (``pacing.server_pace_s``): how often, at
+    least, the version's pulls whose news flows ask and report; it counts the
+    relays still filling the version, named answers too."""
+    from tensorhub.pacing import PACE_PER_RELAY_S
+
+    def pace(**kw) -> float:
+        return stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1, **kw)).pace_s
+
+    assert pace() == 0.0  # the three trainers, complete
+    for agent in ("r0", "r1", "r2"):
+        stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent))
+        _publish(stub, agent, 1, addr=(5 + int(agent[1])) << 32, state=pb.REPLICA_STATE_FILLING)
+    assert pace() == pytest.approx(3 * PACE_PER_RELAY_S)
+    stub.ReportChunks(pb.ReportChunksRequest(agent_id="r0", replica_id="r0.1", chunks=[0, 1, 2, 3], complete=True))
+    stub.Unpublish(pb.UnpublishRequest(agent_id="r1", replica_id="r1.1"))
+    v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)))
+    assert pace(named_layouts=[v1["t0"]]) == pytest.approx(PACE_PER_RELAY_S)  # r2 alone fills

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tensorhub.pacing import (
     ASK_WITH_NEWS_S,
+    PACE_PER_RELAY_S,
     PATIENCE_S,
     POLL_MAX_S,
     POLL_MIN_S,
@@ -22,6 +23,7 @@ from tensorhub.pacing import (
     peer_wait,
     poll_backoff,
     report_due,
+    server_pace_s,
 )
 
 times = st.floats(0, 10, allow_nan=False)
@@ -39,10 +41,24 @@ def test_the_server_is_asked_after_quiet_s_until_news_flows_then_every_ask_with_
         assert due == (since >= (ASK_WITH_NEWS_S if news else quiet_s)), (since, quiet_s, news)
 
 
-@given(times, times, times)
-def test_news_is_waited_for_until_the_server_is_due_patience_runs_out_or_the_deadline(asked_at, progress_at, deadline):
-    until = news_until(asked_at, progress_at, deadline)
-    ends = (asked_at + ASK_WITH_NEWS_S, progress_at + PATIENCE_S, deadline)
+def test_the_servers_pace_grows_with_the_filling_relays_and_only_ever_slows_a_pull_down():
+    assert server_pace_s(0) == 0.0 and server_pace_s(-3) == 0.0
+    assert server_pace_s(1024) == 1024 * PACE_PER_RELAY_S  # ~20 s: a pull asks at its start and end only
+    # Within the client's own pace the server's changes nothing; beyond it, it rules
+    for since in (0.5, ASK_WITH_NEWS_S, ASK_WITH_NEWS_S + 1, 19.9, 20.5):
+        for relays in (0, 16, 1024):
+            pace = server_pace_s(relays)
+            due = asking_due(50.0 + since, 50.0, news_flowing=True, quiet_s=0.0, server_pace_s=pace)
+            assert due == (since >= max(ASK_WITH_NEWS_S, pace)), (since, relays)
+            # no news yet: the quiet time alone (how the pull learns of its peers)
+            assert asking_due(50.0 + since, 50.0, news_flowing=False, quiet_s=0.1, server_pace_s=pace)
+
+
+@given(times, times, times, st.floats(0, 30, allow_nan=False))
+def test_news_is_waited_for_until_the_server_is_due_patience_runs_out_or_the_deadline(asked_at, progress_at, deadline,
+                                                                                     pace):
+    until = news_until(asked_at, progress_at, deadline, pace)
+    ends = (asked_at + max(ASK_WITH_NEWS_S, pace), progress_at + PATIENCE_S, deadline)
     assert until in ends and until <= min(ends)
 
 
