@@ -698,7 +698,7 @@ class Hub:
                 if announced:
                     self._holdings.group_announce_taken(publication, data)
             publication.announce_pending = not announced  # else its reports thread announces it first
-            reports = LandedReports(self._holdings, publication, announced=announced)
+            reports = LandedReports(self._holdings, publication, announced=announced, paced_from_start=resolved.named)
         layout = self._read_sets.layout(read_set, manifest, registration.regions, chunk_size)
         job = PullJob(
             rpc=self._holdings.control_plane(), nixl=self._nixl, agent_id=self.agent_id, labels=self.config.labels,

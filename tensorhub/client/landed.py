@@ -57,9 +57,14 @@ class LandedReports:
     is left as the complete report and raises what a report raised;
     ``abandon`` lets the report on the wire end and drops the rest."""
 
-    def __init__(self, reporter: Reporter, publication: object, *, announced: bool = False) -> None:
+    def __init__(self, reporter: Reporter, publication: object, *, announced: bool = False,
+                 paced_from_start: bool = False) -> None:
         """``announced``: the server has the announce already (the pull's
-        group sent it with the others'): only reports follow."""
+        group sent it with the others'): only reports follow.
+        ``paced_from_start``: even the first report waits a pace (a steady
+        pull's: its readers subscribe to its news; ``Hub`` sets it for named
+        answers), where otherwise it goes at once until news reaches a peer."""
+        self._paced_from_start = paced_from_start
         self._reporter, self._publication = reporter, publication
         self._announced = announced
         # The pull's chunk news to its peers (``PullNews.tell``), set before it runs
@@ -111,7 +116,8 @@ class LandedReports:
             if not self._announced:
                 self._reporter.announce(self._publication)
             unreported: list[int] = []
-            report_at = 0.0  # the next report waits until then (paced while news reaches peers)
+            # the next report waits until then (paced while news reaches peers)
+            report_at = time.monotonic() + self._pace() if self._paced_from_start else 0.0
             while True:
                 with self._wake:
                     while not (self._pending or self._finishing or self._dropped

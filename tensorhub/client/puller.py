@@ -279,7 +279,7 @@ class PullJob:
         excluded: set[str] = set()
         stale_rounds = 0
         # See the last ask below. (Not ``settled``: that name holds the chunks a round's checks settled.)
-        named_complete = res.named and all(r.source.complete for r in res.replicas)
+        named = res.named
         while needed or self._checks.busy:
             if time.monotonic() > self.deadline:
                 raise TransferStalled(res.model, res.version, stats.lost_sources,
@@ -349,12 +349,13 @@ class PullJob:
             self._read_round(transfers, maps, needed, excluded, stats, carry=len(needed) > len(transfers))
             stale_rounds = 0 if len(needed) < before else stale_rounds + 1
             # Who holds what now: peers' chunks landed, readers joined. Not for an answer of the
-            # holders named, all complete (the steady state from the trainer or its cut: they give
-            # everything, and asking again only finds others to read from, at a blocking round
-            # trip each: a TP worker's 90 ms pull asked 1-3 times, ~28% of it). Named relays that
-            # are filling still do, at the pace of ``_asking_due``: their news says their progress
-            # (this pull subscribed to it), the answers who joined or left.
-            if needed and not named_complete and self._asking_due():
+            # holders named (the steady state): complete ones (the trainer, its cut) give everything,
+            # and asking again only finds others to read from, at a blocking round trip each (a TP
+            # worker's 90 ms pull asked 1-3 times, ~28% of it); filling relays tell their chunks in
+            # their news (this pull subscribed to each), and readers below it subscribe to it. At
+            # 1,024 relays an ask is a ranking of a thousand holders: it asks only when it has nothing
+            # to read (above).
+            if needed and not named and self._asking_due():
                 maps = self._refresh_quietly(excluded, maps, needed)
 
     def _serve_checked(self, needed: set[int], excluded: set[str], stats: PullStats) -> bool:

@@ -127,3 +127,14 @@ def test_the_servers_pace_slows_the_reports_where_it_is_longer_than_the_pulls_ow
     assert server.calls == [("announce", [], False), ("report", [0], False)]
     reports.finish()  # the last report goes at once, whatever the pace
     assert server.calls[-1] == ("report", [1], True)
+
+
+def test_a_steady_pulls_first_report_waits_its_pace_too():
+    server = Recorder()
+    reports = LandedReports(server, publication=object(), paced_from_start=True)
+    reports.pace_s = 30.0
+    reports.submit([0, 1])
+    time.sleep(0.2)  # without the pace from the start it would have gone at once
+    assert server.calls == [("announce", [], False)]
+    reports.finish()
+    assert server.calls[-1] == ("report", [0, 1], True)
