@@ -15,6 +15,7 @@ import torch
 
 from tensorhub.bench.scale import cuts, links
 from tensorhub.bench.scale.models import MODELS, Config, Tensor, manifest, parameters, tensors
+from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import wire
 from tensorhub.regions import Region, overlap
 from tensorhub.regiontable import shapes_of, table_of_rules
@@ -173,6 +174,8 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         assert 2 * ranks <= wire.MAX_BATCH
         assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 2 * engines, "Resolve": engines}
         assert row["steady_messages"] == 3 + 3 * engines
+        # Their pulls are shorter than a pace: no report or ask of their own between (``_pull_messages``)
+        assert row["steady_pull_s"] < 2.0 and row["steady_pull_reports"] == row["steady_pull_asks"] == 0
         assert row["steady_server_cpu_withdraw_s"] >= 0  # measured apart (in 10 ms ticks: it may read 0 here)
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]
@@ -218,3 +221,34 @@ def test_ranks_publishing_together_without_the_cut_send_two_batches_a_step(tmp_p
     engines = row["engines"]
     assert row["trainer_group"] and row["steady_answers_named"] == engines
     assert row["steady_messages_by_method"] == {"Batch": 2 + 2 * engines, "Resolve": engines}
+
+
+class _Stub:
+    """The server's side of ``_pull_messages``: what it was sent, and a pace in each answer."""
+
+    def __init__(self, pace_s: float) -> None:
+        self.pace_s, self.reports, self.asks = pace_s, [], 0
+
+    def ReportChunks(self, request, timeout):
+        self.reports.append((request.agent_id, len(request.chunks)))
+
+    def Resolve(self, request, timeout):
+        self.asks += 1
+        return pb.ResolveResponse(pace_s=self.pace_s)
+
+
+def test_a_relays_own_messages_follow_the_clients_pace_and_the_servers():
+    from tensorhub.bench.scale.run import _pull_messages
+    from tensorhub.pacing import ASK_WITH_NEWS_S
+
+    chunks = [100] * 8
+    # Named: no asks; a report every pace from one pace in (the engine's answer said 0: the client's 2 s)
+    stub = _Stub(0.0)
+    sent = _pull_messages(stub, 0, 3, "fp", set(), {}, chunks, 7.0, 0.0, ask=False)
+    assert ASK_WITH_NEWS_S == 2.0 and sent == {"reports": 3 * 8, "asks": 0}  # at 2, 4 and 6 s
+    assert [n for agent, n in stub.reports if agent == "engine0.0"] == [29, 58, 86]  # what landed by then
+    # The server's pace longer than the pull: nothing between the announce and the end
+    assert _pull_messages(_Stub(0.0), 0, 3, "fp", set(), {}, chunks, 7.0, 20.0, ask=False) == {"reports": 0, "asks": 0}
+    # Unnamed: a report and an ask at once, then at the server's pace from its answer (20 s at 1,024 relays)
+    stub = _Stub(20.0)
+    assert _pull_messages(stub, 0, 3, "fp", set(), {}, chunks, 7.0, 0.0, ask=True) == {"reports": 8, "asks": 8}

@@ -56,6 +56,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tensorhub import pacing
 from tensorhub.bench.scale import cuts, links
 from tensorhub.bench.scale.models import MODELS, Config, manifest, parameters, tensors
 from tensorhub.local.serverprocess import ServerProcess
@@ -229,6 +230,13 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         # Version 2 is the first: it still pays once for what version 1's relays changed on the server
         # (their regions split its groups of alike tensors, so every holder's coverage keys are computed
         # again); version 3 is every later step's cost.
+        # How long a steady pull lasts at the least (no control plane): its own reports
+        # and asks go during it, at the pace the client keeps and the server sets.
+        pull_hop = cuts.cut_hop(model, ranks, kv_heads, 0, link, ep_experts) if cfg.trainer_cut else \
+            cuts.first_hop(model, ranks, kv_heads, 0, link, ep_experts)
+        pull_s = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=pull_hop.wanted_bytes,
+                               first_hop_s=pull_hop.seconds, first_hop_read_bytes=pull_hop.read_bytes, chunk=CHUNK,
+                               link=link, control_plane_s=0.0).predicted_s
         relay_chunks = [-(-int(held_bytes(man, wire.held_from_wire(
             publish_request("w", *cuts.worker_rules(kinds, kv_heads, w, owner), 0, False, False).held_table,
             shapes)).sum()) // CHUNK) for w in range(cuts.TP)]
@@ -240,7 +248,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                                             *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41,
                                                             False, False, version=v),
                     (lambda r, v=version: cut_request(r, v)) if cfg.trainer_cut else None,
-                    named=cfg.named and version == 3, together=cfg.trainer_group)
+                    named=cfg.named and version == 3, together=cfg.trainer_group, pull_s=pull_s)
             for version in (2, 3))
 
     # 4. the reader's READs and the link model
@@ -301,6 +309,9 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     out.update(
         steady_control_plane_s=steady_control_s, steady_control_plane_share=steady_control_s / ps.link_limit_s,
         steady_messages=sum(steady["messages"].values()), steady_messages_by_method=steady["messages"],
+        # of them, what the relay workers sent on their own while pulling (reports, asks: ``_pull_messages``)
+        steady_pull_reports=steady["pull_messages"]["reports"], steady_pull_asks=steady["pull_messages"]["asks"],
+        steady_pull_s=pull_s,
         steady_server_cpu_s=steady["server_cpu_s"], steady_answer_bytes_max=steady["answer_bytes_max"],
         # the largest steady answer: its holders, how many of them packed, and its bytes a holder
         steady_answer_holders=steady["answer_holders"], steady_answer_holders_packed=steady["answer_holders_packed"],
@@ -327,7 +338,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
             numbering: dict[int, str], version: int, relay_chunks: list[int],
-            trainer_request, relay_request, cut_request=None, named: bool = False, together: bool = False) -> dict:
+            trainer_request, relay_request, cut_request=None, named: bool = False, together: bool = False,
+            pull_s: float = 0.0) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: every holder of the version before withdraws it (a trainer rank its
     shards; with the cut, every rank's cut and shards sent by rank 0,
@@ -350,7 +362,12 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     e - wave0's relays, ``links.wave0_engines``) and is answered with them
     alone; the engines resolve wave by wave, each wave after the one it
     relays from announced (the server holds a named Resolve until its
-    holders announce: here they already have), and no engine resolves again."""
+    holders announce: here they already have), and no engine resolves again.
+
+    While they pull (``pull_s``, the link model's time), every relay worker
+    sends what a real pull sends on its own (``_pull_messages``): its chunk
+    reports at the pace of its client and of the server's answer
+    (``pacing``), and, unless named, its asks who holds the version."""
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
     per_holder = (0.0, 0, 0)  # the largest answer's bytes a holder, its holders, how many packed
@@ -411,6 +428,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         _publish_lean(stub, trainer_request(r))
     publish_cpu = trainer_publish_cpu = _cpu(pid) - cpu0
     leases: dict[int, str] = {}  # each engine's first answer's lease: it goes with the engine's Batch
+    paces: dict[int, float] = {}  # each engine's first answer's pace (``ResolveResponse.pace_s``)
+    pulling: dict[int, dict[str, int]] = {}  # each engine's workers' own messages while they pull
     answered_named = 0
     if named:
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
@@ -425,6 +444,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                 if not answer.named:
                     raise RuntimeError(f"engine {e}'s answer is not the {len(read_before[e])} holders it named")
                 leases[e] = answer.lease_id
+                paces[e] = answer.pace_s
                 took(e, answer)
             resolve_cpu += _cpu(pid) - cpu
             cpu = _cpu(pid)
@@ -432,6 +452,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                 _announce(stub, [relay_request(e, w) for w in range(cuts.TP)])
             publish_cpu += _cpu(pid) - cpu
         cpu = _cpu(pid)
+        for e in range(engines):
+            pulling[e] = _pull_messages(stub, e, version, fingerprint, knows[e], numbering, relay_chunks, pull_s,
+                                        paces[e], ask=False)
         for e in range(engines):
             _end(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
         publish_cpu += _cpu(pid) - cpu
@@ -445,7 +468,10 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         if stage == 1:
             cpu = _cpu(pid)
             for e in range(engines):
-                _relay_messages(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
+                _relay_messages(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e),
+                                during=lambda e=e: pulling.__setitem__(e, _pull_messages(
+                                    stub, e, version, fingerprint, knows[e], numbering, relay_chunks, pull_s,
+                                    paces[e], ask=True)))
             publish_cpu += _cpu(pid) - cpu
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
@@ -455,6 +481,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                                          (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
             if stage == 0:
                 leases[e] = answer.lease_id
+                paces[e] = answer.pace_s
             took(e, answer)
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
@@ -466,6 +493,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     calls = _calls(stub)
     messages = {name: n - calls0.get(name, 0) for name, n in calls.items() if n > calls0.get(name, 0)}
     return {"messages": messages,
+            "pull_messages": {kind: sum(p[kind] for p in pulling.values()) for kind in ("reports", "asks")},
             "server_cpu_s": withdraw_cpu + publish_cpu + resolve_cpu, "publish_cpu_s": publish_cpu,
             "trainer_publish_cpu_s": trainer_publish_cpu,
             "resolve_cpu_s": resolve_cpu, "withdraw_cpu_s": withdraw_cpu,
@@ -506,18 +534,52 @@ def _calls(stub) -> dict[str, int]:
     return calls
 
 
-def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: str) -> None:
+def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: str,
+                    during=None) -> None:
     """An engine's relays' messages for a version, the fewest serving pulls
     send, as vLLM's workers share them (``tensorhub.client.engineshare``):
     one Batch of every worker's announce (Publish FILLING, naming its
     layout), then one of every worker's last report (all its chunks,
     complete) and the bytes it read, and the release of the engine's
     answer's lease. A pull slower than the server's answers sends reports
-    between them (``tensorhub bench cluster --versions`` counts them for
-    real); the engine's workers' withdrawals of their previous version went
-    with its first Resolve."""
+    between them (``during``: ``_pull_messages``); the engine's workers'
+    withdrawals of their previous version went with its first Resolve."""
     _announce(stub, requests)
+    if during is not None:
+        during()
     _end(stub, requests, chunks, lease_id)
+
+
+def _pull_messages(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
+                   chunks: list[int], pull_s: float, first_pace_s: float, *, ask: bool) -> dict[str, int]:
+    """What engine ``e``'s relay workers send on their own while they pull for
+    ``pull_s``, as the client does (``client/landed.py``, ``pacing``): each
+    reports the chunks it landed so far every ``pacing.news_pace`` of the
+    server's latest pace (its engine's answer's, ``first_pace_s``, then each
+    ask's), the first one a pace in (a named pull's; an unnamed one's first
+    goes at once) and, unless ``ask`` is off (a named pull asks only when it
+    has nothing to read), asks who holds the version at the same pace (a
+    ranked Resolve, lean by layout). Assumes the news of the holders it reads
+    reaches it (it subscribed), as in a relay chain; the last report is the
+    engine's end (``_end``). Returns the messages sent, by kind."""
+    sent = {"reports": 0, "asks": 0}
+    for w in range(cuts.TP):
+        agent = f"engine{e}.{w}"
+        t, pace = (0.0 if ask else pacing.news_pace(first_pace_s)), first_pace_s
+        while t < pull_s:
+            landed = min(chunks[w], int(chunks[w] * t / pull_s) + 1)
+            stub.ReportChunks(pb.ReportChunksRequest(agent_id=agent, replica_id=f"{agent}.{version}",
+                                                     chunks=range(landed)), timeout=120)
+            sent["reports"] += 1
+            if ask:
+                answer = stub.Resolve(pb.ResolveRequest(
+                    agent_id=agent, model="m", version=version, known_fingerprint=fingerprint,
+                    known_layouts=sorted(knows), layout_ids=numbering.get(e, ""), packed_holders=e in numbering),
+                    timeout=120)
+                pace = answer.pace_s
+                sent["asks"] += 1
+            t += pacing.news_pace(pace)
+    return sent
 
 
 def _announce(stub, requests: list[pb.PublishRequest]) -> None:
