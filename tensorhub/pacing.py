@@ -42,8 +42,9 @@ WAIT_FOR_PEERS_S = 0.01
 # It waits for news in NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
 ASK_WITH_NEWS_S = 2.0
 NEWS_POLL_S = 0.001
-# The server's pace for a version's pulls whose news flows (``ResolveResponse.pace_s``):
-# each filling relay asks and reports once per pace, at about a millisecond of
+# The server's pace for a version's pulls whose news flows (``ResolveResponse.pace_s``),
+# by the relays pulling it or about to (``State.relays_pulling``): each asks and
+# reports once per pace, at about a millisecond of
 # the server's one core each; keeping them to a tenth of that core takes
 # 2 x 1 ms x relays / pace <= 0.1, a pace of 0.02 s per filling relay. At 16
 # relays 0.32 s (the client's own ASK_WITH_NEWS_S rules), at 1,024 about 20 s:
@@ -56,10 +57,10 @@ POLL_MIN_S = 20e-6
 POLL_MAX_S = 2e-3
 
 
-def server_pace_s(filling_relays: int) -> float:
+def server_pace_s(relays: int) -> float:
     """The pace the server gives a version's pulls (``ResolveResponse.pace_s``):
-    ``PACE_PER_RELAY_S`` per relay still filling it."""
-    return PACE_PER_RELAY_S * max(0, filling_relays)
+    ``PACE_PER_RELAY_S`` per relay pulling it or about to."""
+    return PACE_PER_RELAY_S * max(0, relays)
 
 
 def patience_out(now: float, progress_at: float) -> bool:

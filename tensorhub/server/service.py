@@ -573,7 +573,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             response = pb.ResolveResponse(version=resolved, fingerprint=entry.fingerprint,
                                           instance_id=self.state.instance_id, change=change,
                                           layout_ids=self._numbering,
-                                          pace_s=server_pace_s(entry.filling_relays()))
+                                          pace_s=server_pace_s(self.state.relays_pulling(model, resolved)))
             by_number = request.layout_ids == self._numbering
             if request.known_fingerprint != entry.fingerprint:
                 response.manifest.CopyFrom(entry.wire_manifest)

@@ -213,6 +213,10 @@ class Version:
         """Replicas of this version still filling (relays mid-pull), not withdrawn or lost."""
         return sum(1 for r in self.replicas.values() if not r.complete and not r.withdrawn and not r.lost)
 
+    def relays(self) -> int:
+        """Replicas of this version that readers made (not a trainer's), not withdrawn or lost."""
+        return sum(1 for r in self.replicas.values() if not r.origin and not r.withdrawn and not r.lost)
+
     def missing(self) -> tuple[list[tuple[int, Bounds]], int]:
         """The first (tensor, box) nobody complete holds, and how many there are:
         worked out when asked (a message, a status), not at every publish."""
@@ -672,6 +676,16 @@ class State:
                 await asyncio.wait_for(changed.wait(), timeout=remaining)
 
     # ------------------------------------------------------------ readers
+
+    def relays_pulling(self, model: str, version: int) -> int:
+        """How many relays pull ``version`` now or are about to (the server's
+        pace for them: ``pacing.server_pace_s``): its filling replicas, and the
+        relays of the version before that have not withdrawn it yet (in an RL
+        run's step each engine withdraws its previous replica as it resolves
+        the next version, so the first engines to resolve see the rest coming)."""
+        versions = self.models.get(model, {})
+        entry, before = versions.get(version), versions.get(version - 1)
+        return (entry.filling_relays() if entry is not None else 0) + (before.relays() if before is not None else 0)
 
     def resolve(self, model: str, version: int | None, group: str = "", group_round: int = 0,
                 reader: str = "") -> tuple[int, Version]:

@@ -152,7 +152,8 @@ def test_a_bad_naming_is_refused_clearly(stub, fields, want):
 def test_the_answers_pace_grows_with_the_versions_filling_relays(stub):
     """``ResolveResponse.pace_s`` (``pacing.server_pace_s``): how often, at
     least, the version's pulls whose news flows ask and report; it counts the
-    relays still filling the version, named answers too."""
+    relays still filling the version and those of the version before (named
+    answers too)."""
     from tensorhub.pacing import PACE_PER_RELAY_S
 
     def pace(**kw) -> float:
@@ -167,3 +168,8 @@ def test_the_answers_pace_grows_with_the_versions_filling_relays(stub):
     stub.Unpublish(pb.UnpublishRequest(agent_id="r1", replica_id="r1.1"))
     v1 = _layouts(stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)))
     assert pace(named_layouts=[v1["t0"]]) == pytest.approx(PACE_PER_RELAY_S)  # r2 alone fills
+    # The next version: the relays of this one are about to pull it (r0 complete, r2 filling still)
+    for agent in ("t0", "t1", "t2"):
+        _publish(stub, agent, 2)
+    answer = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=2))
+    assert answer.pace_s == pytest.approx(2 * PACE_PER_RELAY_S)
