@@ -64,10 +64,10 @@ log = logging.getLogger(__name__)
 
 # How many filling peers a relay tells of each chunk, at most: every peer of a
 # wave of this size. Beyond it, a relay tells the peers nearest after it in the
-# ring order (the planner's, the readers' common chunk order), and the others
-# learn of its chunks from the server as before. Telling every peer of a wave
-# of 1,024 is a million notifications a version; subscriptions (a reader asks
-# the peers it reads from) would bound it by interest instead: not built.
+# ring order (the planner's, the readers' common chunk order). Telling every
+# peer of a wave of 1,024 would be a million notifications a version; the
+# readers that read from it subscribe (``PullNews.subscribe``), so interest
+# bounds it instead, and those it does not know of are told too.
 MAX_TOLD = 32
 
 _HEAD = struct.Struct("<HHQI?")  # model length, replica id length, version, chunks, checksums follow
