@@ -34,8 +34,9 @@ from typing import Any, Protocol
 # How often a relay whose news reaches its peers (``peernews``) reports to the
 # server: its readers know sooner from the news (each subscribed to it), the
 # server's record serves joiners, which subscribe once they read from it.
-# 0.5 s before subscriptions (pacing.ASK_WITH_NEWS_S says what 2 s saved).
-REPORT_WITH_NEWS_S = 2.0
+# 0.5 s (pacing.ASK_WITH_NEWS_S says why not 2 s); a named pull's reports
+# follow the server's pace where longer (``server_pace``).
+REPORT_WITH_NEWS_S = 0.5
 
 
 class Reporter(Protocol):

@@ -339,6 +339,10 @@ class PullNews:
         self._subscribed: set[str] = set()  # holders this pull subscribed to (or tried)
         self._untold: set[str] = set()  # peers a news could not reach: not told again
         self.heard = 0  # news that told this pull of chunks it did not know of
+        # Holders whose news came but the server's answers to this pull did not list (a relay that
+        # announced after this pull's last answer): the pull asks the server about them once
+        self._strangers: set[str] = set()
+        self._asked_about: set[str] = set()
 
     def __enter__(self) -> Self:
         self._news.listen(self.model, self.version)
@@ -418,6 +422,19 @@ class PullNews:
             self._drop(failed)
         return len(failed) < len(targets)
 
+    @property
+    def strangers(self) -> bool:
+        """Whether news came from a holder the server's answers did not list to
+        this pull and it has not asked about since: it asks now (its asks are
+        otherwise paced, and a relay that announced after its last answer is
+        one it may read from)."""
+        return bool(self._strangers)
+
+    def asked(self) -> None:
+        """The pull asked the server who holds the version: the strangers so far are asked about."""
+        self._asked_about |= self._strangers
+        self._strangers = set()
+
     def updates(self, replicas: Mapping[str, RemoteReplica]) -> dict[str, RemoteReplica]:
         """Of ``replicas`` (the holders the pull knows, by replica id), those
         whose news since the last call told of chunks not known: their new views.
@@ -427,6 +444,8 @@ class PullNews:
         for news in self._news.take(self.model, self.version):
             replica = out.get(news.replica_id) or replicas.get(news.replica_id)
             if replica is None:
+                if news.replica_id not in self._asked_about:
+                    self._strangers.add(news.replica_id)
                 continue
             new = self._progress.heard(news, replica)
             if new is not None:

@@ -228,15 +228,22 @@ class PullJob:
         return stats
 
     def _asking_due(self) -> bool:
-        """Whether to ask the server who holds what now (``pacing.asking_due``)."""
+        """Whether to ask the server who holds what now (``pacing.asking_due``),
+        or at once: news came from a holder it was not told of (``PullNews.strangers``)."""
+        if self.news is not None and self.news.strangers:
+            return True
         return pacing.asking_due(time.monotonic(), self._asked_at, news_flowing=self._news_flowing(),
-                                 quiet_s=self._server.quiet_s, server_pace_s=self._server.pace_s)
+                                 quiet_s=self._server.quiet_s, server_pace_s=self.server_pace_s)
 
     @property
     def server_pace_s(self) -> float:
         """The server's pace for this version's pulls in its latest answer
-        (``pacing.server_pace_s``): how often, at least, this pull's reports
-        go while its news reaches peers (``LandedReports.server_pace``)."""
+        (``pacing.server_pace_s``), which a named (steady) pull keeps: how
+        often, at least, it asks and its reports go while its news reaches
+        peers (``LandedReports.server_pace``). 0 for another pull: a longer
+        pace slowed relays that were not named (``pacing.ASK_WITH_NEWS_S``)."""
+        if not self.resolved.named:
+            return 0.0
         server = getattr(self, "_server", None)
         return server.pace_s if server is not None else self.resolved.pace_s
 
@@ -247,11 +254,13 @@ class PullJob:
         """With nothing to read until peers land more: their news, waited for
         until the server is due to be asked, patience runs out, or the
         deadline; None if none came (the server is asked then)."""
-        until = pacing.news_until(self._asked_at, self._progress_at, self.deadline, self._server.pace_s)
+        until = pacing.news_until(self._asked_at, self._progress_at, self.deadline, self.server_pace_s)
         while time.monotonic() < until:
             heard = self._holders.hear(maps)
             if heard is not maps:
                 return heard
+            if self.news is not None and self.news.strangers:  # a holder it was not told of: ask now
+                return None
             time.sleep(pacing.NEWS_POLL_S)
         return None
 
@@ -386,6 +395,8 @@ class PullJob:
         after that long); the old ones if it cannot say (the next round finds
         out what is missing)."""
         self._asked_at = time.monotonic()
+        if self.news is not None:
+            self.news.asked()
         try:
             fresh = self._server.ask(wait_s)
         except ServerUnavailable:
@@ -438,6 +449,8 @@ class PullJob:
                 raise SourceLost(res.model, res.version, stats.lost_sources,
                                  f"no remaining holder has {self.layout.missing(unavailable, usable)}")
             time.sleep(_RESETTLE_POLL_S)
+        if self.news is not None:
+            self.news.asked()
         try:
             fresh = self._server.ask()
         except VersionNotFound as e:

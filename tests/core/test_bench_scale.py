@@ -15,6 +15,7 @@ import torch
 
 from tensorhub.bench.scale import cuts, links
 from tensorhub.bench.scale.models import MODELS, Config, Tensor, manifest, parameters, tensors
+from tensorhub.pacing import ASK_WITH_NEWS_S
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import wire
 from tensorhub.regions import Region, overlap
@@ -175,7 +176,7 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 2 * engines, "Resolve": engines}
         assert row["steady_messages"] == 3 + 3 * engines
         # Their pulls are shorter than a pace: no report or ask of their own between (``_pull_messages``)
-        assert row["steady_pull_s"] < 2.0 and row["steady_pull_reports"] == row["steady_pull_asks"] == 0
+        assert row["steady_pull_s"] < ASK_WITH_NEWS_S and row["steady_pull_reports"] == row["steady_pull_asks"] == 0
         assert row["steady_server_cpu_withdraw_s"] >= 0  # measured apart (in 10 ms ticks: it may read 0 here)
         # The cut: one contiguous READ per region read (a tensor each), after the ranks gathered their shares.
         assert row["trainer_cut"] and 0 < row["cut_descriptors_per_reader"] <= row["tensors"]
@@ -237,18 +238,18 @@ class _Stub:
         return pb.ResolveResponse(pace_s=self.pace_s)
 
 
-def test_a_relays_own_messages_follow_the_clients_pace_and_the_servers():
+def test_a_named_relays_own_reports_follow_the_clients_pace_and_the_servers():
     from tensorhub.bench.scale.run import _pull_messages
     from tensorhub.pacing import ASK_WITH_NEWS_S
 
     chunks = [100] * 8
-    # Named: no asks; a report every pace from one pace in (the engine's answer said 0: the client's 2 s)
+    # The engine's answer said 0: the client's own pace, from one pace in; no asks (named)
     stub = _Stub(0.0)
-    sent = _pull_messages(stub, 0, 3, "fp", set(), {}, chunks, 7.0, 0.0, ask=False)
-    assert ASK_WITH_NEWS_S == 2.0 and sent == {"reports": 3 * 8, "asks": 0}  # at 2, 4 and 6 s
-    assert [n for agent, n in stub.reports if agent == "engine0.0"] == [29, 58, 86]  # what landed by then
-    # The server's pace longer than the pull: nothing between the announce and the end
-    assert _pull_messages(_Stub(0.0), 0, 3, "fp", set(), {}, chunks, 7.0, 20.0, ask=False) == {"reports": 0, "asks": 0}
-    # Unnamed: a report and an ask at once, then at the server's pace from its answer (20 s at 1,024 relays)
-    stub = _Stub(20.0)
-    assert _pull_messages(stub, 0, 3, "fp", set(), {}, chunks, 7.0, 0.0, ask=True) == {"reports": 8, "asks": 8}
+    sent = _pull_messages(stub, 0, 3, chunks, 7.0, 0.0)
+    times = [k * ASK_WITH_NEWS_S for k in range(1, 100) if k * ASK_WITH_NEWS_S < 7.0]
+    assert sent == {"reports": len(times) * 8, "asks": 0} and stub.asks == 0
+    assert [n for agent, n in stub.reports if agent == "engine0.0"] == [int(100 * t / 7.0) + 1 for t in times]
+    # The server's pace longer than the pull (1,024 relays: ~20 s): nothing between the announce and the end
+    assert _pull_messages(_Stub(0.0), 0, 3, chunks, 7.0, 20.0) == {"reports": 0, "asks": 0}
+    # In between: every 3 s
+    assert _pull_messages(_Stub(0.0), 0, 3, chunks, 7.0, 3.0)["reports"] == 2 * 8

@@ -203,3 +203,16 @@ def test_a_subscriber_that_cannot_be_reached_is_dropped():
         relay.updates({})
         assert relay.subscribers == 0
         assert not relay.tell([2], None)
+
+
+def test_news_from_a_holder_the_server_did_not_list_makes_the_pull_ask_once():
+    agent = _Agent([("late", encode("m", 1, "late.0", [1], None))])
+    pull = PullNews(PeerNews(agent), model="m", version=1, me="r")
+    with pull:
+        assert pull.updates({"r1.0": _replica(rid="r1.0")}) == {}  # not used: the server did not list it
+        assert pull.strangers  # ... so the pull asks who holds the version now
+        pull.asked()
+        assert not pull.strangers
+        agent.queue = [("late", encode("m", 1, "late.0", [2], None))]
+        pull.updates({})
+        assert not pull.strangers  # asked about once: its next news does not ask again

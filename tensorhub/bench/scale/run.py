@@ -364,10 +364,13 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     relays from announced (the server holds a named Resolve until its
     holders announce: here they already have), and no engine resolves again.
 
-    While they pull (``pull_s``, the link model's time), every relay worker
-    sends what a real pull sends on its own (``_pull_messages``): its chunk
-    reports at the pace of its client and of the server's answer
-    (``pacing``), and, unless named, its asks who holds the version."""
+    While they pull (``pull_s``, the link model's time), every named relay
+    worker sends what a real named pull sends on its own (``_pull_messages``):
+    its chunk reports at the pace of its client and of the server's answer.
+    An unnamed pull's own are not sent (ranked, version 2): it reports and
+    asks every ``pacing.ASK_WITH_NEWS_S`` once news flows, after every round
+    before, each ask a ranking of every holder: ~10 a worker over a Kimi-K2
+    pull, tens of seconds of the server's CPU to send here."""
     full = lean = 0
     answers, requests, resolve_cpu = [], [], 0.0
     per_holder = (0.0, 0, 0)  # the largest answer's bytes a holder, its holders, how many packed
@@ -453,8 +456,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             publish_cpu += _cpu(pid) - cpu
         cpu = _cpu(pid)
         for e in range(engines):
-            pulling[e] = _pull_messages(stub, e, version, fingerprint, knows[e], numbering, relay_chunks, pull_s,
-                                        paces[e], ask=False)
+            pulling[e] = _pull_messages(stub, e, version, relay_chunks, pull_s, paces[e])
         for e in range(engines):
             _end(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
         publish_cpu += _cpu(pid) - cpu
@@ -467,11 +469,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     for stage in range(0 if named else 2):
         if stage == 1:
             cpu = _cpu(pid)
-            for e in range(engines):
-                _relay_messages(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e),
-                                during=lambda e=e: pulling.__setitem__(e, _pull_messages(
-                                    stub, e, version, fingerprint, knows[e], numbering, relay_chunks, pull_s,
-                                    paces[e], ask=True)))
+            for e in range(engines):  # (their own reports and asks between: not sent, see the docstring)
+                _relay_messages(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
             publish_cpu += _cpu(pid) - cpu
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         cpu = _cpu(pid)
@@ -534,51 +533,39 @@ def _calls(stub) -> dict[str, int]:
     return calls
 
 
-def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: str,
-                    during=None) -> None:
+def _relay_messages(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: str) -> None:
     """An engine's relays' messages for a version, the fewest serving pulls
     send, as vLLM's workers share them (``tensorhub.client.engineshare``):
     one Batch of every worker's announce (Publish FILLING, naming its
     layout), then one of every worker's last report (all its chunks,
     complete) and the bytes it read, and the release of the engine's
     answer's lease. A pull slower than the server's answers sends reports
-    between them (``during``: ``_pull_messages``); the engine's workers'
+    between them (``_steady``'s docstring); the engine's workers'
     withdrawals of their previous version went with its first Resolve."""
     _announce(stub, requests)
-    if during is not None:
-        during()
     _end(stub, requests, chunks, lease_id)
 
 
-def _pull_messages(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
-                   chunks: list[int], pull_s: float, first_pace_s: float, *, ask: bool) -> dict[str, int]:
-    """What engine ``e``'s relay workers send on their own while they pull for
-    ``pull_s``, as the client does (``client/landed.py``, ``pacing``): each
-    reports the chunks it landed so far every ``pacing.news_pace`` of the
-    server's latest pace (its engine's answer's, ``first_pace_s``, then each
-    ask's), the first one a pace in (a named pull's; an unnamed one's first
-    goes at once) and, unless ``ask`` is off (a named pull asks only when it
-    has nothing to read), asks who holds the version at the same pace (a
-    ranked Resolve, lean by layout). Assumes the news of the holders it reads
-    reaches it (it subscribed), as in a relay chain; the last report is the
-    engine's end (``_end``). Returns the messages sent, by kind."""
+def _pull_messages(stub, e: int, version: int, chunks: list[int], pull_s: float, pace_s: float) -> dict[str, int]:
+    """What engine ``e``'s named relay workers send on their own while they
+    pull for ``pull_s``, as the client does (``client/landed.py``,
+    ``PullJob.server_pace_s``): each reports the chunks it landed so far every
+    ``pacing.news_pace`` of its engine's answer's pace (``pace_s``), the first
+    a pace in; a named pull asks only when it has nothing to read, which a
+    relay a chunk behind the one it reads, told its chunks (it subscribed),
+    never is. The last report is the engine's end (``_end``). Returns the
+    messages sent, by kind."""
     sent = {"reports": 0, "asks": 0}
+    pace = pacing.news_pace(pace_s)
     for w in range(cuts.TP):
         agent = f"engine{e}.{w}"
-        t, pace = (0.0 if ask else pacing.news_pace(first_pace_s)), first_pace_s
+        t = pace
         while t < pull_s:
             landed = min(chunks[w], int(chunks[w] * t / pull_s) + 1)
             stub.ReportChunks(pb.ReportChunksRequest(agent_id=agent, replica_id=f"{agent}.{version}",
                                                      chunks=range(landed)), timeout=120)
             sent["reports"] += 1
-            if ask:
-                answer = stub.Resolve(pb.ResolveRequest(
-                    agent_id=agent, model="m", version=version, known_fingerprint=fingerprint,
-                    known_layouts=sorted(knows), layout_ids=numbering.get(e, ""), packed_holders=e in numbering),
-                    timeout=120)
-                pace = answer.pace_s
-                sent["asks"] += 1
-            t += pacing.news_pace(pace)
+            t += pace
     return sent
 
 
