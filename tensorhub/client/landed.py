@@ -117,8 +117,10 @@ class LandedReports:
             if not self._announced:
                 self._reporter.announce(self._publication)
             unreported: list[int] = []
-            # the next report waits until then (paced while news reaches peers)
-            report_at = time.monotonic() + self._pace() if self._paced_from_start else 0.0
+            report_at = 0.0  # the next report waits until then (paced while news reaches peers)
+            # A steady pull's first report waits a pace from its first landing (the
+            # server's pace is known by then: ``server_pace`` is set after this thread starts)
+            first_paced = self._paced_from_start
             while True:
                 with self._wake:
                     while not (self._pending or self._finishing or self._dropped
@@ -130,6 +132,9 @@ class LandedReports:
                     last, hold = self._finishing, self._hold_last
                 told = bool(chunks) and self._reporter.landed_here(self._publication, chunks, tell=self.tell)
                 unreported.extend(chunks)
+                if first_paced and chunks:
+                    first_paced = False
+                    report_at = time.monotonic() + self._pace()
                 if last and hold:
                     self.held = self._reporter.hold_complete(self._publication, unreported)
                     return

@@ -132,7 +132,7 @@ def test_the_servers_pace_slows_the_reports_where_it_is_longer_than_the_pulls_ow
 def test_a_steady_pulls_first_report_waits_its_pace_too():
     server = Recorder()
     reports = LandedReports(server, publication=object(), paced_from_start=True)
-    reports.pace_s = 30.0
+    reports.server_pace = lambda: 30.0  # wired after the reports' thread started, as Hub does
     reports.submit([0, 1])
     time.sleep(0.2)  # without the pace from the start it would have gone at once
     assert server.calls == [("announce", [], False)]
