@@ -134,7 +134,7 @@ def test_a_steady_pulls_first_report_waits_its_pace_too():
     reports = LandedReports(server, publication=object(), paced_from_start=True)
     reports.server_pace = lambda: 30.0  # wired after the reports' thread started, as Hub does
     reports.submit([0, 1])
-    time.sleep(0.2)  # without the pace from the start it would have gone at once
+    time.sleep(0.8)  # past the client's own 0.5 s: the server's 30 s holds it (and without the pace from the start it went at once)
     assert server.calls == [("announce", [], False)]
     reports.finish()
     assert server.calls[-1] == ("report", [0, 1], True)
