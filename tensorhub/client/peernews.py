@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger(__name__)
+V = TypeVar("V")
 
 # How many filling peers a relay tells of each chunk, at most: every peer of a
 # wave of this size. Beyond it, a relay tells the peers nearest after it in the
@@ -245,22 +246,20 @@ class PeerNews:
 
     def take(self, model: str, version: int) -> list[News]:
         """News of (model, version) since the last take (files the rest)."""
-        with self._lock:
-            self._file()
-            box = self._boxes.get((model, version))
-            if not box:
-                return []
-            self._boxes[(model, version)] = []
-            return box
+        return self._take(self._boxes, (model, version))
 
     def take_subscriptions(self, model: str, version: int) -> list[Subscription]:
         """Readers that asked for the news of (model, version) since the last call."""
+        return self._take(self._subscriptions, (model, version))
+
+    def _take(self, boxes: dict[tuple[str, int], list[V]], key: tuple[str, int]) -> list[V]:
+        """What NIXL received filed, then ``boxes[key]`` emptied (a pull's side only listens to its own)."""
         with self._lock:
             self._file()
-            box = self._subscriptions.get((model, version))
+            box = boxes.get(key)
             if not box:
                 return []
-            self._subscriptions[(model, version)] = []
+            boxes[key] = []
             return box
 
     def _file(self) -> None:  # under the lock

@@ -180,6 +180,8 @@ class PullJob:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
                                      self.layout)
         self._holders = HolderViews(layout=self.layout, plans=self.plans, checks=self._checks, news=self.news)
+        # Made with the job, not in run(): the reports' thread reads its pace (``server_pace_s``) from the start
+        self._server = ServerAnswers(self.rpc, self.agent_id, self.resolved, resettle_s=_RESETTLE_S)
         self._planner = RoundPlanner(layout=self.layout, labels=self.labels, plans=self.plans, wide=self.wide,
                                      checks=self._checks)
         self._leases = PullLeases(self.rpc, self.agent_id)
@@ -192,7 +194,6 @@ class PullJob:
         stats = PullStats()
         needed = {c for c in range(self.layout.num_chunks)}
         maps = self._holders.maps(res.replicas, set())
-        self._server = ServerAnswers(self.rpc, self.agent_id, res, resettle_s=_RESETTLE_S)
         self._asked_at = time.monotonic()
         self._leases.upfront = res if res.lease_id else None  # the resolve's lease covers the first round
         self._flying = Flights(self.nixl, self._leases, chunk_timeout_s=self.chunk_timeout_s, deadline=self.deadline,
@@ -242,10 +243,7 @@ class PullJob:
         often, at least, it asks and its reports go while its news reaches
         peers (``LandedReports.server_pace``). 0 for another pull: a longer
         pace slowed relays that were not named (``pacing.ASK_WITH_NEWS_S``)."""
-        if not self.resolved.named:
-            return 0.0
-        server = getattr(self, "_server", None)
-        return server.pace_s if server is not None else self.resolved.pace_s
+        return self._server.pace_s if self.resolved.named else 0.0
 
     def _news_flowing(self) -> bool:
         return self.news is not None and self.news.heard > 0
@@ -389,16 +387,21 @@ class PullJob:
             time.sleep(pause)
         return wait_s
 
+    def _ask(self, wait_s: float = 0.0) -> Resolved:
+        """Ask the server who holds the version (``ServerAnswers.ask``): the
+        holders news came from unlisted are asked about with it."""
+        if self.news is not None:
+            self.news.asked()
+        return self._server.ask(wait_s)
+
     def _refresh_quietly(self, excluded: set[str], maps: dict[str, HolderMap], needed: set[int],
                          wait_s: float = 0.0) -> dict[str, HolderMap]:
         """Holders as the server sees them now (``wait_s``: once they changed, or
         after that long); the old ones if it cannot say (the next round finds
         out what is missing)."""
         self._asked_at = time.monotonic()
-        if self.news is not None:
-            self.news.asked()
         try:
-            fresh = self._server.ask(wait_s)
+            fresh = self._ask(wait_s)
         except ServerUnavailable:
             self._server.unanswered()
             return maps
@@ -449,10 +452,8 @@ class PullJob:
                 raise SourceLost(res.model, res.version, stats.lost_sources,
                                  f"no remaining holder has {self.layout.missing(unavailable, usable)}")
             time.sleep(_RESETTLE_POLL_S)
-        if self.news is not None:
-            self.news.asked()
         try:
-            fresh = self._server.ask()
+            fresh = self._ask()
         except VersionNotFound as e:
             if self._server.resettling():  # nobody announced the version to the new instance yet
                 return {}

@@ -197,11 +197,16 @@ def _unpublish(hub: Any, held: dict, *, model: str, version: int, timeout: float
 def _destination(specs: list, read: tuple[str, int, int] | None) -> tuple[dict, dict[str, Region]]:
     if read is None:
         return empty_like_specs(specs), {}
-    regions = {name: read_region(tuple(shape), i, *read) for i, (name, _, shape) in enumerate(specs)}
+    regions = _read_regions(specs, read)
     into = {name: Shard(torch.zeros(regions[name].numel(tuple(shape)), dtype=DTYPES[dtype]), tuple(shape),
                         box=regions[name].box, flat=regions[name].flat)
             for name, dtype, shape in specs}
     return into, regions
+
+
+def _read_regions(specs: list, read: tuple[str, int, int]) -> dict[str, Region]:
+    """The region of each tensor of ``specs`` that a ``read`` slice pulls (``read_region``)."""
+    return {name: read_region(tuple(shape), i, *read) for i, (name, _, shape) in enumerate(specs)}
 
 
 def _pull(hub: Any, held: dict, *, model: str, version: Any = "latest", specs: list | None = None,
@@ -299,8 +304,8 @@ def _prepare_expected(hub: Any, held: dict, *, model: str, version: int, specs: 
     a finished reader's samples, on a 2-core machine)."""
     expected = make_tensors(specs, version)
     if read is not None:
-        expected = {name: take(expected[name], read_region(tuple(shape), i, *read))
-                    for i, (name, _, shape) in enumerate(specs)}
+        regions = _read_regions(specs, read)
+        expected = {k: take(v, regions[k]) for k, v in expected.items()}
     held[("expected", model, version)] = expected
 
 

@@ -230,13 +230,21 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         # Version 2 is the first: it still pays once for what version 1's relays changed on the server
         # (their regions split its groups of alike tensors, so every holder's coverage keys are computed
         # again); version 3 is every later step's cost.
-        # How long a steady pull lasts at the least (no control plane): its own reports
-        # and asks go during it, at the pace the client keeps and the server sets.
-        pull_hop = cuts.cut_hop(model, ranks, kv_heads, 0, link, ep_experts) if cfg.trainer_cut else \
-            cuts.first_hop(model, ranks, kv_heads, 0, link, ep_experts)
-        pull_s = links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=pull_hop.wanted_bytes,
-                               first_hop_s=pull_hop.seconds, first_hop_read_bytes=pull_hop.read_bytes, chunk=CHUNK,
-                               link=link, control_plane_s=0.0).predicted_s
+        # 4, made here: the reader's READs and the link model. How long a steady pull lasts at the
+        # least (no control plane): its own reports go during it, at the pace the client keeps and
+        # the server sets. The steady versions' first hop: from the cut, if any (the first had none).
+        t0 = time.perf_counter()
+        hop = cuts.first_hop(model, ranks, kv_heads, 0, link, ep_experts)  # worker 0: every worker reads alike
+        plan_s = time.perf_counter() - t0
+        steady_hop: cuts.FirstHop | cuts.CutHop = cuts.cut_hop(model, ranks, kv_heads, 0, link, ep_experts) \
+            if cfg.trainer_cut else hop
+
+        def predict(control_plane_s: float, first: cuts.FirstHop | cuts.CutHop = hop) -> links.Prediction:
+            return links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
+                                 first_hop_s=first.seconds, first_hop_read_bytes=first.read_bytes, chunk=CHUNK,
+                                 link=link, control_plane_s=control_plane_s)
+
+        pull_s = predict(0.0, steady_hop).predicted_s
         relay_chunks = [-(-int(held_bytes(man, wire.held_from_wire(
             publish_request("w", *cuts.worker_rules(kinds, kv_heads, w, owner), 0, False, False).held_table,
             shapes)).sum()) // CHUNK) for w in range(cuts.TP)]
@@ -251,10 +259,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                     named=cfg.named and version == 3, together=cfg.trainer_group, pull_s=pull_s)
             for version in (2, 3))
 
-    # 4. the reader's READs and the link model
-    t0 = time.perf_counter()
-    hop = cuts.first_hop(model, ranks, kv_heads, 0, link, ep_experts)  # worker 0: every worker reads alike
-    plan_s = time.perf_counter() - t0
+    # 4. the reader's READs and the link model (``hop``, ``steady_hop``, ``predict``: above)
     planning_s = max(first["decode_s"], late["decode_s"]) + plan_s
     resolve_cpu = max(first["cpu_per_resolve_s"], late["cpu_per_resolve_s"])
     # A stage's first resolve also builds every new holder's coverage keys (kept per grouping epoch):
@@ -266,12 +271,6 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     server_s = publish_cpu + relay_cpu + sum(s["cpu_first_s"] + (engines - 1) * s["cpu_per_resolve_s"]
                                              for s in (first, late))
     control_s = server_s + planning_s
-
-    def predict(control_plane_s: float, first: cuts.FirstHop | cuts.CutHop = hop) -> links.Prediction:
-        return links.predict(engines=engines, trainer_ranks=ranks, tp=cuts.TP, bytes_per_gpu=hop.wanted_bytes,
-                             first_hop_s=first.seconds, first_hop_read_bytes=first.read_bytes, chunk=CHUNK,
-                             link=link, control_plane_s=control_plane_s)
-
     p = predict(control_s)
     out.update(
         predicted_s=p.predicted_s, link_limit_s=p.link_limit_s, predicted_over_limit=p.predicted_s / p.link_limit_s,
@@ -298,9 +297,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     # (its plans come from the plan cache: nothing to decode or plan).
     steady_control_s = steady["server_cpu_s"] + steady["parse_s"]
     first_steady_control_s = first_steady["server_cpu_s"] + first_steady["parse_s"]
-    steady_hop: cuts.FirstHop | cuts.CutHop = hop
-    if cfg.trainer_cut:  # the steady versions' first hop: from the cut (the first version had none to read)
-        steady_hop = cuts.cut_hop(model, ranks, kv_heads, 0, link, ep_experts)
+    if cfg.trainer_cut:
         out.update(trainer_cut=True, cut_descriptors_per_reader=steady_hop.descriptors,
                    cut_read_s=steady_hop.read_s, cut_gather_s=steady_hop.gather_s,
                    cut_share_bytes_max=steady_hop.share_bytes_max)
@@ -480,7 +477,6 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                                          (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
             if stage == 0:
                 leases[e] = answer.lease_id
-                paces[e] = answer.pace_s
             took(e, answer)
         resolve_cpu += _cpu(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
