@@ -105,6 +105,11 @@ class ZeroRank:
         with deepspeed.zero.GatheredParameters([p for n, p in model.named_parameters() if "lora_" in n]):
             return {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
 
+    def adapter_config(self) -> dict[str, Any]:
+        """PEFT's settings of the adapter, as its adapter_config.json holds them."""
+        config = self.actor.model.module.peft_config["default"].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
     def differs_from_checkpoint(self, model_dir: str) -> list[str]:
         """The base parameters whose ZeRO-3 partition on this rank is not its
         slice of the saved weights (a rank must start from the checkpoint)."""

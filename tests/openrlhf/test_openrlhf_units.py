@@ -62,6 +62,9 @@ def test_lora_recipe_renders_the_setting_and_openrlhfs_lora_flags():
         "openrlhf.reward.model_name_or_path=/rm"]))
     settings = TensorHubSettings.from_env(env)
     assert settings.lora is True and settings.model == "policy/lora/default"
+    # the engines serve adapter versions from memory: LoRA on, ranks up to the recipe's 32
+    assert settings.lora_max_rank == 32 and TensorHubSettings.from_env(settings.to_env()) == settings
+    assert settings.vllm_engine_args() == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 32}
     joined = " ".join(argv)
     assert "--ds.lora.rank 32" in joined and "--ds.lora.alpha 32" in joined
     assert "--ds.lora.target_modules all-linear" in joined and "--ds.zero_stage 3" in joined
@@ -78,6 +81,8 @@ def test_lora_recipe_renders_the_setting_and_openrlhfs_lora_flags():
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_HUB_CONFIG": "[1]"}, "TENSORHUB_HUB_CONFIG must be a JSON object"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_HUB_CONFIG": '{"chunks": 1}'}, r"HubConfig has no field\(s\)"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "maybe"}, "TENSORHUB_LORA must be one of"),
+    ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1", "TENSORHUB_LORA_MAX_RANK": "24"},
+     r"TENSORHUB_LORA_MAX_RANK must be one of vLLM's \[1, 8, 16, 32, 64, 128, 256, 320, 512\]"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_LORA": "1", "TENSORHUB_DELTA": "copy"},
      "TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1"),
     ({"TENSORHUB_ADDRESS": "auto", "TENSORHUB_CUT": "reader"}, "TENSORHUB_CUT must be 'readers' or 'off', not 'reader'"),

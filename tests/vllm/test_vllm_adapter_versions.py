@@ -85,3 +85,40 @@ def test_a_failed_load_keeps_the_current_version_and_drops_what_it_carried(versi
     adapters.load(3)
     assert engine.take() == [("tensorhub_adapters_load", ("m/lora", 3, []))]
     assert adapters.resident() == [2, 3]
+
+
+class AsyncRecordingEngine(RecordingEngine):
+    """The same, as vLLM's async engine (OpenRLHF's actors): ``collective_rpc`` awaited."""
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:  # type: ignore[override]
+        return RecordingEngine.collective_rpc(self, method, args)
+
+
+def test_the_async_front_end_keeps_the_same_books(hub_server):
+    """``AsyncAdapterVersions`` (vLLM's AsyncLLM): one round trip per update, a
+    version in use kept until its use ends, a failed load undone, as above."""
+    import asyncio
+
+    from tensorhub_vllm.adapter_versions import AsyncAdapterVersions
+
+    async def steps(engine: AsyncRecordingEngine) -> None:
+        adapters = await AsyncAdapterVersions.start(engine, hub=hub_server.address, model="m/lora")
+        try:
+            assert engine.take() == [("tensorhub_adapters_init", ({"hub": hub_server.address, "hub_config": {}},))]
+            await adapters.load(1)
+            async with adapters.use() as lora:
+                assert lora.lora_name == "m/lora@1"
+                await adapters.load(2)
+                await adapters.load(3)
+                assert adapters.resident() == [1, 2, 3]
+            assert engine.take()[-1] == ("tensorhub_adapters_drop", ("m/lora", [1, 2]))
+            engine.fail.add(4)
+            with pytest.raises(RuntimeError, match="version 4"):
+                await adapters.load(4)
+            assert engine.take() == [("tensorhub_adapters_load", ("m/lora", 4, [])),
+                                     ("tensorhub_adapters_drop", ("m/lora", [4]))]
+            assert adapters.current == 3 and adapters.resident() == [3]
+        finally:
+            await adapters.close()
+
+    asyncio.run(steps(AsyncRecordingEngine()))

@@ -9,8 +9,8 @@
   rank 0 asks the engines to pull the step. No gather, no copy.
   ``TENSORHUB_LORA=1`` (OpenRLHF's ``--ds.lora.rank > 0``): only the PEFT
   adapter's A/B matrices, each rank its partitions, as an adapter version
-  (``tensorhub.lora``); rank 0 waits for it to be visible and asks no engine
-  (OpenRLHF's engines load base weights only).
+  (``tensorhub.lora``); rank 0 asks the engines to load it as it does a
+  step of weights (they serve it from memory: ``engines.py``).
   ``TENSORHUB_CUT=readers``: every rank also publishes its share of the
   readers' cut, gathered over the ZeRO-3 partition group (``publisher.py``).
 
@@ -79,13 +79,9 @@ class TensorHubActorPPOTrainer(ppo_actor.ActorPPOTrainer):
         if publisher.settings.cut is not None:  # its share of the readers' cut (0 until readers are known)
             self.tensorhub_stats.update(cut_bytes=stats.cut_bytes, cut_peak_gather_bytes=stats.cut_peak_gather_bytes,
                                         cut_s=stats.cut_s)
-        if publisher.settings.lora:
-            # OpenRLHF's engines load base weights only: serving adapter versions
-            # from vLLM is tensorhub_vllm's AdapterVersions, not wired into them.
-            if publisher.rank == 0:
-                publisher.wait_visible(version)
-        elif publisher.rank == 0 and self.vllm_engines:
-            publisher.wait_visible(version)  # every rank's partitions are in
+        if publisher.rank == 0 and (self.vllm_engines or publisher.settings.lora):
+            publisher.wait_visible(version)  # every rank's partitions are in (an adapter's: for any reader)
+        if publisher.rank == 0 and self.vllm_engines:
             result = update_engines(self.vllm_engines, version, publisher.settings.update_timeout_s)
             self.tensorhub_stats.update(engines_loaded=result["loaded"], engines_failed=result["failed"])
         self.tensorhub_stats["sync_s"] = time.perf_counter() - start

@@ -15,6 +15,15 @@ when it starts:
 
 The trainer then calls ``tensorhub_update(version)`` on every engine once per
 step; a dead or slow engine is logged and left behind (``update_engines``).
+
+With ``TENSORHUB_LORA=1`` the model key names adapter versions: the engine
+runs with vLLM's LoRA on, ``tensorhub_update`` loads the adapter version into
+its workers' memory (``tensorhub_vllm``'s ``AsyncAdapterVersions``, no file),
+and every ``generate`` OpenRLHF's executors make names the newest version
+loaded (``_AdapterRequests``: a request keeps the version it started with, the
+one before stays resident until its last request ends). Before the first
+version the engine generates with its base alone, which is what a fresh PEFT
+adapter (B = 0) gives.
 """
 
 from __future__ import annotations
@@ -23,12 +32,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import ray
 from openrlhf.trainer.ray import vllm_engine
 
+from tensorhub import VersionNotFound
 from tensorhub_openrlhf.settings import TensorHubSettings
 
 log = logging.getLogger(__name__)
@@ -52,15 +62,34 @@ class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__)
         await super().__init__(*args, **engine_args(kwargs, settings))
         from tensorhub.server.ray_actor import resolve_address
 
-        info = settings.engine_init_info(f"openrlhf-engine-{uuid.uuid4().hex[:8]}")
-        info["hub"] = resolve_address(settings.address)
-        await self.llm.collective_rpc("tensorhub_init", args=(info,))
+        address = resolve_address(settings.address)
+        self.tensorhub_adapters: Any = None
         if settings.lora:  # the model key names adapter versions: not weights of this engine's base
-            self.tensorhub_loaded = None
+            await self._start_adapters(settings, address)
             return
+        info = settings.engine_init_info(f"openrlhf-engine-{uuid.uuid4().hex[:8]}")
+        info["hub"] = address
+        await self.llm.collective_rpc("tensorhub_init", args=(info,))
         (self.tensorhub_loaded,) = set(await self.llm.collective_rpc("tensorhub_update_if_any"))
         if self.tensorhub_loaded is not None:
             log.info("tensorhub: engine started at version %d", self.tensorhub_loaded)
+
+    async def _start_adapters(self, settings: TensorHubSettings, address: str) -> None:
+        """LoRA: the workers' adapter side, the newest adapter version if
+        there is one, and OpenRLHF's generate calls naming it."""
+        from tensorhub_vllm.adapter_versions import AsyncAdapterVersions
+
+        info = settings.adapter_init_info()
+        self.tensorhub_adapters = await AsyncAdapterVersions.start(self.llm, hub=address, model=settings.model,
+                                                                   hub_config=info["hub_config"])
+        self.llm = _AdapterRequests(self.llm, self.tensorhub_adapters)
+        try:
+            await self.tensorhub_adapters.load("latest")
+        except VersionNotFound:
+            pass
+        self.tensorhub_loaded = self.tensorhub_adapters.current
+        if self.tensorhub_loaded is not None:
+            log.info("tensorhub: engine started serving adapter %r version %d", settings.model, self.tensorhub_loaded)
 
     async def init_process_group(self, *args: Any, **kwargs: Any) -> None:
         """No weight-sync group: the trainer never asks for one (its subclass
@@ -68,7 +97,13 @@ class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__)
 
     async def tensorhub_update(self, version: int) -> int:
         """Load ``version`` on every worker (a group pull: all get the same one)
-        and drop prefix-cache entries computed with the old weights."""
+        and drop prefix-cache entries computed with the old weights. With
+        LoRA, the adapter version (a new adapter name and id per version: no
+        prefix-cache entry of another version is reused, none is dropped)."""
+        if self.tensorhub_adapters is not None:
+            await self.tensorhub_adapters.load(version)
+            self.tensorhub_loaded = version
+            return version
         loaded = set(await self.llm.collective_rpc("tensorhub_update", args=(version,)))
         if len(loaded) != 1:
             raise RuntimeError(f"tensorhub: the workers of one engine loaded different versions {sorted(loaded)}")
@@ -78,11 +113,34 @@ class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__)
 
     async def tensorhub_version(self) -> int | None:
         """The version every worker of this engine serves (None before the first)."""
+        if self.tensorhub_adapters is not None:
+            return self.tensorhub_adapters.current
         versions = set(await self.llm.collective_rpc("tensorhub_version"))
         return versions.pop() if len(versions) == 1 else None
 
     async def tensorhub_stats(self) -> list[dict[str, float]]:
         return await self.llm.collective_rpc("tensorhub_stats")
+
+
+class _AdapterRequests:
+    """vLLM's async engine as OpenRLHF's actor holds it (``self.llm``), every
+    ``generate`` naming the newest adapter version loaded and holding it
+    until the request ends; everything else is the engine's own."""
+
+    def __init__(self, llm: Any, adapters: Any) -> None:
+        self._llm, self._adapters = llm, adapters
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        if self._adapters.current is None or kwargs.get("lora_request") is not None:
+            async for output in self._llm.generate(*args, **kwargs):
+                yield output
+            return
+        async with self._adapters.use() as lora:
+            async for output in self._llm.generate(*args, **{**kwargs, "lora_request": lora}):
+                yield output
 
 
 TensorHubRolloutRayActor = ray.remote(_TensorHubRolloutRayActor)

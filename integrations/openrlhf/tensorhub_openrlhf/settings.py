@@ -30,6 +30,7 @@ VARIABLES = {
     "TENSORHUB_DELTA": "delta",
     "TENSORHUB_VLLM_QUANTIZATION": "vllm_quantization",
     "TENSORHUB_LORA": "lora",
+    "TENSORHUB_LORA_MAX_RANK": "lora_max_rank",
     "TENSORHUB_CUT": "cut",
     "TENSORHUB_CUT_GATHER_BYTES": "cut_gather_bytes",
     "TENSORHUB_PUBLISH_TOGETHER": "publish_together",
@@ -64,7 +65,12 @@ class TensorHubSettings:
     # Trainer: OpenRLHF trains a LoRA adapter (--ds.lora.rank > 0) and each rank
     # publishes only the adapter (its partitions of the A/B matrices, in place)
     # as an adapter version of `model` (tensorhub.lora; name it policy/lora/<name>).
+    # Engines, with lora: they serve the adapter versions from memory (vLLM's
+    # enable_lora, two resident so requests in flight finish on theirs), each
+    # generate naming the newest; the adapter's rank must be at most this
+    # (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512).
     lora: bool = False
+    lora_max_rank: int = 64
     # Trainer: "readers" also publishes each rank's share of the readers' cut
     # (Hub.publish(cut="readers")): the regions the serving engine workers of
     # the last step read (a TP worker's columns of o_proj / down_proj), gathered
@@ -107,6 +113,8 @@ class TensorHubSettings:
             if values["lora"] and values.get("delta") == "copy":
                 raise ValueError("TENSORHUB_DELTA=copy does not apply with TENSORHUB_LORA=1: an adapter version "
                                  "is published whole (it is small); set TENSORHUB_DELTA=off")
+        if env.get("TENSORHUB_LORA_MAX_RANK", "").strip():
+            values["lora_max_rank"] = _lora_rank(env["TENSORHUB_LORA_MAX_RANK"])
         if "TENSORHUB_PUBLISH_TOGETHER" in env:
             values["publish_together"] = _flag("TENSORHUB_PUBLISH_TOGETHER", env["TENSORHUB_PUBLISH_TOGETHER"])
             if values["publish_together"] and values.get("delta") == "copy":
@@ -135,14 +143,23 @@ class TensorHubSettings:
             "TENSORHUB_DELTA": self.delta,
             "TENSORHUB_VLLM_QUANTIZATION": self.vllm_quantization or "",
             "TENSORHUB_LORA": "1" if self.lora else "0",
+            "TENSORHUB_LORA_MAX_RANK": str(self.lora_max_rank),
             "TENSORHUB_CUT": self.cut or "off",
             "TENSORHUB_CUT_GATHER_BYTES": "" if self.cut_gather_bytes is None else str(self.cut_gather_bytes),
             "TENSORHUB_PUBLISH_TOGETHER": "1" if self.publish_together else "0",
         }
 
     def vllm_engine_args(self) -> dict[str, Any]:
-        """vLLM engine arguments these settings add to OpenRLHF's (``quantization``)."""
-        return {} if self.vllm_quantization is None else {"quantization": self.vllm_quantization}
+        """vLLM engine arguments these settings add to OpenRLHF's: ``quantization``;
+        with ``lora``, LoRA on (two versions resident: the one in use and the next)."""
+        args: dict[str, Any] = {} if self.vllm_quantization is None else {"quantization": self.vllm_quantization}
+        if self.lora:
+            args.update(enable_lora=True, max_loras=2, max_lora_rank=self.lora_max_rank)
+        return args
+
+    def adapter_init_info(self) -> dict[str, Any]:
+        """``init_info`` of the engine workers' adapter side (tensorhub_vllm.config.TensorHubAdapterInfo)."""
+        return {"hub": self.address, "hub_config": dict(self.hub)}
 
     def hub_config(self, name: str) -> HubConfig:
         """The Hub client's settings; ``name`` shows in the server's plans and messages."""
@@ -191,6 +208,20 @@ def _cut(env: Mapping[str, str], *, lora: bool) -> dict[str, Any]:
         if "cut" not in values:
             raise ValueError("TENSORHUB_CUT_GATHER_BYTES only means something with TENSORHUB_CUT=readers")
     return values
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+
+
+def _lora_rank(value: str) -> int:
+    try:
+        rank = int(value.strip())
+    except ValueError:
+        rank = -1
+    if rank not in _VLLM_LORA_RANKS:
+        raise ValueError(f"TENSORHUB_LORA_MAX_RANK must be one of vLLM's {list(_VLLM_LORA_RANKS)} (at least the "
+                         f"adapter's rank, --ds.lora.rank), not {value!r}")
+    return rank
 
 
 def _seconds(var: str, value: str) -> float:
