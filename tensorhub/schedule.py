@@ -19,7 +19,8 @@ Alone (no other reader fills the same version), a reader reads everything,
 from the best holders. While a wave of readers fills the same version:
 
 * in one zone (every holder in the reader's zone), a wave of
-  ``CHAIN_MIN_READERS`` readers or more is a chain
+  ``CHAIN_MIN_READERS`` readers or more (``Wave.wave_readers``: the wave its
+  last pull saw, where it sees only the peers it names) is a chain
   (``chain_owners``): the readers in one order (by hash), each reads every
   chunk from the nearest reader before it that will hold the chunk and is not
   behind it, as those chunks land; the first reads from the origin. Each link
@@ -134,6 +135,11 @@ class Wave:
     patience_out: bool = False  # no chunk landed for a while: read from anyone
     holders: Sequence[HolderView] = field(default_factory=tuple)
     held: int = 0  # chunks of its read set it has landed (how far along it is, for the chain)
+    # The wave's length where the reader does not see all of it: an answer
+    # naming the holders it read from before (the steady state) lists those
+    # alone, one filling peer of a chain, say; the wave its previous pull saw
+    # is the one it is in again (0: the holders it sees are the wave)
+    wave_readers: int = 0
 
 
 def _any_has(holders: Sequence[HolderView], n: int) -> np.ndarray:
@@ -196,7 +202,12 @@ def next_chunks(order: Sequence[int], wave: Wave) -> Batch:
             return Batch(order[:1])
         return Batch(order)
     size = 2 * wave.in_flight
-    if len(peers) + 1 >= CHAIN_MIN_READERS and all(h.zone == wave.zone for h in wave.holders):
+    # A steady (named) reader sees only the peers it read from, yet it is in a
+    # chain all the same: taken for a short wave, it read a share from the
+    # origin beside its one peer every version (13-22 of 64 chunks at 8 readers,
+    # the trainer sending 1.3-1.6 copies; ``tensorhub bench cluster --readers 8 --versions 4``).
+    readers = max(len(peers) + 1, wave.wave_readers)
+    if readers >= CHAIN_MIN_READERS and all(h.zone == wave.zone for h in wave.holders):
         return _chained(order, wave, peers, size)
     near = [h for h in peers if h.zone == wave.zone]
     at_peers = _any_has(near, n)

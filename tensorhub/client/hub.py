@@ -200,8 +200,10 @@ class Hub:
         self._read_sets = ReadSets()  # destinations checked, and their read layouts, kept while the same
         self._plans = PlanCache()  # holder tables and chunk READs, kept while the layouts stay the same
         # Per model, the server layouts of the holders its last steady pull read from (every
-        # holder known, none lost): the next pull names them (``named_layouts``)
+        # holder known, none lost): the next pull names them (``named_layouts``); and the wave
+        # of readers that pull saw (a named answer lists only those holders: ``PullJob.wave_readers``)
         self._read_before: dict[str, tuple[bytes, ...]] = {}
+        self._wave_before: dict[str, int] = {}
         # Per model, this rank's last trainer-cut buffer and its publication: reused once that is closed
         self._cut_buffers: dict[str, tuple[Any, Publication]] = {}
         self._deltas = DeltaPulls(self._holdings, self.pull)
@@ -555,11 +557,12 @@ class Hub:
     def _named_wait_s(self, named: Sequence[bytes]) -> float:
         return max(0.0, self.config.named_wait_s) if named else 0.0
 
-    def _remember_read(self, model: str, steady: bool, layouts: Iterable[bytes]) -> None:
+    def _remember_read(self, model: str, steady: bool, layouts: Iterable[bytes], wave: int) -> None:
         if steady:
-            self._read_before[model] = tuple(layouts)
+            self._read_before[model], self._wave_before[model] = tuple(layouts), wave
         else:
             self._read_before.pop(model, None)
+            self._wave_before.pop(model, None)
 
     def pull(self, model: str, version: int | Literal["latest"] = "latest",
              into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None = None, *,
@@ -710,6 +713,7 @@ class Hub:
             landed=reports.submit if reports is not None else None,
             failure_detection_s=self._nixl.failure_detection_s, wide=self._wide_reads(registration.kind),
             news=self._pull_news(model, resolved.version, publication) if self._news is not None else None,
+            wave_readers=self._wave_before.get(model, 0),
         )
         if reports is not None and job.news is not None:
             reports.tell = job.news.tell
@@ -733,7 +737,7 @@ class Hub:
         path = path_of(earlier_pulls=job.plans.pulls, holders_read=stats.lean_sources.items(),
                        lost=stats.lost_sources, plans_made=stats.plans_made)
         self._remember_read(model, job.plans.pulls > 0 and not stats.lost_sources
-                            and all(stats.lean_sources.values()), stats.read_layouts)
+                            and all(stats.lean_sources.values()), stats.read_layouts, stats.wave_readers)
         job.plans.pulls += 1
         self._rpc.report_path(path.replayed)
         if publication is None:

@@ -155,6 +155,9 @@ class PullJob:
     plans: LayoutPlans = field(default_factory=LayoutPlans)
     # Chunk news with the relaying peers (``peernews``); None: only the server says who has what
     news: PullNews | None = None
+    # The wave of readers the last pull into this destination saw (``PullStats.wave_readers``): a
+    # named answer lists only the holders that pull read from, and the schedule needs the wave's length
+    wave_readers: int = 0
     _checks: ChunkVerifier = field(init=False)
     _holders: HolderViews = field(init=False)  # the holders as this pull sees them (``holderviews``)
     # Read leases are kept until the pull ends: a holder that unpublishes
@@ -175,6 +178,7 @@ class PullJob:
     _planner: RoundPlanner = field(init=False)  # the READs that fill a round's chunks (``roundplan``)
     _stalls: Stalls = field(init=False)  # holders this pull heard nothing from: slow or dead (``stalls``)
     _round_view: tuple[dict, set[str]] = field(default_factory=lambda: ({}, set()))  # this round's maps, excluded
+    _wave_seen: int = 1  # the longest wave of readers a round saw (itself included)
 
     def __post_init__(self) -> None:
         self._checks = ChunkVerifier(self.verify and self.dest_kind == MemoryKind.DRAM,  # checks read host memory
@@ -224,6 +228,7 @@ class PullJob:
             stats.refreshes = self._server.asked
             stats.news_heard = self.news.heard if self.news is not None else 0
             stats.subscribers = self.news.subscribers if self.news is not None else 0
+            stats.wave_readers = self._wave_seen
         stats.nbytes = self.layout.total_bytes
         stats.plans_reused, stats.plans_made = self._planner.reused, self._planner.made
         return stats
@@ -275,7 +280,9 @@ class PullJob:
         wave = Wave(me=self.agent_id, zone=self.labels.zone, num_chunks=self.layout.num_chunks,
                     in_flight=self._slots, seeds_per_zone=self.seeds_per_zone, first=first,
                     serving=self.landed is not None,
-                    patience_out=pacing.patience_out(now, self._progress_at), holders=holders, held=held)
+                    patience_out=pacing.patience_out(now, self._progress_at), holders=holders, held=held,
+                    wave_readers=self.wave_readers if self.resolved.named else 0)
+        self._wave_seen = max(self._wave_seen, wave.wave_readers, 1 + sum(not h.complete for h in holders))
         batch = next_chunks(reader_order(needed, self.agent_id, self.layout.num_chunks), wave)
         self._relayed, self._origin_cap, self._peer_cap = set(batch.relayed), batch.origin_cap, batch.peer_cap
         replica_of = {m.replica.agent_id: m.replica_id for m in usable}

@@ -35,6 +35,9 @@ class PullStats:
     refreshes: int = 0  # resolves this pull sent after its first answer (asking again who holds what)
     news_heard: int = 0  # peers' chunk news that told this pull of chunks it did not know of (``peernews``)
     subscribers: int = 0  # readers that subscribed to this serving pull's news (``peernews``)
+    # The longest wave of readers filling the version that a round of it saw, itself included: the next
+    # pull, if named, is in that wave again though its answer lists only the holders this one read from
+    wave_readers: int = 1
     # Holders a byte was read from, by agent name: whether each came lean (its
     # layout known from an earlier answer: ``replay``)
     lean_sources: dict[str, bool] = field(default_factory=dict)

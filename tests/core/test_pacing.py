@@ -91,3 +91,4 @@ def test_empty_polls_back_off_twice_as_long_each_up_to_poll_max_s():
         pauses.append(poll_backoff(pauses[-1]))
     assert all(b == min(2 * a, POLL_MAX_S) for a, b in itertools.pairwise(pauses))
     assert pauses[-1] == POLL_MAX_S and pauses[1] == 2 * POLL_MIN_S
+

@@ -199,6 +199,31 @@ def test_a_wave_shorter_than_chain_min_readers_shares_instead():
             assert batch.chunks == [] and batch.peer_cap == CHAIN_READS_PER_HOLDER
 
 
+def test_a_named_reader_sees_one_peer_yet_chains_in_a_long_wave():
+    """A steady pull's answer names only the holders it read before: the
+    trainer and the peer before it in the chain. Told the wave its last pull
+    saw (``Wave.wave_readers``) it still chains: what the peer will hold waits
+    for it, nothing comes from the trainer. Seen as a wave of two, it took a
+    share from the trainer beside the peer (the bug: 11-25 of 64 chunks a
+    version at 8 readers)."""
+    names = [f"r{i}" for i in range(8)]
+    order = chain_order(names)
+    up, me = order[3], order[4]
+    peer = _holder(up, "z0", False, set(range(N // 2)))  # half landed, the rest to come
+    holders = [_holder("trainer", "z0", True, set(range(N))), peer]
+    chained = next_chunks(list(range(N)), Wave(me=me, zone="z0", num_chunks=N, in_flight=2, holders=holders,
+                                               wave_readers=len(names)))
+    assert set(chained.chunks) <= set(range(N // 2)) and set(chained.chunks) == chained.relayed
+    assert chained.prefer and set(chained.prefer.values()) == {up}
+    assert chained.peer_cap == CHAIN_READS_PER_HOLDER and chained.origin_cap == ORIGIN_READS_IN_WAVE
+    shared = next_chunks(list(range(N)), Wave(me=me, zone="z0", num_chunks=N, in_flight=2, holders=holders))
+    assert set(shared.chunks) - shared.relayed  # a share of its own from the trainer
+    # a short wave seen before still shares
+    short = next_chunks(list(range(N)), Wave(me=me, zone="z0", num_chunks=N, in_flight=2, holders=holders,
+                                             wave_readers=CHAIN_MIN_READERS - 1))
+    assert short == shared
+
+
 def test_a_reader_that_joins_late_is_not_waited_for():
     """r_late sorts before the others in the chain's order, but joins when they
     are half done: they do not wait for it, and it reads from them."""
