@@ -204,7 +204,7 @@ def next_chunks(order: Sequence[int], wave: Wave) -> Batch:
     size = 2 * wave.in_flight
     # A steady (named) reader sees only the peers it read from, yet it is in a
     # chain all the same: taken for a short wave, it read a share from the
-    # origin beside its one peer every version (13-22 of 64 chunks at 8 readers,
+    # origin beside its one peer every version (11-25 of 64 chunks at 8 readers,
     # the trainer sending 1.3-1.6 copies; ``tensorhub bench cluster --readers 8 --versions 4``).
     readers = max(len(peers) + 1, wave.wave_readers)
     if readers >= CHAIN_MIN_READERS and all(h.zone == wave.zone for h in wave.holders):
