@@ -38,9 +38,10 @@ WAIT_FOR_PEERS_S = 0.01
 # holds the version this often, at most: the news says which chunks the
 # holders it reads from landed (it subscribed to each), the server who joined
 # or left. 2 s with subscriptions cut 16 relays' messages 60 -> 25 a reader
-# and version, but slowed 8 relays' later versions (9.4 -> 11.7 s: a pull
-# still waits on the server's record somewhere; docs/history/cluster.md):
-# kept at 0.5 s. A named (steady) pull takes the server's pace instead.
+# and version, but slowed 8 relays' later versions (9.4 -> 11.7 s), found
+# later to be named pulls reading a share from the trainer (fixed: the
+# schedule's ``Wave.wave_readers``); 2 s not measured again since: kept at
+# 0.5 s. A named (steady) pull takes the server's pace where longer.
 # It waits for news in NEWS_POLL_S steps (a notification is in NIXL's queue when it arrives).
 ASK_WITH_NEWS_S = 0.5
 NEWS_POLL_S = 0.001

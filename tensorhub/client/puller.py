@@ -246,8 +246,9 @@ class PullJob:
         """The server's pace for this version's pulls in its latest answer
         (``pacing.server_pace_s``), which a named (steady) pull keeps: how
         often, at least, it asks and its reports go while its news reaches
-        peers (``LandedReports.server_pace``). 0 for another pull: a longer
-        pace slowed relays that were not named (``pacing.ASK_WITH_NEWS_S``)."""
+        peers (``LandedReports.server_pace``). 0 for another pull: whether a
+        longer pace slows those was not measured after the named-chain fix
+        (``pacing.ASK_WITH_NEWS_S``)."""
         return self._server.pace_s if self.resolved.named else 0.0
 
     def _news_flowing(self) -> bool:

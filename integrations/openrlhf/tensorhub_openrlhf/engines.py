@@ -83,10 +83,8 @@ class _TensorHubRolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__)
         self.tensorhub_adapters = await AsyncAdapterVersions.start(self.llm, hub=address, model=settings.model,
                                                                    hub_config=info["hub_config"])
         self.llm = _AdapterRequests(self.llm, self.tensorhub_adapters)
-        try:
+        with contextlib.suppress(VersionNotFound):  # nothing published yet: the base alone until the first step
             await self.tensorhub_adapters.load("latest")
-        except VersionNotFound:
-            pass
         self.tensorhub_loaded = self.tensorhub_adapters.current
         if self.tensorhub_loaded is not None:
             log.info("tensorhub: engine started serving adapter %r version %d", settings.model, self.tensorhub_loaded)

@@ -34,6 +34,14 @@ from tensorhub_vllm.adapters import adapter_request
 from tensorhub_vllm.config import TensorHubAdapterInfo
 
 
+def _driver(hub: str, hub_config: dict[str, Any] | None) -> tuple[dict[str, Any], Hub]:
+    """The workers' ``init_info`` (checked: a bad field fails here, before any
+    worker is asked) and the driver's own Hub, which resolves ``"latest"``."""
+    info = {"hub": hub, "hub_config": dict(hub_config or {})}
+    TensorHubAdapterInfo.from_dict(info)
+    return info, Hub.connect(hub, config=HubConfig.from_dict({"name": "vllm-adapters:driver", **info["hub_config"]}))
+
+
 class Residency:
     """Which adapter versions an engine holds and which may go: pure
     bookkeeping, no I/O, shared by the blocking and the async front ends.
@@ -107,11 +115,9 @@ class Residency:
 
 class AdapterVersions:
     def __init__(self, llm: Any, *, hub: str, model: str, hub_config: dict[str, Any] | None = None) -> None:
-        info = {"hub": hub, "hub_config": dict(hub_config or {})}
-        TensorHubAdapterInfo.from_dict(info)  # a bad field fails here, before any worker is asked
+        info, self._hub = _driver(hub, hub_config)
         self.llm = llm
         self.model = model
-        self._hub = Hub.connect(hub, config=HubConfig.from_dict({"name": "vllm-adapters:driver", **info["hub_config"]}))
         self._books = Residency(model)
         llm.collective_rpc("tensorhub_adapters_init", args=(info,))
 
@@ -186,9 +192,7 @@ class AsyncAdapterVersions:
     @classmethod
     async def start(cls, llm: Any, *, hub: str, model: str,
                     hub_config: dict[str, Any] | None = None) -> AsyncAdapterVersions:
-        info = {"hub": hub, "hub_config": dict(hub_config or {})}
-        TensorHubAdapterInfo.from_dict(info)  # a bad field fails here, before any worker is asked
-        driver = Hub.connect(hub, config=HubConfig.from_dict({"name": "vllm-adapters:driver", **info["hub_config"]}))
+        info, driver = _driver(hub, hub_config)
         try:
             await llm.collective_rpc("tensorhub_adapters_init", args=(info,))
         except BaseException:
