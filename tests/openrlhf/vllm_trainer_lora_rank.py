@@ -52,7 +52,8 @@ def main(hub: str, model_dir: str, key: str, rank: int, world: int, out_dir: str
         step = int(line.split()[1])
         set_lora(model, step)
         engine.send_weights()
-        state = {n: t.full_tensor().detach().clone() for n, t in get_peft_model_state_dict(model).items()}
+        state = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+                 for n, t in get_peft_model_state_dict(model).items()}
         if rank == 0:
             save_file(state, f"{out_dir}/step-{step}.safetensors")
         set_lora(model, step + 1000)  # the optimizer writes again before any engine pulled
