@@ -16,6 +16,8 @@ step's.
 
 A module of its own: the engines read these settings from the Ray job's
 environment (one cluster per mode), which test_openrlhf_sync.py's does not set.
+The fresh engines of both modes run in one process by the last test (a vLLM
+import and a process start fewer), against what each mode's test recorded.
 """
 
 from __future__ import annotations
@@ -70,11 +72,16 @@ def engine_tokens(engine, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def disk_reference(engines: list[dict], tmp_path, **engine_args) -> dict[str, list[list[int]]]:
-    """Fresh vLLM engines on files (``vllm_lora_reference.py``): per engine its model folder and
-    ``runs`` (tag -> PEFT folder, None: no adapter); greedy tokens by tag."""
-    spec = {"engine_args": {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True, "seed": 7,
-                            **engine_args},
+# What each mode's test served and the fresh engines on files that must match it,
+# by mode: {"engines": [{"model", "runs", "engine_args"}], "served": {tag: tokens}}.
+# The last test runs every mode's fresh engines in one process.
+SERVED: dict[str, dict] = {}
+
+
+def disk_reference(engines: list[dict], tmp_path) -> dict[str, list[list[int]]]:
+    """Fresh vLLM engines on files (``vllm_lora_reference.py``): per engine its model folder,
+    ``runs`` (tag -> PEFT folder, None: no adapter) and its own engine arguments; greedy tokens by tag."""
+    spec = {"engine_args": {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True, "seed": 7},
             "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": engines}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     run = subprocess.run([sys.executable, str(HERE.parent / "vllm" / "vllm_lora_reference.py"),
@@ -139,14 +146,9 @@ def test_engines_serve_the_adapter_versions_the_ranks_publish(cluster, tiny_mode
         finally:
             for r in ranks:
                 ray.kill(r)
-    ref = disk_reference([{"model": str(tiny_model), "runs": {
-        "base": None, "first": str(tmp_path / "first"), "second": str(tmp_path / "second")}}], tmp_path,
-        enable_lora=True, max_loras=2, max_lora_rank=RANK)
-    print(json.dumps({"served": {"first": got_first, "second": got_second}, "disk": ref}))
-    assert got_first == ref["first"]
-    assert got_second == ref["second"]
-    # The adapter matters here (else the test could not fail), and each version's own is served.
-    assert ref["first"] != ref["base"] and ref["second"] != ref["first"]
+    SERVED["lora"] = {"served": {"first": got_first, "second": got_second}, "engines": [{
+        "model": str(tiny_model), "engine_args": {"enable_lora": True, "max_loras": 2, "max_lora_rank": RANK},
+        "runs": {"base": None, "first": str(tmp_path / "first"), "second": str(tmp_path / "second")}}]}
 
 
 def save_checkpoint(ranks, tiny_model, path) -> None:
@@ -187,10 +189,23 @@ def test_fp8_engines_requantize_each_step_as_a_fresh_engine(cluster, tiny_model,
         finally:
             for r in ranks:
                 ray.kill(r)
-    ref = disk_reference([{"model": str(tiny_model), "runs": {"checkpoint": None}},
-                          {"model": str(tmp_path / "trained"), "runs": {"trained": None}}], tmp_path,
-                         quantization="fp8_per_channel")
-    print(json.dumps({"served": {"first": got_first, "second": got_second}, "fresh_fp8": ref}))
-    assert got_first == ref["checkpoint"]
-    assert got_second == ref["trained"]
-    assert ref["trained"] != ref["checkpoint"]  # the step changed the tokens: the equalities mean something
+    fp8 = {"quantization": "fp8_per_channel"}
+    SERVED["fp8"] = {"served": {"checkpoint": got_first, "trained": got_second}, "engines": [
+        {"model": str(tiny_model), "engine_args": fp8, "runs": {"checkpoint": None}},
+        {"model": str(tmp_path / "trained"), "engine_args": fp8, "runs": {"trained": None}}]}
+
+
+def test_each_mode_serves_what_fresh_engines_on_files_generate(tmp_path):
+    """What the tests above served, against fresh engines on files: with LoRA,
+    each adapter version as vLLM loads it from PEFT files; with FP8, a fresh FP8
+    engine on the checkpoint and on the trained step's weights saved as one."""
+    if not SERVED:
+        pytest.skip("no mode's test above got as far as serving")
+    ref = disk_reference([e for mode in SERVED.values() for e in mode["engines"]], tmp_path)
+    print(json.dumps({"served": SERVED, "fresh": ref}))
+    for mode in SERVED.values():
+        assert mode["served"] == {tag: ref[tag] for tag in mode["served"]}, (mode, ref)
+    if "lora" in SERVED:  # the adapter matters here (else the test could not fail), and each version's own is served
+        assert ref["first"] != ref["base"] and ref["second"] != ref["first"]
+    if "fp8" in SERVED:  # the step changed the tokens: the equalities mean something
+        assert ref["trained"] != ref["checkpoint"]

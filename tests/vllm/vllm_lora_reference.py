@@ -6,7 +6,8 @@ parallel state, which the engines of the test process still use.
     python vllm_lora_reference.py SPEC.json   -> prints {"tag": [[token, ...] per prompt], ...}
 
 SPEC: {"engine_args": {...}, "prompts": [...], "max_tokens": N,
-       "engines": [{"model": DIR, "runs": {"tag": PEFT_DIR or null}}]}
+       "engines": [{"model": DIR, "runs": {"tag": PEFT_DIR or null}, "engine_args": {...}}]}
+An engine's own ``engine_args`` (optional) go over the spec's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if __name__ == "__main__":
     out = {}
     lora_id = 0
     for engine in spec["engines"]:
-        llm = LLM(model=engine["model"], **spec["engine_args"])
+        llm = LLM(model=engine["model"], **{**spec["engine_args"], **engine.get("engine_args", {})})
         for tag, peft in engine["runs"].items():
             lora_id += 1
             lora = None if peft is None else LoRARequest(f"disk-{tag}", lora_id, peft)
