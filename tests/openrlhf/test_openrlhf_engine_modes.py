@@ -200,7 +200,8 @@ def test_each_mode_serves_what_fresh_engines_on_files_generate(tmp_path):
     each adapter version as vLLM loads it from PEFT files; with FP8, a fresh FP8
     engine on the checkpoint and on the trained step's weights saved as one."""
     if not SERVED:
-        pytest.skip("no mode's test above got as far as serving")
+        pytest.skip("needs a mode test of this module to have served in this run (run the module, not "
+                    "this test alone); a mode test that failed before serving is red on its own")
     ref = disk_reference([e for mode in SERVED.values() for e in mode["engines"]], tmp_path)
     print(json.dumps({"served": SERVED, "fresh": ref}))
     for mode in SERVED.values():

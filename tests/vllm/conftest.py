@@ -191,13 +191,17 @@ def tp_engine(model_dir: Path, hub_address: str, model_key: str = MODEL_KEY, tp:
     return llm
 
 
+def engines_on(models: list[Path], hub_address: str, model_key: str = MODEL_KEY, **engine_args):
+    """Yield a TP engine on each of ``models``, in order; shut their transfer engines down after."""
+    llms = [tp_engine(m, hub_address, model_key, **engine_args) for m in models]
+    yield llms
+    for llm in llms:
+        llm.shutdown_weight_transfer_engine()
+
+
 def engine_pair(first: Path, second: Path, hub_address: str, model_key: str = MODEL_KEY, **engine_args):
     """Yield two TP engines (A on ``first``, B on ``second``); shut their transfer engines down after."""
-    a = tp_engine(first, hub_address, model_key, **engine_args)
-    b = tp_engine(second, hub_address, model_key, **engine_args)
-    yield a, b
-    for llm in (a, b):
-        llm.shutdown_weight_transfer_engine()
+    yield from engines_on([first, second], hub_address, model_key, **engine_args)
 
 
 def update(llm, version, weight_version: str | None = None) -> None:

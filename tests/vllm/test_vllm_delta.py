@@ -10,7 +10,7 @@ engine start, not two)."""
 from __future__ import annotations
 
 import pytest
-from conftest import greedy_many, perturbed_copy, tp_engine, update
+from conftest import engines_on, greedy_many, perturbed_copy, update
 
 PROMPTS = ["the quick brown", "weights move from", "tensorhub pulls versions"]
 
@@ -21,14 +21,12 @@ def sparse_model(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tp_env, sparse_model, hub_server):
-    llm = tp_engine(sparse_model, hub_server.address)
-    yield llm
-    llm.shutdown_weight_transfer_engine()
+def sparse_engine(tp_env, sparse_model, hub_server):
+    yield from engines_on([sparse_model], hub_server.address)
 
 
-def test_an_update_by_delta_generates_what_a_fresh_engine_on_the_new_weights_does(engine, trainer):
-    a = engine
+def test_an_update_by_delta_generates_what_a_fresh_engine_on_the_new_weights_does(sparse_engine, trainer):
+    (a,) = sparse_engine
     fresh = greedy_many(a, PROMPTS)  # a fresh engine on the new weights
     trainer.publish(61, "original")
     update(a, 61)  # whole: the staging held nothing
