@@ -87,6 +87,9 @@ class ControlView:
     # those alone (no ranking: the steady state), or, one of them missing, ranked as usual
     answers_named: int = 0
     named_missed: int = 0
+    # Relays' announces sent ahead with their group's resolve (``ResolveRequest.announces``): a steady
+    # step's engine then sends two messages, not three
+    announces_ahead: int = 0
     calls: dict[str, int] = field(default_factory=dict)  # every RPC received, by method (Publish, Resolve, ...)
 
 

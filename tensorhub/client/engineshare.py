@@ -45,6 +45,7 @@ from tensorhub.client.groupanswer import GroupAnswer
 from tensorhub.client.groupmessages import AnnounceOnce
 from tensorhub.client.groupsend import sent_by_first
 from tensorhub.client.hub import Hub, PullResult
+from tensorhub.client.publication import Publication
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class Withdrawal:
 
     message: bytes
     done: Callable[[Any], None]
+    # The replica withdrawn, whose memory the pull fills again: its announce of
+    # the next version goes ahead with the Resolve (``tensorhub.client.ahead``)
+    publication: Publication | None = None
 
 
 class EngineShare:
@@ -83,7 +87,9 @@ class EngineShare:
         on its side (a failed Resolve, a pull that raises before it announces),
         so that none waits on a round another skipped."""
         answer, failure = self.exchange(hub, version, withdrawal)
-        announce = AnnounceOnce(self.announcer(hub))
+        # Every announce went ahead with the Resolve: no round (each worker knows it from the same answer)
+        ahead = answer is not None and bool(answer.announced) and all(answer.announced)
+        announce = AnnounceOnce(None if ahead else self.announcer(hub))
         result = None
         try:
             if failure is not None:
@@ -104,31 +110,47 @@ class EngineShare:
             members: list[Any] = [None] * self.world
             dist.all_gather_object(members, hub.agent_id, group=self._group)
             self._members = [str(m) for m in members]
+        layouts = hub.named_layouts(self._model)
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (withdrawal.message if withdrawal is not None else b"",
-                                          hub.named_layouts(self._model)), group=self._group)
-        messages = [message for message, _ in gathered]
+        dist.all_gather_object(gathered, (withdrawal.message if withdrawal is not None else b"", layouts,
+                                          self._ahead(hub, version, withdrawal, layouts)), group=self._group)
+        messages = [message for message, _, _ in gathered]
         # The group reads what its members read: all of them named, or none (a member's pull was not steady).
-        named = tuple(dict.fromkeys(k for _, layouts in gathered for k in layouts)) \
-            if all(layouts for _, layouts in gathered) else ()
+        named = tuple(dict.fromkeys(k for _, layouts, _ in gathered for k in layouts)) \
+            if all(layouts for _, layouts, _ in gathered) else ()
         failure: BaseException | None = None
         sent: list[Any] = [None, [None] * self.world]
         if self.rank == 0:
             try:
                 sent[0] = hub.resolve_for_group(self._model, version, group=self._engine, members=self._members,
-                                                withdrawals=messages, named_layouts=named)
+                                                withdrawals=messages, named_layouts=named,
+                                                announces=[ahead for _, _, ahead in gathered])
                 sent[1] = list(sent[0].withdrawn)
             except Exception as e:  # noqa: BLE001  the others resolve on their own and meet it too
                 failure = e
                 if any(messages):  # the resolve handled none of them: in a Batch of their own
                     sent[1] = hub.send_group_withdrawals(messages)  # never raises: None for each where it failed
         dist.broadcast_object_list(sent, src=0, group=self._group)
+        if sent[0] is not None and sent[0].announced:
+            hub.ahead_taken(self._model, sent[0].version, sent[0].announced[self.rank])
         if withdrawal is not None:
             try:
                 withdrawal.done(sent[1][self.rank])
             except Exception as e:  # noqa: BLE001  raised by this worker's pull (nothing of it is written)
                 failure = failure or e
         return sent[0], failure
+
+    def _ahead(self, hub: Hub, version: int | str, withdrawal: Withdrawal | None, layouts: tuple) -> bytes:
+        """This worker's announce of ``version`` to go with the Resolve: in the
+        steady state (its last pull named its holders), serving again into the
+        memory it withdraws (``Hub.announce_ahead``); else b""."""
+        if withdrawal is None or withdrawal.publication is None or not layouts or not isinstance(version, int):
+            return b""
+        try:
+            return hub.announce_ahead(withdrawal.publication, version)
+        except Exception:  # noqa: BLE001  never skip the engine's rounds: the pull announces as before
+            log.warning("could not encode this worker's announce ahead; its pull announces", exc_info=True)
+            return b""
 
     def announcer(self, hub: Hub) -> Callable[[bytes], bool]:
         """``pull(announce_with=)`` for this worker: every worker's announce

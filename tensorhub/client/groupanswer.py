@@ -44,6 +44,9 @@ class GroupAnswer:
     # Per withdrawal handed to ``resolve_for_group`` (b"": None), its outcome
     # as ``Hub.send_group_withdrawals`` gives it.
     withdrawn: tuple = ()
+    # Per announce handed to ``resolve_for_group`` (``Hub.announce_ahead``; b"":
+    # False), whether the server took it.
+    announced: tuple = ()
 
     def __repr__(self) -> str:
         return (f"GroupAnswer({self.model!r} v{self.version}, group {self.group!r}, lease {self.lease_id[:8]}, "

@@ -199,7 +199,8 @@ class Holdings:
     def publish(self, model: str, version: int, manifest: Manifest, parts: list[Part], chunk_size: int, *,
                 origin: bool = True, complete: bool = True, retained: bool = False,
                 chunk_crc32: np.ndarray | None = None, announce: bool = True, deltas: tuple[str, ...] = (),
-                companions: tuple[Publication, ...] = (), trainer_cut: bool = False) -> Publication:
+                companions: tuple[Publication, ...] = (), trainer_cut: bool = False,
+                replica_id: str | None = None) -> Publication:
         """Register ``parts`` in place and announce them as a replica. A complete
         replica's chunk checksums are computed here, once, from its memory
         (unless given: a copy of a replica has its checksums). ``announce=False``:
@@ -208,14 +209,15 @@ class Holdings:
         ``deltas``/``companions``: the delta models announced with it and their
         publications, unpublished with it (``tensorhub.client.delta``).
         ``trainer_cut``: the replica is this trainer rank's copy of its readers'
-        cut, beside its shards (``tensorhub.client.trainercut``)."""
+        cut, beside its shards (``tensorhub.client.trainercut``). ``replica_id``:
+        one ``next_replica_id`` reserved (an announce sent ahead named it)."""
         if not retained:
             self._send_withdraw_notices()
             self._finish_withdrawals(model, version)
         if chunk_crc32 is None and complete and self.config.verify_chunks:
             chunk_crc32 = _checksums(parts, chunk_size)
         registration = self._nixl.register([p.tensor for p in parts])
-        pub = Publication(self, model=model, version=version, replica_id=f"{self.agent_id}.{next(self._replica_seq)}",
+        pub = Publication(self, model=model, version=version, replica_id=replica_id or self.next_replica_id(),
                           manifest=manifest, parts=parts, chunk_size=chunk_size, registration=registration,
                           origin=origin, complete=complete, retained=retained, chunk_crc32=chunk_crc32,
                           deltas=deltas, companions=companions, trainer_cut=trainer_cut)
@@ -235,6 +237,16 @@ class Holdings:
         with self._lock:
             self._publications[pub.replica_id] = pub
         return pub
+
+    def next_replica_id(self) -> str:
+        """A replica id of this process never used before."""
+        return f"{self.agent_id}.{next(self._replica_seq)}"
+
+    def drop_unopened(self, replica_id: str) -> None:
+        """A replica announced ahead (``tensorhub.client.ahead``) that no pull
+        opened: the server is told before this process publishes again."""
+        with self._lock:
+            self._withdraw_notices.add(replica_id)
 
     def _withdraw_unanswered(self, pub: Publication, error: ServerUnavailable) -> None:
         """A publish whose answer was lost may still have been taken: the server
@@ -292,7 +304,7 @@ class Holdings:
 
     def open_filling(self, model: str, version: int, manifest: Manifest, parts: list[Part],
                      chunk_size: int, sources: Sequence[RemoteReplica] = (), *,
-                     announce: bool = True) -> Publication:
+                     announce: bool = True, replica_id: str | None = None) -> Publication:
         """A pull's destination, served as its chunks land (see ``landed``).
         Where it holds what one of ``sources`` holds, cut the same way, it
         announces that source's checksums: they belong to the version, and its
@@ -308,7 +320,7 @@ class Holdings:
             if derive:
                 crcs = np.zeros(-(-sum(p.nbytes for p in parts) // chunk_size), np.uint32)
         pub = self.publish(model, version, manifest, parts, chunk_size, origin=False, complete=False,
-                           chunk_crc32=crcs, announce=announce)
+                           chunk_crc32=crcs, announce=announce, replica_id=replica_id)
         pub.derives_crc32 = derive
         return pub
 
@@ -383,6 +395,10 @@ class Holdings:
 
     def _publish(self, pub: Publication, bitmap: bytes, complete: bool) -> None:
         self._rpc.publish(**self._publish_args(pub, bitmap, complete))
+
+    def announce_args(self, pub: Publication, *, bitmap: bytes, complete: bool) -> dict[str, Any]:
+        """What ``pub``'s announce would say with this bitmap (``ReferenceClient.publish``'s arguments)."""
+        return self._publish_args(pub, bitmap, complete)
 
     def _publish_args(self, pub: Publication, bitmap: bytes, complete: bool) -> dict[str, Any]:
         return {"agent_id": self.agent_id, "replica_id": pub.replica_id, "model": pub.model, "version": pub.version,

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from tensorhub.client import ahead as ahead_announce
+from tensorhub.client.ahead import AheadAnnounce, AheadUse
 from tensorhub.client.config import HubConfig
 from tensorhub.client.delta import (
     DeltaOutcome,
@@ -204,6 +206,9 @@ class Hub:
         # of readers that pull saw (a named answer lists only those holders: ``PullJob.wave_readers``)
         self._read_before: dict[str, tuple[bytes, ...]] = {}
         self._wave_before: dict[str, int] = {}
+        # Announces of this process's next replica sent ahead with its group's
+        # resolve, by (model, version), until that version's pull takes its own (``ahead``)
+        self._aheads: dict[tuple[str, int], AheadAnnounce] = {}
         # Per model, this rank's last trainer-cut buffer and its publication: reused once that is closed
         self._cut_buffers: dict[str, tuple[Any, Publication]] = {}
         self._deltas = DeltaPulls(self._holdings, self.pull)
@@ -457,7 +462,7 @@ class Hub:
 
     def resolve_for_group(self, model: str, version: int | Literal["latest"] = "latest", *, group: str,
                           members: list[str], withdrawals: Sequence[bytes] = (),
-                          named_layouts: Sequence[bytes] = ()) -> GroupAnswer:
+                          named_layouts: Sequence[bytes] = (), announces: Sequence[bytes] = ()) -> GroupAnswer:
         """Resolve ``model`` once for this process and the other ``members`` (their
         ``agent_id``s) of ``group``: hand the answer to them over the group's own
         channel, each passes it to ``pull(answer=)``, and once every member's pull
@@ -469,7 +474,10 @@ class Hub:
         ``GroupAnswer.withdrawn``, as ``send_group_withdrawals`` gives them. A
         resolve that raises handled none of them. ``named_layouts``: what the
         members' previous pulls read from (each one's ``named_layouts``): the
-        answer names those holders alone when the server has them all."""
+        answer names those holders alone when the server has them all.
+        ``announces``: the members' ``announce_ahead`` messages (b"": none),
+        handled after the withdrawals; per member whether the server took it in
+        ``GroupAnswer.announced`` (each member passes it to ``ahead_taken``)."""
         model = _check_model(model)
         wanted = None if version == "latest" else _check_version(version)
         if not group:
@@ -478,10 +486,37 @@ class Hub:
         resolved = self._holdings.with_agent(lambda: self._rpc.resolve(
             self.agent_id, model, wanted, group=group, lease=True, members=others,
             withdrawals=[w for w in withdrawals if w], named_layouts=named_layouts,
-            named_wait_s=self._named_wait_s(named_layouts)))
-        outcomes = iter(resolved.withdrawn)
+            named_wait_s=self._named_wait_s(named_layouts), announces=[a for a in announces if a]))
+        outcomes, announced = iter(resolved.withdrawn), iter(resolved.announced)
         return GroupAnswer(model, resolved.version, group, resolved.lease_id, resolved.shared,
-                           tuple(next(outcomes) if w else None for w in withdrawals))
+                           tuple(next(outcomes) if w else None for w in withdrawals),
+                           tuple(next(announced) is None if a else False for a in announces))
+
+    def announce_ahead(self, previous: Publication, version: int) -> bytes:
+        """A member of a group about to pull ``version`` serving into
+        ``previous``'s memory (the steady state): the announce of that pull's
+        replica, for the member that resolves to send with the group's
+        Resolve (``resolve_for_group(announces=)``); b"" where it cannot go
+        ahead. Then ``ahead_taken`` with the server's word, before the pull."""
+        ahead = ahead_announce.build(self._holdings, self._rpc, previous, _check_version(version))
+        if ahead is None:
+            return b""
+        self._drop_ahead(self._aheads.pop((ahead.model, ahead.version), None))
+        self._aheads[(ahead.model, ahead.version)] = ahead
+        return ahead.data
+
+    def ahead_taken(self, model: str, version: int, taken: bool) -> None:
+        """Whether the server took this process's ``announce_ahead`` of
+        ``version``: taken, the pull announces nothing more where its replica
+        is what was announced."""
+        ahead = self._aheads.get((model, version))
+        if ahead is not None:
+            self._aheads[(model, version)] = replace(ahead, taken=taken)
+
+    def _drop_ahead(self, ahead: AheadAnnounce | None) -> None:
+        """An announce sent ahead that no pull opened: withdrawn where the server may have it."""
+        if ahead is not None and ahead.taken is not False:  # taken, or not known (the resolve failed)
+            self._holdings.drop_unopened(ahead.replica_id)
 
     def release_group_answer(self, answer: GroupAnswer) -> None:
         """Every member's pull with ``answer`` is done: its lease goes (without
@@ -612,24 +647,27 @@ class Hub:
         model ``<model>@fp8``) instead; ``into``'s float8 tensors must be 2-D with
         their fp32 ``_scale_inv`` beside them, checked before any byte moves.
         """
-        share = AnnounceOnce(announce_with)
+        share, ahead = AnnounceOnce(announce_with), AheadUse()
         try:
             return self._pull(model, version, into, serve=serve, group=group, group_round=group_round,
                               progress=progress, timeout=timeout, before_write=before_write, have=have, answer=answer,
-                              fp8=fp8, defer_complete=defer_complete, share=share)
+                              fp8=fp8, defer_complete=defer_complete, share=share, ahead=ahead)
         finally:
             share(b"")
+            if not ahead.opened:
+                self._drop_ahead(ahead.announce)
 
     def _pull(self, model: str, version: int | Literal["latest"],
               into: Mapping[str, Entry] | Callable[[Manifest], Mapping[str, Entry]] | None, *, serve: bool,
               group: str, group_round: int, progress: ProgressFn | None, timeout: float | None,
               before_write: Callable[[], None] | None, have: int | None, answer: GroupAnswer | None, fp8: bool,
-              defer_complete: bool, share: AnnounceOnce) -> PullResult:
+              defer_complete: bool, share: AnnounceOnce, ahead: AheadUse) -> PullResult:
         model = _check_model(model)
         if fp8:
             check_fp8_pull(model, into)
             model = fp8_model(model)
         wanted = None if version == "latest" else _check_version(version)
+        ahead.announce = self._aheads.pop((model, wanted), None) if wanted is not None else None
         start = time.perf_counter()
         resolved = self._first_resolve(model, wanted, group, group_round, answer)
         if serve:
@@ -658,6 +696,8 @@ class Hub:
             raise
         if names is not None:
             share(b"")  # a patched destination is published whole, on its own
+            self._drop_ahead(ahead.announce)  # (withdrawn before it publishes: one replica per version)
+            ahead.announce = None
             # The version's own holders are not read: their lease goes now.
             self._rpc.release_lease_async(self.agent_id, resolved.lease_id)
             wrote = [False]
@@ -681,8 +721,10 @@ class Hub:
                 before_write()
             if serve:
                 self._destinations.uncache(parts)
-                publication = self._holdings.open_filling(model, resolved.version, manifest, parts, chunk_size,
-                                                          resolved.replicas, announce=False)
+                publication = self._holdings.open_filling(
+                    model, resolved.version, manifest, parts, chunk_size, resolved.replicas, announce=False,
+                    replica_id=ahead.announce.replica_id if ahead.announce is not None else None)
+                ahead.opened = True
                 registration = publication.registration
             else:
                 registration = self._destinations.register(parts, cache=into is not None)
@@ -694,7 +736,11 @@ class Hub:
         reports = None
         if publication is not None:
             announced = False
-            if share.waiting:  # a group takes the announce (its encoding is wasted otherwise)
+            if ahead.announce is not None and ahead.announce.taken and \
+                    ahead_announce.matches(self._holdings, self._rpc, publication, ahead.announce):
+                announced = True  # it went with the group's Resolve
+                share(b"")
+            elif share.waiting:  # a group takes the announce (its encoding is wasted otherwise)
                 data = self._holdings.group_announce(publication)
                 with publication.confirming(self._rpc.timeout_s):
                     announced = share(data)

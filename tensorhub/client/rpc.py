@@ -119,6 +119,9 @@ class Resolved:
     # Per withdrawal sent with the resolve (``resolve(withdrawals=)``), what
     # ``withdraw_batch`` answers for it.
     withdrawn: tuple = ()
+    # Per announce sent ahead with the resolve (``resolve(announces=)``): None
+    # where the server took it, else its typed error.
+    announced: tuple = ()
     named: bool = False  # the replicas are exactly those of ``resolve(named_layouts=)``
     pace_s: float = 0.0  # the server's pace for this version's pulls whose news flows (``pacing.server_pace_s``)
 
@@ -339,6 +342,31 @@ class ReferenceClient:
         request.layout = layout
         return request.SerializeToString()
 
+    def ahead_publish(self, *, checksums_from_alike: bool = False, **publish: Any) -> bytes:
+        """``group_publish`` of a FILLING replica sent ahead with its group's
+        resolve (``resolve(announces=)``), before its pull has an answer: lean
+        only (b"" where this server never took the layout), with
+        ``checksums_from_alike`` where the server takes its chunk checksums
+        from the version's complete holder cut alike (the reader would take
+        them from that holder's answer)."""
+        data = self.group_publish(lean_only=True, **publish)
+        if not data or not checksums_from_alike:
+            return data
+        request = pb.PublishRequest.FromString(data)
+        request.ClearField("chunk_crc32")
+        request.checksums_from_alike = True
+        return request.SerializeToString()
+
+    @staticmethod
+    def same_announce(a: bytes, b: bytes) -> bool:
+        """Whether two ``ahead_publish`` messages announce the same replica, their
+        checksums' values and bitmaps aside."""
+        requests = [pb.PublishRequest.FromString(m) for m in (a, b)]
+        for request in requests:
+            request.ClearField("chunk_crc32")
+            request.ClearField("chunk_bitmap")
+        return requests[0].SerializeToString(deterministic=True) == requests[1].SerializeToString(deterministic=True)
+
     def group_publish_taken(self, data: bytes) -> None:
         """The server took ``group_publish``'s ``data``: a whole one makes later
         publishes of its layout go lean, as ``publish`` does."""
@@ -527,7 +555,8 @@ class ReferenceClient:
     def resolve(self, agent_id: str, model: str, version: int | None, *, group: str = "",
                 group_round: int = 0, lease: bool = False, wait_change_s: float = 0.0,
                 seen_change: int = 0, members: Sequence[str] = (), withdrawals: Sequence[bytes] = (),
-                named_layouts: Sequence[bytes] = (), named_wait_s: float = 0.0) -> Resolved:
+                named_layouts: Sequence[bytes] = (), named_wait_s: float = 0.0,
+                announces: Sequence[bytes] = ()) -> Resolved:
         """Which version to read and who holds it. ``lease=True`` also leases every
         replica returned, saving a round trip on small pulls. ``wait_change_s``: a
         long poll; the server answers once the version's holders changed since the
@@ -540,13 +569,17 @@ class ReferenceClient:
         drains); their outcomes in ``Resolved.withdrawn``. ``named_layouts``: the
         layouts (``RemoteReplica.wire_layout``) of the holders an earlier pull read
         from: the answer names their replicas of the version alone when all are
-        there (``Resolved.named``), waiting up to ``named_wait_s`` for them."""
+        there (``Resolved.named``), waiting up to ``named_wait_s`` for them.
+        ``announces``: ``ahead_publish`` messages for ``version``, which the
+        server handles after the withdrawals, each as a Publish alone; whether
+        each was taken in ``Resolved.announced``."""
         request = pb.ResolveRequest(agent_id=agent_id, model=model, group=group, group_round=group_round, lease=lease,
                                     wait_change_s=wait_change_s, seen_change=seen_change,
                                     named_layouts=named_layouts, named_wait_s=named_wait_s,
                                     known_fingerprint=self._known_fingerprint(model),
                                     release_leases=self._take_releases(), pulled=self._take_pulled(), members=members,
-                                    withdrawals=[pb.UnpublishRequest.FromString(w) for w in withdrawals])
+                                    withdrawals=[pb.UnpublishRequest.FromString(w) for w in withdrawals],
+                                    announces=[pb.PublishRequest.FromString(a) for a in announces])
         request.known_memory.extend(self._memories.get(model, {}))
         request.known_layouts.extend(self._layouts.get(model, {}))
         if self._layout_numbers:
@@ -572,6 +605,14 @@ class ReferenceClient:
                                             f"withdrawals of {len(request.withdrawals)}")] * len(request.withdrawals)
             resolved = replace(resolved, withdrawn=tuple(withdrawn))
             resp.ClearField("withdrawals")  # the members' answer is the resolve's alone
+        if request.announces:
+            announced = [self._error(getattr(grpc.StatusCode, o.code, grpc.StatusCode.UNKNOWN), o.detail,
+                                     TensorHubError) if o.code else None for o in resp.announces]
+            if len(announced) != len(request.announces):  # an older server: it handled none of them
+                announced = [TensorHubError(f"reference server at {self.address} answered {len(announced)} "
+                                            f"announces of {len(request.announces)}")] * len(request.announces)
+            resolved = replace(resolved, announced=tuple(announced))
+            resp.ClearField("announces")
         if not members:
             return resolved
         self._share(resp.lease_id)

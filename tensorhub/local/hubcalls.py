@@ -346,7 +346,7 @@ def _engine_update(hub: Any, held: dict, *, model: str, version: int, specs: lis
             hub.withdrawn(previous, outcome, 60.0)
             held.pop((model, unpublish_first), None)
 
-        withdrawal = Withdrawal(hub.withdrawal(previous, 60.0), done)
+        withdrawal = Withdrawal(hub.withdrawal(previous, 60.0), done, previous)
 
     def pull(answer: Any, announce_with: Any) -> Any:
         out.update(_pull(hub, held, model=model, version=version, specs=specs, expect_seed=seed, serve=True,

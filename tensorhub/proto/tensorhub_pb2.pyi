@@ -245,7 +245,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., agent_known: _Optional[bool] = ..., unknown_replicas: _Optional[_Iterable[str]] = ..., release_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout", "trainer_cut")
+    __slots__ = ("agent_id", "model", "version", "manifest", "chunk_size", "memory", "state", "chunk_bitmap", "replica_id", "origin", "retained", "held", "chunk_crc32", "held_table", "manifest_fingerprint", "deltas", "layout", "trainer_cut", "checksums_from_alike")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class PublishRequest(_message.Message):
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRAINER_CUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FROM_ALIKE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -282,7 +283,8 @@ class PublishRequest(_message.Message):
     deltas: _containers.RepeatedScalarFieldContainer[str]
     layout: bytes
     trainer_cut: bool
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ..., trainer_cut: _Optional[bool] = ...) -> None: ...
+    checksums_from_alike: bool
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk_size: _Optional[int] = ..., memory: _Optional[_Union[ReplicaMemory, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., chunk_bitmap: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., origin: _Optional[bool] = ..., retained: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[TensorRegion, _Mapping]]] = ..., chunk_crc32: _Optional[_Iterable[int]] = ..., held_table: _Optional[_Union[HeldRegions, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., layout: _Optional[bytes] = ..., trainer_cut: _Optional[bool] = ..., checksums_from_alike: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("replica_id",)
@@ -331,7 +333,7 @@ class UnpublishResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., leases_outstanding: _Optional[int] = ..., retain_required: _Optional[bool] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders", "withdrawals", "named_layouts", "named_wait_s")
+    __slots__ = ("agent_id", "model", "version", "latest", "group", "group_round", "lease", "known_fingerprint", "release_leases", "max_sources", "known_memory", "pulled", "wait_change_s", "seen_change", "known_layouts", "pulls_replayed", "pulls_planned", "members", "layout_ids", "packed_holders", "withdrawals", "named_layouts", "named_wait_s", "announces")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +357,7 @@ class ResolveRequest(_message.Message):
     WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     NAMED_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     NAMED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCES_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     model: str
     version: int
@@ -378,10 +381,11 @@ class ResolveRequest(_message.Message):
     withdrawals: _containers.RepeatedCompositeFieldContainer[UnpublishRequest]
     named_layouts: _containers.RepeatedScalarFieldContainer[bytes]
     named_wait_s: float
-    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ..., withdrawals: _Optional[_Iterable[_Union[UnpublishRequest, _Mapping]]] = ..., named_layouts: _Optional[_Iterable[bytes]] = ..., named_wait_s: _Optional[float] = ...) -> None: ...
+    announces: _containers.RepeatedCompositeFieldContainer[PublishRequest]
+    def __init__(self, agent_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., group: _Optional[str] = ..., group_round: _Optional[int] = ..., lease: _Optional[bool] = ..., known_fingerprint: _Optional[str] = ..., release_leases: _Optional[_Iterable[str]] = ..., max_sources: _Optional[int] = ..., known_memory: _Optional[_Iterable[bytes]] = ..., pulled: _Optional[_Iterable[_Union[PulledBytes, _Mapping]]] = ..., wait_change_s: _Optional[float] = ..., seen_change: _Optional[int] = ..., known_layouts: _Optional[_Iterable[bytes]] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., layout_ids: _Optional[str] = ..., packed_holders: _Optional[bool] = ..., withdrawals: _Optional[_Iterable[_Union[UnpublishRequest, _Mapping]]] = ..., named_layouts: _Optional[_Iterable[bytes]] = ..., named_wait_s: _Optional[float] = ..., announces: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed", "withdrawals", "named", "pace_s")
+    __slots__ = ("version", "manifest", "replicas", "fingerprint", "lease_id", "lease_ttl_s", "instance_id", "change", "layout_ids", "packed", "withdrawals", "named", "pace_s", "announces")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +399,7 @@ class ResolveResponse(_message.Message):
     WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     NAMED_FIELD_NUMBER: _ClassVar[int]
     PACE_S_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCES_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
@@ -408,7 +413,8 @@ class ResolveResponse(_message.Message):
     withdrawals: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
     named: bool
     pace_s: float
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ..., withdrawals: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., named: _Optional[bool] = ..., pace_s: _Optional[float] = ...) -> None: ...
+    announces: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., change: _Optional[int] = ..., layout_ids: _Optional[str] = ..., packed: _Optional[_Union[PackedHolders, _Mapping]] = ..., withdrawals: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., named: _Optional[bool] = ..., pace_s: _Optional[float] = ..., announces: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ...) -> None: ...
 
 class PackedHolders(_message.Message):
     __slots__ = ("layout_id_step", "replica_suffix", "flags", "chunk_crc32", "chunk_bitmap", "busy_row", "busy_reads")
@@ -705,7 +711,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., control: _Optional[_Union[ControlCounters, _Mapping]] = ...) -> None: ...
 
 class ControlCounters(_message.Message):
-    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean", "answers_shared", "calls", "answers_named", "named_missed")
+    __slots__ = ("resolves", "holders_full", "holders_lean", "answer_bytes", "pulls_replayed", "pulls_planned", "publishes_full", "publishes_lean", "answers_shared", "calls", "answers_named", "named_missed", "announces_ahead")
     class CallsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -725,6 +731,7 @@ class ControlCounters(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_NAMED_FIELD_NUMBER: _ClassVar[int]
     NAMED_MISSED_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     resolves: int
     holders_full: int
     holders_lean: int
@@ -737,4 +744,5 @@ class ControlCounters(_message.Message):
     calls: _containers.ScalarMap[str, int]
     answers_named: int
     named_missed: int
-    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ..., answers_shared: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., answers_named: _Optional[int] = ..., named_missed: _Optional[int] = ...) -> None: ...
+    announces_ahead: int
+    def __init__(self, resolves: _Optional[int] = ..., holders_full: _Optional[int] = ..., holders_lean: _Optional[int] = ..., answer_bytes: _Optional[int] = ..., pulls_replayed: _Optional[int] = ..., pulls_planned: _Optional[int] = ..., publishes_full: _Optional[int] = ..., publishes_lean: _Optional[int] = ..., answers_shared: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., answers_named: _Optional[int] = ..., named_missed: _Optional[int] = ..., announces_ahead: _Optional[int] = ...) -> None: ...

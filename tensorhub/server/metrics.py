@@ -128,6 +128,9 @@ _CONTROL_COUNTERS = (
     ("tensorhub_resolve_named", ("Resolves that named the holders of the reader's previous pull: answered with "
      "those alone (the steady state), or ranked anew (one of them was missing)"), "outcome",
      (("named", "answers_named"), ("missed", "named_missed"))),
+    ("tensorhub_announces_sent_with_resolve", ("Relays' announces sent ahead with their engine's Resolve (the "
+     "steady state: one message fewer per engine and step; each also counts as a publish)"), "how",
+     (("ahead", "announces_ahead"),)),
 )
 
 

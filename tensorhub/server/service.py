@@ -47,6 +47,7 @@ _FINGERPRINT = re.compile(r"^[0-9a-f]{16,128}$")
 RESOLVE_REPLICAS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["replicas"].number
 RESOLVE_PACKED_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["packed"].number
 RESOLVE_WITHDRAWALS_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["withdrawals"].number
+RESOLVE_ANNOUNCES_FIELD = pb.ResolveResponse.DESCRIPTOR.fields_by_name["announces"].number
 _ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 
 Resp = TypeVar("Resp")
@@ -227,6 +228,17 @@ def _changing(replica: Replica) -> bytes:
 _COMPLETE_TAILS: dict[int, bytes] = {}
 
 
+def _same_table(replica: Replica, held: RegionTable, wire_held: bytes) -> bool:
+    """Whether ``replica`` holds exactly the regions of ``held``, in its order."""
+    table = replica.held
+    if table is None:
+        return False
+    if table is held or (wire_held and replica.wire_held == wire_held):
+        return True
+    return len(table) == len(held) and all(np.array_equal(getattr(table, f), getattr(held, f))
+                                           for f in ("tensor", "flat", "lo", "hi"))
+
+
 def _packable(replica: Replica, number: int, suffix: str) -> tuple[int, int, bytes] | None:
     """A replica's fixed part of a PackedHolders row (layout number, numeric
     suffix, CRCs as little-endian bytes), or None where it needs a message: an
@@ -298,6 +310,22 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self._layouts.move_to_end(key)
         while len(self._layouts) > _LAYOUTS_KEPT:
             self._layouts.popitem(last=False)
+
+    def _alike_checksums(self, model: str, version: int, manifest: Manifest, held: RegionTable, wire_held: bytes,
+                         chunk_size: int, num_chunks: int) -> list[int]:
+        """The chunk checksums of a complete holder of (model, version) cut
+        exactly as ``held`` in ``chunk_size`` chunks (``checksums_from_alike``:
+        a relay announced before it read them), as its reader would take them
+        from that holder's answer (``Holdings.open_filling``)."""
+        entry = self.state.models.get(model, {}).get(version)
+        whole = self.state.every_tensor_whole(held, shapes_of(manifest))
+        for r in entry.replicas.values() if entry is not None else ():
+            if (r.complete and not r.withdrawn and not r.lost and r.chunk_size == chunk_size
+                    and r.num_chunks == num_chunks and len(r.chunk_crc32 or ()) == num_chunks
+                    and (r.held is None if whole else _same_table(r, held, wire_held))):
+                return list(r.chunk_crc32)
+        raise StateError("FAILED_PRECONDITION", f"no complete holder of {model!r} version {version} cut as this "
+                         "replica has chunk checksums to take (checksums_from_alike); send them")
 
     def _known_manifest(self, fingerprint: str) -> Manifest:
         """A manifest this server holds, by fingerprint: kept checked ones, or a version's."""
@@ -392,6 +420,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         deltas = [_require_model(name) for name in request.deltas]
         if request.trainer_cut and (not request.origin or request.retained):
             raise Invalid("a trainer cut is published by its producer (origin), and is not a retained copy")
+        crcs = list(request.chunk_crc32)
+        if request.checksums_from_alike:
+            if request.state != pb.REPLICA_STATE_FILLING or request.chunk_crc32:
+                raise Invalid("checksums_from_alike is for a FILLING replica that sends no chunk_crc32")
+            crcs = self._alike_checksums(model, version, manifest, held, wire_held, request.chunk_size, num_chunks)
         replica = self.state.publish(
             agent_id=agent_id,
             replica_id=replica_id,
@@ -420,7 +453,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             self.state.control.publishes_full += 1
             self._remember_layout(agent_id, request, (manifest.fingerprint, request.chunk_size, held,
                                                       replica.wire_held, total, memory))
-        replica.chunk_crc32 = list(request.chunk_crc32)  # readers check what they read against them
+        replica.chunk_crc32 = crcs  # readers check what they read against them
         replica.deltas = deltas
         entry = self.state.models[model][version]
         if entry.wire_manifest is None:  # encoded once per manifest, not per version
@@ -530,6 +563,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             known = frozenset(request.known_memory)
             if len(request.withdrawals) > MAX_BATCH:
                 raise Invalid(f"{len(request.withdrawals)} withdrawals with a resolve, more than {MAX_BATCH}")
+            if len(request.announces) > MAX_BATCH:
+                raise Invalid(f"{len(request.announces)} announces with a resolve, more than {MAX_BATCH}")
+            if request.announces and version is None:
+                raise Invalid("announces go with a resolve of one version, not latest")
             if len(request.known_layouts) > MAX_KNOWN_MEMORY:
                 raise Invalid(f"{len(request.known_layouts)} known_layouts, more than {MAX_KNOWN_MEMORY}")
             layouts = frozenset(request.known_layouts)
@@ -600,6 +637,10 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 answer += wire.embedded_fields(RESOLVE_WITHDRAWALS_FIELD, [
                     o.SerializeToString() for o in await self._withdrawals(request.withdrawals)])
                 started += time.perf_counter() - waited  # the drains are not the resolve's time
+            if request.announces:  # after the withdrawals: the members' replicas of this version, filling
+                answer += wire.embedded_fields(RESOLVE_ANNOUNCES_FIELD, [
+                    self._announce_ahead(m, resolved, others | {agent_id}).SerializeToString()
+                    for m in request.announces])
             control = self.state.control
             control.resolves += 1
             control.answers_shared += len(others)
@@ -611,6 +652,19 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
             return await self._run(context, go)
         finally:
             self.metrics.resolved(time.perf_counter() - started, outcome, pull_started)
+
+    def _announce_ahead(self, request: pb.PublishRequest, version: int, group: frozenset[str]) -> pb.BatchOutcome:
+        """A member's announce sent with its group's resolve: a Publish alone,
+        of a replica of the resolved version, filling, by a member of the group."""
+        if request.agent_id not in group:
+            return pb.BatchOutcome(code=grpc.StatusCode.PERMISSION_DENIED.name,
+                                   detail=f"agent {request.agent_id!r} is not a member of the resolving group")
+        if request.version != version or request.state != pb.REPLICA_STATE_FILLING:
+            return pb.BatchOutcome(code=grpc.StatusCode.INVALID_ARGUMENT.name,
+                                   detail=f"an announce sent with a resolve of version {version} is a FILLING "
+                                          f"replica of it, not version {request.version}")
+        self.state.control.announces_ahead += 1
+        return self._outcome(self._publish, request)
 
     def _members(self, agent_id: str, request: pb.ResolveRequest) -> frozenset[str]:
         """The other members of the caller's group it resolves for: known agents,

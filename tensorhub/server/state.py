@@ -258,7 +258,7 @@ class State:
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
         self.control = ControlView()  # what the control plane sent (the service counts it)
-        self._whole_tables: dict[int, tuple[RegionTable, bool]] = {}  # _every_tensor_whole
+        self._whole_tables: dict[int, tuple[RegionTable, bool]] = {}  # every_tensor_whole
         # (model, manifest fingerprint) -> the grouping its versions share, kept past
         # the versions themselves: when every holder of v withdrew before v+1 is
         # published, v+1 still finds its holders' tables refined and keyed.
@@ -395,7 +395,7 @@ class State:
         if not complete:
             bits[: len(bitmap)] = bitmap[: len(bits)]
         shapes = shapes_of(entry.manifest)
-        whole = self._every_tensor_whole(held, shapes)
+        whole = self.every_tensor_whole(held, shapes)
         replica = Replica(replica_id, agent_id, model, version, memory, complete, bits, origin,
                           None if whole else held, shapes, chunk_size, num_chunks, retained, trainer_cut)
         replica.confirmed_at = time.monotonic()
@@ -420,7 +420,7 @@ class State:
             self._refresh(entry, added=replica if existing is None else None)
         return replica
 
-    def _every_tensor_whole(self, held: RegionTable, shapes: Shapes) -> bool:
+    def every_tensor_whole(self, held: RegionTable, shapes: Shapes) -> bool:
         """Every tensor whole, in manifest order: what an empty held list means on
         the wire. Kept per table: a trainer rank publishes the same table every
         version, and the check walks every tensor (a millisecond at 10^5)."""

@@ -192,7 +192,7 @@ def _update(workers: list[HubProcess], version: int) -> list[dict]:
     return got
 
 
-def test_an_engines_step_costs_the_server_three_messages_not_four_per_worker(server, hubs):
+def test_an_engines_step_costs_the_server_three_messages_then_two_in_the_steady_state(server, hubs):
     ranks = [hubs("rank0"), hubs("rank1")]
     workers = _engine(hubs, 3)
     for rank, hub in enumerate(ranks):
@@ -206,16 +206,19 @@ def test_an_engines_step_costs_the_server_three_messages_not_four_per_worker(ser
             for rank, hub in enumerate(ranks):
                 hub.call("republish", model="m", version=version, of=version - 1, how="rows", rank=rank, world=2,
                          chunk_size=CHUNK)
-        before = _calls(server.address)
+        before, ahead_before = _calls(server.address), _status(server.address).control.announces_ahead
         got = _update(workers, version)
         sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
         sent.pop("Describe", None)
         sent.pop("Heartbeat", None)  # on their clock, not per step
         refreshes = sum(g["refreshes"] for g in got)
         # The engine's Resolve, with its workers' withdrawals of their previous version; their announces
-        # in a Batch, and their last reports, pulled bytes and the lease in another.
+        # in a Batch, and their last reports, pulled bytes and the lease in another. In the steady state
+        # (their previous pulls named their holders) the announces go ahead with the Resolve.
+        steady = version > 2
         assert sent.pop("Resolve") == 1 + refreshes
-        assert sent.pop("Batch") == 2
+        assert sent.pop("Batch") == (1 if steady else 2)
+        assert _status(server.address).control.announces_ahead - ahead_before == (len(workers) if steady else 0)
         assert "Unpublish" not in sent, sent
         # Reports on the way are the pull's own (none on a quick pull); nothing else per worker.
         sent.pop("ReportChunks", None)

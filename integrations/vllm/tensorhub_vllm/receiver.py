@@ -205,7 +205,7 @@ class VersionReceiver:
         except Exception:  # never skip the engine's rounds: ``done`` then withdraws it alone
             log.warning("could not encode the withdrawal of %s; it goes alone", pub.replica_id, exc_info=True)
             message = b""
-        return Withdrawal(message, done)
+        return Withdrawal(message, done, pub)
 
     def close(self) -> None:
         self._withdrawals.shutdown(wait=True)
