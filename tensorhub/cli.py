@@ -239,7 +239,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
         return 2
     cfg = scale.ScaleConfig(models=args.models, engines=args.engines, trainer_ranks=args.trainer_ranks,
                             nic_gbit=args.nic_gbit, sample=args.sample, layouts=args.layouts,
-                            trainer_cut=args.trainer_cut, named=not args.ranked, trainer_group=args.trainer_group)
+                            trainer_cut=args.trainer_cut, named=not args.ranked, trainer_group=args.trainer_group,
+                            announce_ahead=not args.announces_apart)
     scale.run(cfg, out=args.out)
     return 0
 
@@ -461,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--trainer-group", action="store_true",
                        help="without the cut, the ranks still publish and withdraw together "
                             "(Hub.publish(trainer_group=)): rank 0 sends every rank's announces and withdrawals")
+    scale.add_argument("--announces-apart", action="store_true",
+                       help="named steady engines send their workers' announces in a Batch of their own, as before "
+                            "they went ahead with the engine's Resolve (tensorhub.client.ahead): three messages an "
+                            "engine, not two")
     scale.add_argument("--ranked", action="store_true",
                        help="version 3's answers ranked as version 2's (every engine resolving twice), not the "
                             "holders each engine read before, named (the steady state a Hub reaches)")

@@ -148,7 +148,7 @@ class EngineShare:
             return b""
         try:
             return hub.announce_ahead(withdrawal.publication, version)
-        except Exception:  # noqa: BLE001  never skip the engine's rounds: the pull announces as before
+        except Exception:  # never skip the engine's rounds: the pull announces as before
             log.warning("could not encode this worker's announce ahead; its pull announces", exc_info=True)
             return b""
 

@@ -326,12 +326,13 @@ def _release_group_answer(hub: Any, held: dict, *, answer: Any) -> None:
 
 
 def _engine_update(hub: Any, held: dict, *, model: str, version: int, specs: list, rank: int, world: int,
-                   seed: int, unpublish_first: int | None = None) -> dict:
+                   seed: int, unpublish_first: int | None = None, fresh: bool = False) -> dict:
     """One worker of an engine (every worker at once, in the process group of
     ``init_group``) takes ``version`` as vLLM's workers do
     (``tensorhub.client.engineshare``): the first resolves for all, each pulls
     its TP slice serving into the same buffers as before, the announces and
-    the last reports going to the server in one message each."""
+    the last reports going to the server in one message each. ``fresh``: into
+    new buffers made from ``specs`` this once (other specs: a pull that fails)."""
     from tensorhub.client.engineshare import EngineShare, Withdrawal
 
     share = held.get("engine share")
@@ -350,12 +351,18 @@ def _engine_update(hub: Any, held: dict, *, model: str, version: int, specs: lis
 
     def pull(answer: Any, announce_with: Any) -> Any:
         out.update(_pull(hub, held, model=model, version=version, specs=specs, expect_seed=seed, serve=True,
-                         read=("tp", rank, world), keep="engine", answer=answer, defer_complete=True,
+                         read=("tp", rank, world), keep=None if fresh else "engine", answer=answer,
+                         defer_complete=True,
                          announce_with=announce_with))
         return held[("result", model, version)]
 
     share.update(hub, version, pull, withdrawal)
     return out
+
+
+def _announce_ahead(hub: Any, held: dict, *, model: str, of: int, version: int) -> bytes:
+    """``Hub.announce_ahead`` of ``version`` in the memory of this process's replica of ``of``."""
+    return hub.announce_ahead(held[(model, of)], version)
 
 
 def _member_report(hub: Any, held: dict, *, model: str, version: int) -> Any:
@@ -423,7 +430,7 @@ def _wait_for_version(hub: Any, held: dict, *, model: str, at_least: int, timeou
 
 
 HANDLERS = {"resolve_for_group": _resolve_for_group, "release_group_answer": _release_group_answer,
-            "engine_update": _engine_update, "member_report": _member_report, "send_group_reports": _send_group_reports,
+            "engine_update": _engine_update, "announce_ahead": _announce_ahead, "member_report": _member_report, "send_group_reports": _send_group_reports,
             "report_later": _report_later,
             "publish": _publish, "publish_at": _publish_at, "publish_shard": _publish_shard, "init_group": _init_group,
             "withdraw_shards": _withdraw_shards, "publish_step": _publish_step,

@@ -169,12 +169,12 @@ def test_bench_scale_runs_through_the_real_server(tmp_path):
         # rank's withdrawals of its cut and its shards of the version before, sent by rank 0 (32 of them
         # here, MAX_BATCH a Batch); one Batch of every rank's shards and share of the readers' cut
         # (--trainer-cut), sent by rank 0, and its ask for the cut; per engine
-        # two Batches (its relays' announces; their complete reports and pulled bytes with the
-        # answer's lease: tensorhub.client.engineshare) and one Resolve (with its relays'
-        # withdrawals of the version before).
-        assert 2 * ranks <= wire.MAX_BATCH
-        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + 2 * engines, "Resolve": engines}
-        assert row["steady_messages"] == 3 + 3 * engines
+        # one Resolve (with its relays' withdrawals of the version before and their announces of this
+        # one: tensorhub.client.ahead) and one Batch (their complete reports and pulled bytes with the
+        # answer's lease: tensorhub.client.engineshare).
+        assert 2 * ranks <= wire.MAX_BATCH and row["announce_ahead"]
+        assert row["steady_messages_by_method"] == {"ReaderCuts": 1, "Batch": 2 + engines, "Resolve": engines}
+        assert row["steady_messages"] == 3 + 2 * engines
         # Their pulls are shorter than a pace: no report or ask of their own between (``_pull_messages``)
         assert row["steady_pull_s"] < ASK_WITH_NEWS_S and row["steady_pull_reports"] == row["steady_pull_asks"] == 0
         assert row["steady_server_cpu_withdraw_s"] >= 0  # measured apart (in 10 ms ticks: it may read 0 here)
@@ -212,15 +212,17 @@ def test_bench_scale_refuses_an_unknown_layout():
 def test_ranks_publishing_together_without_the_cut_send_two_batches_a_step(tmp_path):
     """``--trainer-group`` (``Hub.publish(trainer_group=)``): no cut, but every
     rank's withdrawals and announces go in Batches sent by rank 0, not a
-    Publish and an Unpublish per rank."""
+    Publish and an Unpublish per rank. (With ``--announces-apart``, as before
+    the engines' announces went with their Resolve.)"""
     out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "scale", "--models", "qwen3-30b-a3b",
                           "--engines", "2", "--trainer-ranks", "16", "--sample", "2", "--layouts", "ep",
-                          "--trainer-group", "--out", str(tmp_path)],
+                          "--trainer-group", "--announces-apart", "--out", str(tmp_path)],
                          check=False, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = json.loads((tmp_path / "scale.json").read_text())["results"]
     engines = row["engines"]
-    assert row["trainer_group"] and row["steady_answers_named"] == engines
+    assert row["trainer_group"] and row["steady_answers_named"] == engines and not row["announce_ahead"]
+    # (--announces-apart: each engine's relays' announces in a Batch of their own, beside its end's)
     assert row["steady_messages_by_method"] == {"Batch": 2 + 2 * engines, "Resolve": engines}
 
 

@@ -231,6 +231,125 @@ def test_an_engines_step_costs_the_server_three_messages_then_two_in_the_steady_
         assert [g["named"] for g in got] == [version > 2] * len(workers)
 
 
+def test_announces_sent_ahead_fall_back_when_a_pull_fails_or_its_replica_differs(server, hubs):
+    """The steady state's announces go with the engine's Resolve
+    (``tensorhub.client.ahead``); whatever does not fit goes as before, byte-exact:
+    a worker whose pull fails after the server took its announce leaves no
+    replica listed; a step where one worker announced ahead and the other could
+    not uses the announces' round for that one alone; a trainer that changes
+    its chunk size makes every announce sent ahead differ from the pull's
+    replica, which announces itself (the same replica id: one per worker)."""
+    rank = hubs("rank0")
+    workers = _engine(hubs, 2)
+    rank.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=0, world=1,
+              chunk_size=CHUNK)
+
+    def step(version: int, specs: list | None = None, chunk_size: int = CHUNK) -> tuple[dict, dict, int]:
+        if version > 1:
+            rank.call("unpublish", model="m", version=version - 1)
+            rank.call("overwrite", model="m", version=version - 1, seed=version)
+            rank.call("republish", model="m", version=version, of=version - 1, how="rows", rank=0, world=1,
+                      chunk_size=chunk_size)
+        before, ahead0 = _calls(server.address), _status(server.address).control.announces_ahead
+        for r, hub in enumerate(workers):
+            hub.send("engine_update", model="m", version=version, specs=specs if specs and r == 1 else SPECS,
+                     rank=r, world=2, seed=version, unpublish_first=version - 1 if version > 1 else None,
+                     fresh=bool(specs) and r == 1)
+        got = {}
+        for r, hub in enumerate(workers):
+            if specs and r == 1:
+                with pytest.raises(RemoteError, match="ManifestMismatch"):
+                    hub.result(timeout=60)
+            else:
+                got[r] = hub.result(timeout=60)
+                assert got[r]["mismatched"] == [], got[r]["mismatched"]
+        sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+        return got, sent, _status(server.address).control.announces_ahead - ahead0
+
+    for version in (1, 2, 3):
+        step(version)
+    _, sent, ahead = step(3 + 1, specs=[("a", "float32", (1024, 256)), SPECS[1]])
+    assert ahead == 2 and sent["Batch"] == 1, (ahead, sent)  # both went ahead, no announces' round
+    # Worker 1's pull failed before it wrote: the replica announced for it is withdrawn (at its next heartbeat).
+    deadline = time.monotonic() + 15
+    while workers[1].agent_id in _relays(server.address, 4) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _relays(server.address, 4) == {workers[0].agent_id: True}
+    # Worker 1 has no replica to fill again: it announces in the round, worker 0 went ahead.
+    _, sent, ahead = step(5)
+    assert ahead == 1 and sent["Batch"] == 2, (ahead, sent)
+    assert _relays(server.address, 5) == {w.agent_id: True for w in workers}
+    for version in (6, 7):  # both ahead again, then a new chunk size: both differ and announce alone
+        got, sent, ahead = step(version, chunk_size=CHUNK if version == 6 else CHUNK // 2)
+        assert ahead == 2 and sent["Batch"] == 1, (ahead, sent)
+        assert sent.get("Publish", 0) == (2 if version == 7 else 0), sent
+    (model,) = _status(server.address).models
+    (view,) = [v for v in model.versions if v.version == 7]
+    relays = [r for r in view.replicas if not r.origin]
+    assert sorted(r.agent_id for r in relays) == sorted(w.agent_id for w in workers)
+    assert all(r.complete and r.num_chunks == -(-r.held_bytes // (CHUNK // 2)) for r in relays), relays
+
+
+def test_announces_sent_with_a_resolve_are_each_answered_as_a_publish_would(server, hubs):
+    """``ResolveRequest.announces``, raw: each handled after the answer as a
+    Publish alone; one that takes its checksums from the complete holder cut
+    alike (``checksums_from_alike``: a relay of a whole trainer) gets that
+    holder's; refused alone where it is not a FILLING replica of the resolved
+    version by a member of the group, or no such holder has checksums; with
+    ``latest`` the whole call is refused."""
+    rank, worker = hubs("rank0"), hubs("w0")
+    rank.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="whole", rank=0, world=1,
+              chunk_size=CHUNK)
+    got = worker.call("pull", model="m", version=1, specs=SPECS, expect_seed=1, serve=True)
+    assert got["mismatched"] == []
+    rank.call("unpublish", model="m", version=1)
+    rank.call("overwrite", model="m", version=1, seed=2)
+    rank.call("republish", model="m", version=2, of=1, chunk_size=CHUNK)
+    ahead = pb.PublishRequest.FromString(worker.call("announce_ahead", model="m", of=1, version=2))
+    assert ahead.checksums_from_alike and ahead.layout and not ahead.chunk_crc32, ahead
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.ReferenceServiceStub(channel)
+        metadata = wire.auth_metadata("")
+
+        def variant(**changes) -> pb.PublishRequest:
+            out = pb.PublishRequest()
+            out.CopyFrom(ahead)
+            for name, value in changes.items():
+                if isinstance(value, list):
+                    getattr(out, name).extend(value)
+                else:
+                    setattr(out, name, value)
+            return out
+
+        # Another version, or COMPLETE: refused alone, the good one beside them taken.
+        answer = stub.Resolve(pb.ResolveRequest(agent_id=worker.agent_id, model="m", version=2, announces=[
+            variant(version=3), variant(state=pb.REPLICA_STATE_COMPLETE), ahead]), timeout=10, metadata=metadata)
+        assert [o.code for o in answer.announces] == ["INVALID_ARGUMENT", "INVALID_ARGUMENT", ""], answer.announces
+        assert len(answer.replicas) == 1 and answer.version == 2
+        # The relay announced ahead lists the trainer's checksums of version 2 (it will hold the same bytes).
+        stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="probe", name="probe"), timeout=10, metadata=metadata)
+        listed = stub.Resolve(pb.ResolveRequest(agent_id="probe", model="m", version=2), timeout=10,
+                              metadata=metadata).replicas
+        crcs = {r.replica_id.split(".")[0] == worker.agent_id: list(r.chunk_crc32) for r in listed}
+        assert crcs[True] == crcs[False] and len(crcs[True]) == 8, crcs
+        # Another agent's announce with this agent's resolve: refused alone.
+        answer = stub.Resolve(pb.ResolveRequest(agent_id=rank.agent_id, model="m", version=2, announces=[ahead]),
+                              timeout=10, metadata=metadata)
+        assert answer.announces[0].code == "PERMISSION_DENIED", answer.announces
+        # No complete holder of version 3 to take checksums from; checksums sent with the flag.
+        refused = stub.Batch(pb.BatchRequest(publishes=[
+            variant(version=3), variant(chunk_crc32=[1] * 8)]), timeout=10, metadata=metadata).publishes
+        assert [o.code for o in refused] == ["FAILED_PRECONDITION", "INVALID_ARGUMENT"], refused
+        assert "checksums" in refused[0].detail, refused[0].detail
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Resolve(pb.ResolveRequest(agent_id=worker.agent_id, model="m", latest=True, announces=[ahead]),
+                         timeout=10, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "latest" in e.value.details()
+    finally:
+        channel.close()
+
+
 def test_a_worker_that_fails_keeps_the_engines_rounds_in_step(server, hubs):
     """Every worker takes part in every round of the engine whatever fails on
     its side: one worker whose destination does not match (its pull fails

@@ -88,6 +88,9 @@ class ScaleConfig:
     # The steady state's answers name the holders each engine read before (``server/named.py``; from the
     # step after one that was steady: version 3 here); False: ranked, every engine resolving twice (as version 2)
     named: bool = True
+    # Named engines' workers' announces go with the engine's Resolve (``tensorhub.client.ahead``): two messages
+    # an engine and step; False: in a Batch of their own, as before (three)
+    announce_ahead: bool = True
 
     def ranks_for(self, engines: int, i: int) -> int:
         if self.trainer_ranks:
@@ -173,7 +176,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
     sample = min(cfg.sample, readers)
     out: dict = {"model": model_cfg.name, "layout": layout, "parameters": parameters(model), "tensors": len(model),
                  "gpus": readers, "engines": engines, "trainer_ranks": ranks, "sample_readers": sample,
-                 "trainer_group": cfg.trainer_group}
+                 "trainer_group": cfg.trainer_group, "announce_ahead": cfg.announce_ahead}
     with ServerProcess(agent_ttl_s=3600, lease_ttl_s=3600, retain=0) as server, \
             grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 256 << 20),
                                                            ("grpc.max_send_message_length", 256 << 20)]) as ch:
@@ -256,7 +259,8 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
                                                             *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41,
                                                             False, False, version=v),
                     (lambda r, v=version: cut_request(r, v)) if cfg.trainer_cut else None,
-                    named=cfg.named and version == 3, together=cfg.trainer_group, pull_s=pull_s)
+                    named=cfg.named and version == 3, together=cfg.trainer_group, pull_s=pull_s,
+                    ahead=cfg.announce_ahead)
             for version in (2, 3))
 
     # 4. the reader's READs and the link model (``hop``, ``steady_hop``, ``predict``: above)
@@ -336,7 +340,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: dict[int, set[bytes]],
             numbering: dict[int, str], version: int, relay_chunks: list[int],
             trainer_request, relay_request, cut_request=None, named: bool = False, together: bool = False,
-            pull_s: float = 0.0) -> dict:
+            pull_s: float = 0.0, ahead: bool = True) -> dict:
     """``version`` from the same buffers as the one before, as an RL step makes
     it: every holder of the version before withdraws it (a trainer rank its
     shards; with the cut, every rank's cut and shards sent by rank 0,
@@ -357,9 +361,12 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     Each engine's Resolve names the holders it read the version before from
     (wave 0: the trainer's cut, or its shards; engine e past it: engine
     e - wave0's relays, ``links.wave0_engines``) and is answered with them
-    alone; the engines resolve wave by wave, each wave after the one it
-    relays from announced (the server holds a named Resolve until its
-    holders announce: here they already have), and no engine resolves again.
+    alone; it carries its workers' announces (``client/ahead.py``; with
+    ``ahead=False`` they go in a Batch of their own after it, as before), so
+    an engine's step is two messages: the Resolve and its end. The engines
+    resolve wave by wave, each wave after the one it relays from announced
+    (the server holds a named Resolve until its holders announce: here they
+    already have), and no engine resolves again.
 
     While they pull (``pull_s``, the link model's time), every named relay
     worker sends what a real named pull sends on its own (``_pull_messages``):
@@ -440,7 +447,9 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             for e in wave:
                 answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests,
                                          release=False, named=read_before[e], withdrawals=[
-                                             (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)])
+                                             (f"engine{e}.{w}", f"engine{e}.{w}.{version - 1}") for w in range(cuts.TP)],
+                                         announces=[_filling(relay_request(e, w)) for w in range(cuts.TP)]
+                                         if ahead else ())
                 if not answer.named:
                     raise RuntimeError(f"engine {e}'s answer is not the {len(read_before[e])} holders it named")
                 leases[e] = answer.lease_id
@@ -448,7 +457,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                 took(e, answer)
             resolve_cpu += _cpu(pid) - cpu
             cpu = _cpu(pid)
-            for e in wave:  # they start their pulls: the next wave's holders
+            for e in wave if not ahead else ():  # they start their pulls: the next wave's holders
                 _announce(stub, [relay_request(e, w) for w in range(cuts.TP)])
             publish_cpu += _cpu(pid) - cpu
         cpu = _cpu(pid)
@@ -565,11 +574,15 @@ def _pull_messages(stub, e: int, version: int, chunks: list[int], pull_s: float,
     return sent
 
 
+def _filling(request: pb.PublishRequest) -> pb.PublishRequest:
+    """A worker's announce: its replica, FILLING, by layout (in place)."""
+    request.state = pb.REPLICA_STATE_FILLING
+    return _lean(request)
+
+
 def _announce(stub, requests: list[pb.PublishRequest]) -> None:
     """An engine's workers' announces (Publish FILLING, by layout) in one Batch."""
-    for request in requests:
-        request.state = pb.REPLICA_STATE_FILLING
-    announced = stub.Batch(pb.BatchRequest(publishes=[_lean(r) for r in requests]), timeout=120)
+    announced = stub.Batch(pb.BatchRequest(publishes=[_filling(r) for r in requests]), timeout=120)
     refused = [o.detail for o in announced.publishes if o.code]
     if refused:
         raise RuntimeError(f"the server refused an engine's announces in part: {refused[:3]}")
@@ -592,18 +605,24 @@ def _end(stub, requests: list[pb.PublishRequest], chunks: list[int], lease_id: s
 
 def _engine_resolve(stub, e: int, version: int, fingerprint: str, knows: set[bytes], numbering: dict[int, str],
                     sizes: list[int] | None = None, release: bool = True,
-                    withdrawals: list[tuple[str, str]] = (), named: list[bytes] = ()) -> pb.ResolveResponse:
+                    withdrawals: list[tuple[str, str]] = (), named: list[bytes] = (),
+                    announces: list[pb.PublishRequest] = ()) -> pb.ResolveResponse:
     """Engine ``e``'s one Resolve of ``version``: its first worker asks for all
     of them with a read lease (``Hub.resolve_for_group``), released as the
     pulls end (``release``; else the caller releases it with the engine's Batch),
-    with its workers' ``withdrawals`` of (agent, replica) of the version before."""
+    with its workers' ``withdrawals`` of (agent, replica) of the version before
+    and, in the steady state, their ``announces`` of this one (``client/ahead.py``)."""
     request = pb.ResolveRequest(agent_id=f"engine{e}.0", model="m", version=version, group=f"engine{e}",
                                 known_fingerprint=fingerprint, known_layouts=sorted(knows), lease=True,
                                 members=[f"engine{e}.{m}" for m in range(1, cuts.TP)],
                                 layout_ids=numbering.get(e, ""), packed_holders=e in numbering,
-                                withdrawals=_unpublish_requests(withdrawals), named_layouts=named)
+                                withdrawals=_unpublish_requests(withdrawals), named_layouts=named,
+                                announces=announces)
     answer = stub.Resolve(request, timeout=120)
     _check_withdrawn(withdrawals, answer.withdrawals)
+    refused = [o.detail for o in answer.announces if o.code]
+    if refused or len(answer.announces) != len(announces):
+        raise RuntimeError(f"engine {e}'s announces with its Resolve were not all taken: {refused[:3]}")
     numbering[e] = answer.layout_ids  # as client/rpc.py: lean holders by number (packed) from the next answer on
     if release:
         stub.ReleaseReadLease(pb.ReleaseReadLeaseRequest(agent_id=request.agent_id, lease_id=answer.lease_id),
