@@ -280,7 +280,7 @@ def test_announces_sent_ahead_fall_back_when_a_pull_fails_or_its_replica_differs
     assert ahead == 1 and sent["Batch"] == 2, (ahead, sent)
     assert _relays(server.address, 5) == {w.agent_id: True for w in workers}
     for version in (6, 7):  # both ahead again, then a new chunk size: both differ and announce alone
-        got, sent, ahead = step(version, chunk_size=CHUNK if version == 6 else CHUNK // 2)
+        _, sent, ahead = step(version, chunk_size=CHUNK if version == 6 else CHUNK // 2)
         assert ahead == 2 and sent["Batch"] == 1, (ahead, sent)
         assert sent.get("Publish", 0) == (2 if version == 7 else 0), sent
     (model,) = _status(server.address).models

@@ -156,14 +156,24 @@ def reload_with_repack(worker, weights_path: str) -> None:
         worker.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
 
 
-def one_round(llm, trainer, version: int, state: dict, model_dir: Path) -> tuple[float, float, list[dict]]:
+def one_round(llm, trainer, version: int, state: dict, model_dir: Path,
+              messages: list[dict] | None = None, control=None) -> tuple[float, float, list[dict]]:
     """Publish ``state`` as ``version``, update the engine through TensorHub,
     withdraw it, then reload the same weights from the file: (update seconds,
-    disk reload seconds, each worker's ``tensorhub_stats``)."""
+    disk reload seconds, each worker's ``tensorhub_stats``). ``messages``: the
+    update's control messages to the server, by method, appended (the
+    announces sent ahead with the engine's Resolve under "announces_ahead"),
+    as ``control()`` (the server's ``ControlView``) counts them."""
     pub = trainer.publish(MODEL, version, state)
+    before = control() if messages is not None else None
     start = time.perf_counter()
     llm.collective_rpc("tensorhub_update", args=(version,))
     update = time.perf_counter() - start
+    if before is not None:
+        after = control()
+        sent = {k: n - before.calls.get(k, 0) for k, n in after.calls.items()
+                if n > before.calls.get(k, 0) and k not in ("Describe", "Heartbeat")}
+        messages.append(sent | {"announces_ahead": after.announces_ahead - before.announces_ahead})
     stats = llm.collective_rpc("tensorhub_stats")
     pub.unpublish()
     start = time.perf_counter()
@@ -174,15 +184,19 @@ def one_round(llm, trainer, version: int, state: dict, model_dir: Path) -> tuple
 def measure(cfg: VllmBenchConfig) -> list[dict]:
     """The rows (see the module docstring)."""
     from tensorhub import Hub
+    from tensorhub.client.rpc import ReferenceClient
 
     workers: list[list[dict]] = [[] for _ in range(cfg.tp)]
     updates: list[float] = []
     disk: list[float] = []
     disk_repack: list[float] = []
+    messages: list[dict] = []
     with bench_engine(cfg) as (llm, server, model_dir, state), \
-            Hub.connect(server.address, name="bench-trainer") as trainer:
+            Hub.connect(server.address, name="bench-trainer") as trainer, \
+            contextlib.closing(ReferenceClient(server.address)) as client:
         for rep in range(cfg.reps + 1):  # the first is warm-up
-            update, reload, stats = one_round(llm, trainer, rep, state, model_dir)
+            update, reload, stats = one_round(llm, trainer, rep, state, model_dir, messages,
+                                              lambda: client.describe().control)
             if cfg.model == "moe":
                 start = time.perf_counter()
                 llm.collective_rpc(reload_with_repack, args=(str(model_dir),))
@@ -206,7 +220,9 @@ def measure(cfg: VllmBenchConfig) -> list[dict]:
                      "refreshes": [s.get("refreshes", 0) for s in samples],
                      "not_replayed": [s.get("not_replayed", "") for s in samples],
                      "bytes_by_source": samples[-1].get("bytes_by_source", {})})
-    rows.append({"method": "tensorhub-update", "seconds": statistics.median(updates), "samples": updates})
+    # Per update, the messages the server received (the engine's: the trainer publishes before), by method
+    rows.append({"method": "tensorhub-update", "seconds": statistics.median(updates), "samples": updates,
+                 "messages": messages})
     rows.append({"method": "disk-reload", "seconds": statistics.median(disk), "samples": disk})
     if disk_repack:
         rows.append({"method": "disk-reload-repack", "seconds": statistics.median(disk_repack[1:]),
@@ -231,6 +247,12 @@ def _print(rows: list[dict], cfg: VllmBenchConfig) -> None:
                       f"{r['apply_seconds']:.3f}" if share else "", f"{r['seconds']:.3f}",
                       f"{r['seconds'] / disk:.2f}x")
     Console().print(table)
+    messages = next(r["messages"] for r in rows if r["method"] == "tensorhub-update")
+    if messages:  # the steady state's: the last update's
+        last = messages[-1]
+        Console().print(f"control messages of the last update: {sum(n for k, n in last.items() if k != 'announces_ahead')}"
+                        f" ({', '.join(f'{k} {n}' for k, n in sorted(last.items()) if k != 'announces_ahead')}); "
+                        f"announces sent ahead with the Resolve: {last['announces_ahead']}")
 
 
 def run(cfg: VllmBenchConfig, json_path: str | None = None) -> int:
