@@ -200,7 +200,9 @@ def render(status: HubStatus, console: Any | None = None) -> None:
                       + (f"; {c.answers_shared:,} members answered by their engine's resolve" if c.answers_shared
                          else "")
                       + (f"; answered with the holders read before {c.answers_named:,} / ranked anew "
-                         f"{c.named_missed:,}" if c.answers_named or c.named_missed else ""))
+                         f"{c.named_missed:,}" if c.answers_named or c.named_missed else "")
+                      + (f"; {c.announces_ahead:,} announces sent ahead with a resolve" if c.announces_ahead
+                         else ""))
     if c.calls:
         console.print("messages received: " + ", ".join(f"{name} {n:,}" for name, n in
                                                         sorted(c.calls.items(), key=lambda kv: -kv[1])))

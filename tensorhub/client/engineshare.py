@@ -1,4 +1,4 @@
-"""One engine, one control message per step: the workers of an engine share
+"""One engine, two control messages per step: the workers of an engine share
 its Resolve, its relays' announces and their last reports over the engine's
 own channel (a ``torch.distributed`` CPU group: vLLM's world group among its
 TP workers, ``tensorhub_vllm.groupshare``), and its first worker sends each
@@ -6,23 +6,27 @@ for all of them (``groupanswer`` draws the Hub's side).
 
     every worker, each update, in the same order (collective):
       exchange   all: its previous replica's withdrawal, the holders its previous pull read from
-                 (``Hub.named_layouts``) ── gather ─▶ first worker
-                 first worker ── Hub.resolve_for_group(withdrawals=, named_layouts=) ──▶ server: the answer
-                              (the holders named, when all are there; else ranked), then
-                              the withdrawals (drains together) ──▶ answer + outcomes ─┐
-                                                                                        ├─ broadcast ─▶ all:
-                 a failed resolve: None, each resolves on its own; the withdrawals ──────┘  withdrawn,
-                 go in a Batch of their own                                                 pull(answer=)
-                 (a withdrawal not drained or not sent: its worker unpublishes alone before its pull)
-      announce   all (inside pull, before any READ): its announce ── gather ─▶ first worker
+                 (``Hub.named_layouts``), and in the steady state (it named them) its announce of the
+                 replica it is about to fill (``Hub.announce_ahead``: ``ahead``) ── gather ─▶ first worker
+                 first worker ── Hub.resolve_for_group(withdrawals=, named_layouts=, announces=) ──▶ server:
+                              the answer (the holders named, when all are there; else ranked), then
+                              the withdrawals (drains together), then the announces
+                              ──▶ answer + outcomes ─┐
+                                                     ├─ broadcast ─▶ all: withdrawn, ahead_taken, pull(answer=)
+                 a failed resolve: None, each resolves on its own; the withdrawals go in a Batch of
+                 their own (a withdrawal not drained or not sent: its worker unpublishes alone before its pull)
+      announce   skipped when the server took every worker's announce with the Resolve; else
+                 all (inside pull, before any READ): its announce (b"": it went ahead) ── gather ─▶
                  first worker ── one Batch of the announces ──▶ server ── taken? ─▶ broadcast
-                 (lean by layout from the second version on; one not taken: that worker announces alone)
+                 (lean by layout from the second version on; one not taken, or a replica that differs
+                 from what went ahead: that worker announces alone)
       finish     all: barrier (bounded) ─▶ gather the last reports (held) and pulled bytes
                  first worker ── one Batch: reports, pulled bytes, the answer's lease ──▶ server
                  a report the server did not take: its worker's heartbeat sends it
 
-So a steady version costs the server three messages per engine (the Resolve
-with the withdrawals, the announces, the end), not four per worker. The answer is a few KiB in the steady
+So a version costs the server three messages per engine (the Resolve with
+the withdrawals, the announces, the end), and two in the steady state (the
+announces with the Resolve), not four per worker. The answer is a few KiB in the steady
 state (holders come lean), so its broadcast costs less than the Resolve each
 worker would send. The lease must outlive every worker's reads, hence the
 barrier before its release; it is bounded by the pull's own deadline, so a
