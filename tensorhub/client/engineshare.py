@@ -102,6 +102,7 @@ class EngineShare:
             return result
         finally:
             announce(b"")  # this worker's turn in the announces' round, if its pull did not take it
+            hub.forget_ahead(version)  # one no pull took (the resolve failed: no pull ran)
             self.finish(hub, answer, result)
 
     def exchange(self, hub: Hub, version: int | str, withdrawal: Withdrawal | None = None

@@ -513,6 +513,12 @@ class Hub:
         if ahead is not None:
             self._aheads[(model, version)] = replace(ahead, taken=taken)
 
+    def forget_ahead(self, version: int | str) -> None:
+        """The update of ``version`` is over: an announce sent ahead for it that
+        no pull took (the group's resolve failed, so no pull ran) is dropped."""
+        for key in [k for k in self._aheads if k[1] == version]:
+            self._drop_ahead(self._aheads.pop(key))
+
     def _drop_ahead(self, ahead: AheadAnnounce | None) -> None:
         """An announce sent ahead that no pull opened: withdrawn where the server may have it."""
         if ahead is not None and ahead.taken is not False:  # taken, or not known (the resolve failed)
