@@ -250,7 +250,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
     cfg = bench.VllmBenchConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, reps=args.reps, tp=args.tp,
                                 model=args.model, experts=args.experts, overread=args.overread,
-                                lora_rank=args.lora_rank, quantization=args.quantization)
+                                lora_rank=args.lora_rank, quantization=args.quantization,
+                                announces_apart=args.announces_apart)
     return bench.run(cfg, json_path=args.json)
 
 
@@ -486,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--lora-rank", type=int, default=0,
                       help="> 0: LoRA adapter versions of this rank (all linear layers) instead of base weights, "
                            "against the disk round trip (PEFT files, then vLLM's in-place load)")
+    vllm.add_argument("--announces-apart", action="store_true",
+                      help="the workers' announces in a round and a Batch of their own every update, as before "
+                           "they went with the engine's Resolve in the steady state (HubConfig.announce_ahead)")
     vllm.add_argument("--quantization", default="",
                       help="vLLM's quantization for the engine (e.g. fp8_per_channel): the versions stay bf16 and "
                            "both the update and the reload from disk re-quantize them")

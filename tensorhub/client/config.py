@@ -57,6 +57,10 @@ class HubConfig:
     # whose own pull is starting). 0: no wait (a holder missing: ranked as
     # usual); negative: never name holders.
     named_wait_s: float = 1.0
+    # The steady state: a member of an engine's group sends the announce of the
+    # replica its pull is about to fill with the engine's Resolve (one message a
+    # step fewer, no announces' round before the first READ: tensorhub.client.ahead).
+    announce_ahead: bool = True
     rpc_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 10.0  # Hub.connect fails after this if the server is unreachable

@@ -149,7 +149,8 @@ class EngineShare:
         """This worker's announce of ``version`` to go with the Resolve: in the
         steady state (its last pull named its holders), serving again into the
         memory it withdraws (``Hub.announce_ahead``); else b""."""
-        if withdrawal is None or withdrawal.publication is None or not layouts or not isinstance(version, int):
+        if withdrawal is None or withdrawal.publication is None or not layouts or not isinstance(version, int) \
+                or not hub.config.announce_ahead:
             return b""
         try:
             return hub.announce_ahead(withdrawal.publication, version)

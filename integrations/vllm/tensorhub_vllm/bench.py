@@ -55,6 +55,8 @@ class VllmBenchConfig:
     # vLLM's quantization of the engine (e.g. "fp8_per_channel"): the versions stay bf16, and both the
     # TensorHub update and the reload from disk re-quantize them as vLLM's layer-wise reload does
     quantization: str = ""
+    # The workers' announces in a round of their own, as before they went with the Resolve (HubConfig.announce_ahead)
+    announces_apart: bool = False
 
 
 def _build_moe(path: Path, cfg: VllmBenchConfig) -> None:
@@ -140,7 +142,8 @@ def bench_engine(cfg: VllmBenchConfig):  # -> Iterator[tuple[LLM, ServerProcess,
         server = started.result(timeout=60)
         if not cfg.lora_rank:
             llm.collective_rpc("tensorhub_init",
-                               args=({"hub": server.address, "model": MODEL, "overread": cfg.overread},))
+                               args=({"hub": server.address, "model": MODEL, "overread": cfg.overread,
+                                      "hub_config": {"announce_ahead": not cfg.announces_apart}},))
         try:
             yield llm, server, model_dir, state
         finally:
