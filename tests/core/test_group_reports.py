@@ -268,7 +268,7 @@ def test_announces_sent_ahead_fall_back_when_a_pull_fails_or_its_replica_differs
 
     for version in (1, 2, 3):
         step(version)
-    _, sent, ahead = step(3 + 1, specs=[("a", "float32", (1024, 256)), SPECS[1]])
+    _, sent, ahead = step(4, specs=[("a", "float32", (1024, 256)), SPECS[1]])
     assert ahead == 2 and sent["Batch"] == 1, (ahead, sent)  # both went ahead, no announces' round
     # Worker 1's pull failed before it wrote: the replica announced for it is withdrawn (at its next heartbeat).
     deadline = time.monotonic() + 15
