@@ -290,6 +290,24 @@ def test_announces_sent_ahead_fall_back_when_a_pull_fails_or_its_replica_differs
     assert all(r.complete and r.num_chunks == -(-r.held_bytes // (CHUNK // 2)) for r in relays), relays
 
 
+def test_a_hub_told_not_to_announce_ahead_keeps_the_announces_round(server, hubs):
+    """``HubConfig.announce_ahead=False``: the steady step stays three messages
+    (the announces in a Batch of their own), byte-exact and named as before."""
+    rank = hubs("rank0")
+    workers = join_group([hubs(f"w{r}", announce_ahead=False) for r in range(2)])
+    for version in (1, 2, 3):
+        if version > 1:
+            rank.call("unpublish", model="m", version=version - 1)
+            rank.call("overwrite", model="m", version=version - 1, seed=version)
+        rank.call("publish_shard" if version == 1 else "republish", model="m", version=version, how="rows", rank=0,
+                  world=1, chunk_size=CHUNK, **({"specs": SPECS, "seed": 1} if version == 1 else {"of": version - 1}))
+        before = _calls(server.address)
+        got = _update(workers, version)
+    sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+    assert all(g["named"] for g in got) and sent["Batch"] == 2, sent
+    assert _status(server.address).control.announces_ahead == 0
+
+
 def test_announces_sent_with_a_resolve_are_each_answered_as_a_publish_would(server, hubs):
     """``ResolveRequest.announces``, raw: each handled after the answer as a
     Publish alone; one that takes its checksums from the complete holder cut
