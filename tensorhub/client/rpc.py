@@ -490,12 +490,14 @@ class ReferenceClient:
                                  f"{len(answer.reports)} reports and {len(answer.releases)} releases of a Batch of "
                                  f"{sent[0]}, {sent[1]} and {sent[2]}")
 
-        def errors(outcomes: Any, not_found: Callable[[str], Exception]) -> list[Exception | None]:
-            return [self._error(getattr(grpc.StatusCode, o.code, grpc.StatusCode.UNKNOWN), o.detail, not_found)
-                    if o.code else None for o in outcomes]
-
+        errors = self._outcome_errors
         return (errors(answer.publishes, TensorHubError), errors(answer.reports, ReplicaUnknown),
                 errors(answer.releases, TensorHubError)[:len(releases)])
+
+    def _outcome_errors(self, outcomes: Any, not_found: Callable[[str], Exception]) -> list[Exception | None]:
+        """Per ``BatchOutcome`` (a Batch's, a Resolve's announces), the typed error it answered, or None: taken."""
+        return [self._error(getattr(grpc.StatusCode, o.code, grpc.StatusCode.UNKNOWN), o.detail, not_found)
+                if o.code else None for o in outcomes]
 
     @staticmethod
     def withdrawal(agent_id: str, replica_id: str, drain_timeout_s: float, *, force: bool = False) -> bytes:
@@ -606,8 +608,7 @@ class ReferenceClient:
             resolved = replace(resolved, withdrawn=tuple(withdrawn))
             resp.ClearField("withdrawals")  # the members' answer is the resolve's alone
         if request.announces:
-            announced = [self._error(getattr(grpc.StatusCode, o.code, grpc.StatusCode.UNKNOWN), o.detail,
-                                     TensorHubError) if o.code else None for o in resp.announces]
+            announced = self._outcome_errors(resp.announces, TensorHubError)
             if len(announced) != len(request.announces):  # an older server: it handled none of them
                 announced = [TensorHubError(f"reference server at {self.address} answered {len(announced)} "
                                             f"announces of {len(request.announces)}")] * len(request.announces)

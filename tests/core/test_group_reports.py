@@ -41,6 +41,27 @@ def _calls(address: str) -> dict[str, int]:
     return dict(_status(address).control.calls)
 
 
+def _sent_since(address: str, before: dict[str, int]) -> dict[str, int]:
+    """The messages the server received since ``_calls`` gave ``before``, by method."""
+    return {k: n - before.get(k, 0) for k, n in _calls(address).items() if n > before.get(k, 0)}
+
+
+def _trainer_step(ranks, version: int, chunk_size: int = CHUNK) -> None:
+    """The trainer's ranks take ``version`` in the buffers of ``version - 1``
+    (withdrawn, overwritten with its seed, published again by rows); version 1 published fresh."""
+    if version == 1:
+        for rank, hub in enumerate(ranks):
+            hub.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=rank,
+                     world=len(ranks), chunk_size=chunk_size)
+        return
+    for hub in ranks:
+        hub.call("unpublish", model="m", version=version - 1)
+        hub.call("overwrite", model="m", version=version - 1, seed=version)
+    for rank, hub in enumerate(ranks):
+        hub.call("republish", model="m", version=version, of=version - 1, how="rows", rank=rank, world=len(ranks),
+                 chunk_size=chunk_size)
+
+
 def _engine_update(ranks, workers, version: int) -> tuple[object, list[dict]]:
     """The trainer's ranks publish ``version``; the engine's first worker
     resolves for all, every worker pulls its TP slice serving, its last
@@ -195,20 +216,11 @@ def _update(workers: list[HubProcess], version: int) -> list[dict]:
 def test_an_engines_step_costs_the_server_three_messages_then_two_in_the_steady_state(server, hubs):
     ranks = [hubs("rank0"), hubs("rank1")]
     workers = _engine(hubs, 3)
-    for rank, hub in enumerate(ranks):
-        hub.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=rank, world=2,
-                 chunk_size=CHUNK)
     for version in (1, 2, 3):  # the first announces go whole (their manifest by fingerprint), then lean
-        if version > 1:
-            for hub in ranks:
-                hub.call("unpublish", model="m", version=version - 1)
-                hub.call("overwrite", model="m", version=version - 1, seed=version)
-            for rank, hub in enumerate(ranks):
-                hub.call("republish", model="m", version=version, of=version - 1, how="rows", rank=rank, world=2,
-                         chunk_size=CHUNK)
+        _trainer_step(ranks, version)
         before, ahead_before = _calls(server.address), _status(server.address).control.announces_ahead
         got = _update(workers, version)
-        sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+        sent = _sent_since(server.address, before)
         sent.pop("Describe", None)
         sent.pop("Heartbeat", None)  # on their clock, not per step
         refreshes = sum(g["refreshes"] for g in got)
@@ -241,15 +253,9 @@ def test_announces_sent_ahead_fall_back_when_a_pull_fails_or_its_replica_differs
     replica, which announces itself (the same replica id: one per worker)."""
     rank = hubs("rank0")
     workers = _engine(hubs, 2)
-    rank.call("publish_shard", model="m", version=1, specs=SPECS, seed=1, how="rows", rank=0, world=1,
-              chunk_size=CHUNK)
 
     def step(version: int, specs: list | None = None, chunk_size: int = CHUNK) -> tuple[dict, dict, int]:
-        if version > 1:
-            rank.call("unpublish", model="m", version=version - 1)
-            rank.call("overwrite", model="m", version=version - 1, seed=version)
-            rank.call("republish", model="m", version=version, of=version - 1, how="rows", rank=0, world=1,
-                      chunk_size=chunk_size)
+        _trainer_step([rank], version, chunk_size)
         before, ahead0 = _calls(server.address), _status(server.address).control.announces_ahead
         for r, hub in enumerate(workers):
             hub.send("engine_update", model="m", version=version, specs=specs if specs and r == 1 else SPECS,
@@ -263,7 +269,7 @@ def test_announces_sent_ahead_fall_back_when_a_pull_fails_or_its_replica_differs
             else:
                 got[r] = hub.result(timeout=60)
                 assert got[r]["mismatched"] == [], got[r]["mismatched"]
-        sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+        sent = _sent_since(server.address, before)
         return got, sent, _status(server.address).control.announces_ahead - ahead0
 
     for version in (1, 2, 3):
@@ -296,14 +302,10 @@ def test_a_hub_told_not_to_announce_ahead_keeps_the_announces_round(server, hubs
     rank = hubs("rank0")
     workers = join_group([hubs(f"w{r}", announce_ahead=False) for r in range(2)])
     for version in (1, 2, 3):
-        if version > 1:
-            rank.call("unpublish", model="m", version=version - 1)
-            rank.call("overwrite", model="m", version=version - 1, seed=version)
-        rank.call("publish_shard" if version == 1 else "republish", model="m", version=version, how="rows", rank=0,
-                  world=1, chunk_size=CHUNK, **({"specs": SPECS, "seed": 1} if version == 1 else {"of": version - 1}))
+        _trainer_step([rank], version)
         before = _calls(server.address)
         got = _update(workers, version)
-    sent = {k: n - before.get(k, 0) for k, n in _calls(server.address).items() if n > before.get(k, 0)}
+    sent = _sent_since(server.address, before)
     assert all(g["named"] for g in got) and sent["Batch"] == 2, sent
     assert _status(server.address).control.announces_ahead == 0
 
