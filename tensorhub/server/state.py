@@ -36,6 +36,7 @@ from tensorhub.server.coverage import (
     Coverage,
     Grouping,
     HolderKeys,
+    KnownCover,
     coverage_of,
     covering_prefix,
     covers,
@@ -198,6 +199,9 @@ class Version:
     alike: dict[int, tuple[RegionTable | None, dict[str, None]]] = field(default_factory=dict)
     visible: bool = False  # the live complete replicas cover every element
     coverage: Coverage | None = None  # of the complete live replicas, while not visible (see State._refresh)
+    # Keys of complete holders noted but not yet added to ``coverage``: republishes of the
+    # tables that last completed a version (``KnownCover``), added only if that set is not reached
+    noted: dict[int, HolderKeys] = field(default_factory=dict)
     grouping: Grouping | None = None  # tensors every replica so far cuts alike (coverage.py), set by publish
     wire_manifest: Any = None  # cached protobuf form, filled in by the service
     # Reader agent id -> (live holders, their fixed keys) as of State._holders_changed == ranked_at: State._ranking.
@@ -220,6 +224,7 @@ class Version:
     def missing(self) -> tuple[list[tuple[int, Bounds]], int]:
         """The first (tensor, box) nobody complete holds, and how many there are:
         worked out when asked (a message, a status), not at every publish."""
+        assert not self.noted, "State.worked_out first: holders noted in passing are not in the coverage"
         return self.coverage.missing(MISSING_SHOWN) if self.coverage is not None else ([], 0)
 
     def describe_missing(self) -> str:
@@ -621,14 +626,20 @@ class State:
         if removed is not None and key is not None and self._pending is not None:
             self._pending[key] = entry  # withdrawals made together: recomputed once, as their block ends
             return
-        holders = [r for r in entry.replicas.values() if self._counts(r)]
         grouping = _grouping(entry)
+        if added is not None and self._noted(entry, grouping, added):
+            return
+        holders = [r for r in entry.replicas.values() if self._counts(r)]
         if (added is not None and entry.coverage is not None and entry.coverage.grouping is grouping
                 and entry.coverage.epoch == grouping.epoch):
-            entry.coverage.add(_keys(entry, added))
+            entry.coverage.add(_keys(entry, added))  # (nothing is noted while a coverage is kept)
         else:
-            entry.coverage = _coverage(entry, holders)
+            entry.coverage = _coverage(entry, holders)  # every holder, the noted ones included
+        entry.noted.clear()
         complete = entry.coverage.complete
+        if complete and added is not None and not added.trainer_cut:
+            # These holders cover a version: the next one from the same tables is complete when they are back
+            grouping.known_cover = KnownCover([_keys(entry, r) for r in holders], entry.coverage)
         cuts = [] if complete and holders else [
             r for r in entry.replicas.values() if r.trainer_cut and r.complete and self._live(r)]
         if added is None and cuts and not complete:
@@ -642,6 +653,32 @@ class State:
             entry.visible = visible
             self._visibility_changed.set()
             self._visibility_changed = asyncio.Event()
+
+    def _noted(self, entry: Version, grouping: Grouping, added: Replica) -> bool:
+        """The steady state's shortcut for ``_refresh(added=)``: ``added`` holds
+        a table of the set that last completed a version (``KnownCover``: the
+        trainer's shards republished from the same buffers). Its keys are noted,
+        not added; once every table of the set is back the version is visible
+        with that set's complete coverage. Only while every holder so far was
+        noted (no coverage kept): a version worked out in full goes on the long
+        way. False (nothing noted): add it as usual."""
+        known = grouping.known_cover
+        if known is None or known.epoch != grouping.epoch or entry.coverage is not None:
+            return False  # (a coverage kept: holders were added the long way, and so is this one)
+        keys = _keys(entry, added)
+        if id(keys) not in known.ids:
+            return False
+        # Every noted holder still counts: one that stops (withdrawn, lost, replaced, its agent gone)
+        # has the version worked out in full, noted ones included, and the notes cleared.
+        entry.noted[id(keys)] = keys
+        if not known.covered_by(entry.noted.keys()):
+            return True
+        entry.coverage, entry.noted = known.coverage, {}
+        if not entry.visible:
+            entry.visible = True
+            self._visibility_changed.set()
+            self._visibility_changed = asyncio.Event()
+        return True
 
     def _alike_counts(self, entry: Version, removed: Replica, *, reliable: bool = False) -> bool:
         """Whether another replica holding ``removed``'s table counts for coverage
@@ -713,7 +750,7 @@ class State:
                 raise StateError("NOT_FOUND",
                                  f"{model!r} version {version} has no complete replica; pullable versions: {pullable}")
             raise StateError("NOT_FOUND", f"{model!r} version {version} is not complete: no complete holder has "
-                                          f"{entry.describe_missing()}; pullable versions: {pullable}")
+                                          f"{self.worked_out(entry).describe_missing()}; pullable versions: {pullable}")
         if group:
             rounds[group_round] = version
             for old in sorted(rounds)[:-GROUP_ROUNDS_KEPT]:
@@ -1026,12 +1063,19 @@ class State:
                          models=tuple(models), leases=leases,
                          control=replace(self.control, calls=dict(self.control.calls)))
 
+    def worked_out(self, entry: Version) -> Version:
+        """``entry`` with its coverage counting every holder: those noted in
+        passing (``_noted``) are added, by working the version out in full."""
+        if entry.noted:
+            self._refresh(entry)
+        return entry
+
     def _missing(self, entry: Version) -> str:
         if entry.visible:
             return ""
         if not any(r.complete and self._live(r) for r in entry.replicas.values()):
             return "everything: no complete replica yet"
-        return entry.describe_missing()
+        return self.worked_out(entry).describe_missing()
 
 
 # ---------------------------------------------------------------- coverage
