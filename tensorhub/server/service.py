@@ -517,7 +517,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         """Wait for a withdrawn replica's readers (up to ``timeout_s``); drop it once none is left."""
         started = time.monotonic()
         drained = await self._drain(replica, timeout_s)
-        self.metrics.unpublished(time.monotonic() - started, drained)
+        return self._unpublished(replica, drained, time.monotonic() - started)
+
+    def _unpublished(self, replica: Replica, drained: bool, waited_s: float) -> pb.UnpublishResponse:
+        """A withdrawn replica's end: dropped if no reader is left."""
+        self.metrics.unpublished(waited_s, drained)
         outstanding = len(replica.leases)
         if drained:
             self.state.remove_replica(replica.replica_id)
@@ -900,9 +904,18 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                     outcome.unpublished.retain_required = True
                 else:
                     withdrawn.append((outcome, replica, m.drain_timeout_s))
-        for (outcome, _, _), unpublished in zip(withdrawn, await asyncio.gather(
-                *(self._drained(replica, timeout_s) for _, replica, timeout_s in withdrawn))):
-            outcome.unpublished.CopyFrom(unpublished)
+        # Those nobody reads end now (the steady state's: an engine's previous replicas), without a
+        # task each; the others' drains are waited for together.
+        reading = []
+        for outcome, replica, timeout_s in withdrawn:
+            if replica.leases:
+                reading.append((outcome, replica, timeout_s))
+            else:
+                outcome.unpublished.CopyFrom(self._unpublished(replica, True, 0.0))
+        if reading:
+            for (outcome, _, _), unpublished in zip(reading, await asyncio.gather(
+                    *(self._drained(replica, timeout_s) for _, replica, timeout_s in reading))):
+                outcome.unpublished.CopyFrom(unpublished)
         return outcomes
 
     def _outcome(self, handle: Callable[[Any], Any], message: Any) -> pb.BatchOutcome:
