@@ -45,6 +45,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tensorhub.bench.cpu import cpu_seconds
+
 MODEL = "bench/server"
 # NIXL partial agent metadata for 200 registered tensors (measured with NIXL 1.5.1):
 # what a real holder sends with its replica, about 46 bytes per region.
@@ -127,9 +129,8 @@ def _rss(pid: int) -> int:
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the process has used so far (``bench.cpu``)."""
+    return cpu_seconds(pid)
 
 
 def _placement(pin: bool) -> tuple[set[int] | None, set[int] | None]:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -57,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensorhub import pacing
+from tensorhub.bench.cpu import cpu_seconds
 from tensorhub.bench.scale import cuts, links
 from tensorhub.bench.scale.models import MODELS, Config, manifest, parameters, tensors
 from tensorhub.local.serverprocess import ServerProcess
@@ -716,8 +716,7 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
 
 
 def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return cpu_seconds(pid)
 
 
 def _rss(pid: int) -> int:
