@@ -89,6 +89,7 @@ MAX_BATCH = wire.MAX_BATCH  # 4 * MAX_SHARED_MEMBERS: an engine's workers', a fe
 _GROUP_ANSWERS_KEPT = 1024  # encoded holder lists of groups (_group_holders): an engine's, per what it knows
 _LAYOUT_NUMBERS_KEPT = 1 << 20  # ReplicaInfo.layout_id: past this many layouts the numbering starts anew
 _LAYOUTS_KEPT = 8192  # publish layouts (``_known_layout``): two per agent of a 4,096-agent job
+_STATIC_INFOS_KEPT = 8192  # replicas' unchanging wire parts (``_static_info``): two per agent, as the layouts
 
 
 def _manifest(msg: pb.Manifest, kept: dict[bytes, Manifest] | None = None) -> Manifest:
@@ -258,6 +259,7 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         self._rule_tables: dict[bytes, tuple[RegionTable, np.ndarray, bytes]] = {}  # _held_of
         self._wire_manifests: dict[str, pb.Manifest] = {}  # by fingerprint: a version's manifest, encoded once
         self._group_answers: dict[tuple, tuple] = {}  # _group_holders
+        self._static_infos: dict[tuple, tuple] = {}  # _static_info: a replica's unchanging wire parts
         # Checked layouts of earlier publishes, by (agent, wire.publish_layout): _known_layout
         self._layouts: OrderedDict[tuple[str, bytes], tuple[str, int, RegionTable, bytes, int, Any]] = OrderedDict()
         # ReplicaInfo.layout_id: a number per holder layout, named by _numbering (this instance's; it
@@ -757,26 +759,11 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
         cached = replica.wire_info
         # A re-registered agent may have new labels; a new numbering, new layout numbers.
         if cached is None or cached[0] is not agent or cached[6] != self._numbering_generation:
-            memory = replica.memory.SerializeToString()
-            digest = hashlib.blake2b(memory, digest_size=16).digest()
-            static = pb.ReplicaInfo(
-                agent_id=agent.agent_id,
-                agent_name=agent.name,
-                labels=wire.labels_to_wire(agent.labels),
-                reliability=wire.reliability_to_wire(agent.reliability),
-                origin=replica.origin,
-                chunk_size=replica.chunk_size,
-                memory_digest=digest,
-            ).SerializeToString() + replica.wire_held
-            # What stays put from one version to the next (ReplicaInfo.layout): the
-            # static fields, the memory and the manifest that the held regions index.
-            layout = hashlib.blake2b(static, digest_size=16, key=b"tensorhub layout")
-            layout.update(memory)
-            layout.update(self.state.models[replica.model][replica.version].fingerprint.encode())
-            number = self._layout_number(layout.digest())
-            self._named.laid_out(layout.digest(), replica)
+            memory_field, digest, static, layout_digest = self._static_info(agent, replica)
+            number = self._layout_number(layout_digest)
+            self._named.laid_out(layout_digest, replica)
             own = pb.ReplicaInfo(chunk_crc32=replica.chunk_crc32 or [], deltas=replica.deltas).SerializeToString()
-            per_version = pb.ReplicaInfo(replica_id=replica.replica_id, layout=layout.digest(),
+            per_version = pb.ReplicaInfo(replica_id=replica.replica_id, layout=layout_digest,
                                          layout_id=number).SerializeToString() + own
             # By number: "<agent id>.<suffix>" ids (every Hub's) as the suffix alone.
             agent_part, dot, suffix = replica.replica_id.rpartition(".")
@@ -784,11 +771,46 @@ class ReferenceService(pb_grpc.ReferenceServiceServicer):
                 {"replica_id": replica.replica_id}
             by_number_bytes = pb.ReplicaInfo(layout_id=number, **named).SerializeToString() + own
             without_memory = per_version + static
-            full = without_memory + pb.ReplicaInfo(memory=replica.memory).SerializeToString()
-            cached = replica.wire_info = (agent, digest, layout.digest(), per_version, without_memory, full,
+            full = without_memory + memory_field
+            cached = replica.wire_info = (agent, digest, layout_digest, per_version, without_memory, full,
                                           self._numbering_generation, by_number_bytes,
                                           _packable(replica, number, suffix if "replica_suffix" in named else ""))
         return cached
+
+    def _static_info(self, agent: Any, replica: Replica) -> tuple[bytes, bytes, bytes, bytes]:
+        """The replica's parts that stay put from one version to the next:
+        its memory as a serialized ReplicaInfo field, that memory's digest, the static ReplicaInfo
+        fields (held regions included) and its layout key (``ReplicaInfo.layout``:
+        the static fields, the memory and the manifest that the regions index).
+        Kept per (agent record, memory, regions, chunk size, origin, manifest):
+        a relay's next replica, announced by its layout, has the same memory and
+        regions objects (``_known_layout``), and hashing them again for each of
+        1,024 workers every step was most of what a new replica cost."""
+        fingerprint = self.state.models[replica.model][replica.version].fingerprint
+        key = (id(agent), id(replica.memory), id(replica.wire_held), replica.chunk_size, replica.origin, fingerprint)
+        kept = self._static_infos.get(key)
+        if kept is not None and kept[0] is agent and kept[1] is replica.memory and kept[2] is replica.wire_held:
+            return kept[3]
+        memory = replica.memory.SerializeToString()
+        digest = hashlib.blake2b(memory, digest_size=16).digest()
+        static = pb.ReplicaInfo(
+            agent_id=agent.agent_id,
+            agent_name=agent.name,
+            labels=wire.labels_to_wire(agent.labels),
+            reliability=wire.reliability_to_wire(agent.reliability),
+            origin=replica.origin,
+            chunk_size=replica.chunk_size,
+            memory_digest=digest,
+        ).SerializeToString() + replica.wire_held
+        layout = hashlib.blake2b(static, digest_size=16, key=b"tensorhub layout")
+        layout.update(memory)
+        layout.update(fingerprint.encode())
+        parts = (pb.ReplicaInfo(memory=replica.memory).SerializeToString(), digest, static, layout.digest())
+        if len(self._static_infos) >= _STATIC_INFOS_KEPT:
+            self._static_infos.pop(next(iter(self._static_infos)))
+        # the objects kept alive with their parts: the ids in the key stay theirs
+        self._static_infos[key] = (agent, replica.memory, replica.wire_held, parts)
+        return parts
 
     def _holders(self, sources: list[Replica], known_memory: frozenset[bytes], known: frozenset[bytes],
                  by_number: bool, packed: bool, lease_id: str) -> bytes:

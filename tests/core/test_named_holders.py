@@ -173,3 +173,38 @@ def test_the_answers_pace_grows_with_the_versions_filling_relays(stub):
         _publish(stub, agent, 2)
     answer = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=2))
     assert answer.pace_s == pytest.approx(2 * PACE_PER_RELAY_S)
+
+
+def test_a_lean_replica_shares_its_layout_and_a_new_agent_record_gets_its_own(stub):
+    """A replica published by layout (``PublishRequest.layout``: the same
+    memory and regions as before) is answered with the same layout key and
+    memory as the one it follows; the server keeps their wire parts per agent
+    record, so an agent that registered again (other labels) gets them anew."""
+    full = pb.PublishRequest(
+        agent_id="r1", replica_id="r1.1", model="m", version=1, chunk_size=CHUNK, state=pb.REPLICA_STATE_COMPLETE,
+        manifest=pb.Manifest(tensors=[pb.TensorSpec(name="w", dtype="float32", shape=[256, 256], nbytes=1 << 18)]),
+        memory=pb.ReplicaMemory(kind=pb.MEMORY_KIND_DRAM, nixl_metadata=b"r1",
+                                regions=[pb.MemoryRegion(addr=9 << 32, size=1 << 18)]))
+    stub.Publish(full)
+    fingerprint = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)).fingerprint
+    from tensorhub.proto import wire
+
+    def lean(version: int) -> None:
+        stub.Publish(pb.PublishRequest(agent_id="r1", replica_id=f"r1.{version}", model="m", version=version,
+                                       chunk_size=CHUNK, state=pb.REPLICA_STATE_COMPLETE,
+                                       manifest_fingerprint=fingerprint, layout=wire.publish_layout(full)))
+
+    def held_by_r1(version: int):
+        answer = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=version))
+        return next(r for r in answer.replicas if r.agent_id == "r1")
+
+    for agent in ("t0", "t1", "t2"):
+        _publish(stub, agent, 2)
+        _publish(stub, agent, 3)
+    lean(2)
+    first, second = held_by_r1(1), held_by_r1(2)
+    assert second.replica_id == "r1.2" and second.layout == first.layout and second.memory == first.memory
+    stub.RegisterAgent(pb.RegisterAgentRequest(agent_id="r1", name="r1", labels=pb.Labels(host="h2")))
+    lean(3)
+    third = held_by_r1(3)
+    assert third.labels.host == "h2" and third.layout != first.layout and third.memory == first.memory
