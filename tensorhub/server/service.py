@@ -81,9 +81,8 @@ def _require_version(version: int) -> int:
     return version
 
 
-_MANIFESTS_KEPT = 8
 _RULE_TABLES_KEPT = 1024  # distinct held rule sets (an FSDP rank's or a TP worker's, per manifest)
-_MANIFESTS_KEPT = 16  # encoded manifests kept by fingerprint
+_MANIFESTS_KEPT = 16  # manifests kept checked (by wire digest) and encoded (by fingerprint), each
 MAX_SHARED_MEMBERS = 64  # ResolveRequest.members: an engine's workers (TP x PP), a few dozen at most
 MAX_BATCH = wire.MAX_BATCH  # 4 * MAX_SHARED_MEMBERS: an engine's workers', a few each
 _GROUP_ANSWERS_KEPT = 1024  # encoded holder lists of groups (_group_holders): an engine's, per what it knows
