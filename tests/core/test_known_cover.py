@@ -11,7 +11,7 @@ import pytest
 from tensorhub.manifest import Manifest, TensorSpec
 from tensorhub.regions import Region
 from tensorhub.server import coverage
-from tensorhub.server.state import State, check_held
+from tensorhub.server.state import State, StateError, check_held
 from tensorhub.topology import Labels, Reliability
 
 RANKS, ROWS, COLS = 4, 8, 6
@@ -76,7 +76,7 @@ def test_what_a_version_lacks_while_its_shards_are_noted(state):
         _publish(state, r, 2)
     missing, count = state.worked_out(state.models["m"][2]).missing()  # the noted shards count
     assert count == len(MANIFEST.tensors) and {box for _, box in missing} == {((6, 8), (0, 6))}
-    with pytest.raises(Exception, match=r"not complete: no complete holder has t0 rows 6:8"):
+    with pytest.raises(StateError, match=r"not complete: no complete holder has t0 rows 6:8"):
         state.resolve("m", 2)
     _publish(state, RANKS - 1, 2)  # worked out in full once asked: the last one goes the long way
     assert state.models["m"][2].visible
