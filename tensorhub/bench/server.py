@@ -128,11 +128,6 @@ def _rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds the process has used so far (``bench.cpu``)."""
-    return cpu_seconds(pid)
-
-
 def _placement(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     """CPUs for the server and for the load generators; (None, None): wherever the OS puts them."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -311,14 +306,14 @@ def run_step(cfg: ServerBenchConfig, agents: int) -> Step:
         merged: dict[str, list] = {"resolve": [], "heartbeat": [], "holders": [], "errors": [], "cpu_s": [],
                                    "skipped": [], "lag": []}
         time.sleep(max(0.0, start_at - time.time()))
-        server_cpu0, busy0 = _cpu_s(server.proc.pid), _busy_s()
+        server_cpu0, busy0 = cpu_seconds(server.proc.pid), _busy_s()
         deadline = start_at + cfg.seconds + 60
         for conn in conns:
             if not conn.poll(max(1.0, deadline - time.time())):
                 raise TimeoutError("a load generator did not report within a minute of the end of the load")
             for key, values in conn.recv().items():
                 merged[key].extend(values)
-        server_cpu = _cpu_s(server.proc.pid) - server_cpu0
+        server_cpu = cpu_seconds(server.proc.pid) - server_cpu0
         busy = _busy_s() - busy0
         wall = time.time() - start_at
         rss_end = _rss(server.proc.pid)

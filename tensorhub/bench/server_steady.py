@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tensorhub.bench.server import METADATA_BYTES_PER_TENSOR, MODEL, _cpu_s, _manifest, _ms, _pin, _placement
+from tensorhub.bench.cpu import cpu_seconds
+from tensorhub.bench.server import METADATA_BYTES_PER_TENSOR, MODEL, _manifest, _ms, _pin, _placement
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -142,7 +143,7 @@ def run(cfg: SteadyConfig) -> dict:
             raise TimeoutError("the readers' process did not start")
         versions = []
         for v in range(1, cfg.versions + 1):
-            cpu0 = _cpu_s(pid)
+            cpu0 = cpu_seconds(pid)
             before = stub.Describe(pb.DescribeRequest(model="none"), timeout=30).control
             for i in range(cfg.holders):
                 request = _publish_request(pb, cfg, i, v, manifest)
@@ -161,7 +162,7 @@ def run(cfg: SteadyConfig) -> dict:
             if not parent.poll(300) or parent.recv() != "done":
                 raise TimeoutError(f"the readers did not resolve version {v}")
             after = stub.Describe(pb.DescribeRequest(model="none"), timeout=30).control
-            versions.append({"server_cpu_s": _cpu_s(pid) - cpu0,
+            versions.append({"server_cpu_s": cpu_seconds(pid) - cpu0,
                              "holders_full": after.holders_full - before.holders_full,
                              "holders_lean": after.holders_lean - before.holders_lean})
         parent.send(None)

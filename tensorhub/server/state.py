@@ -537,14 +537,15 @@ class State:
     def withdraw(self, agent_id: str, replica_id: str) -> Replica:
         """Stop handing the replica out; in-flight leases may still read it."""
         replica = self._own_replica(agent_id, replica_id)
-        self.models[replica.model][replica.version].counted(replica, -1)
+        key = (replica.model, replica.version)
+        entry = self.models[key[0]][key[1]]
+        entry.counted(replica, -1)
         replica.withdrawn = True
-        _unlist_alike(self.models[replica.model][replica.version], replica)  # counts no more
+        _unlist_alike(entry, replica)  # counts no more
         self._holders_changed += 1
         if not replica.leases:
             replica.drained.set()
-        key = (replica.model, replica.version)
-        self._refresh(self.models[key[0]][key[1]], removed=replica, key=key)
+        self._refresh(entry, removed=replica, key=key)
         return replica
 
     @contextlib.contextmanager
@@ -668,7 +669,10 @@ class State:
             # together, on a grouping of this question's own, so that the
             # groups the cuts split stay out of the one later versions share.
             entry.coverage = _coverage_apart(entry, holders + cuts)
-        visible = entry.coverage.complete and bool(holders or cuts)
+        self._set_visible(entry, entry.coverage.complete and bool(holders or cuts))
+
+    def _set_visible(self, entry: Version, visible: bool) -> None:
+        """Record whether ``entry`` is visible, waking the waiters on a change."""
         if visible != entry.visible:
             entry.visible = visible
             self._visibility_changed.set()
@@ -694,10 +698,7 @@ class State:
         if not known.covered_by(entry.noted.keys()):
             return True
         entry.coverage, entry.noted = known.coverage, {}
-        if not entry.visible:
-            entry.visible = True
-            self._visibility_changed.set()
-            self._visibility_changed = asyncio.Event()
+        self._set_visible(entry, True)
         return True
 
     def _alike_counts(self, entry: Version, removed: Replica, *, reliable: bool = False) -> bool:

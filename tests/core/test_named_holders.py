@@ -14,6 +14,7 @@ import pytest
 
 from tensorhub.proto import tensorhub_pb2 as pb
 from tensorhub.proto import tensorhub_pb2_grpc as pb_grpc
+from tensorhub.proto import wire
 from tensorhub.server import EmbeddedServer
 
 CHUNK = 1 << 16
@@ -187,7 +188,6 @@ def test_a_lean_replica_shares_its_layout_and_a_new_agent_record_gets_its_own(st
                                 regions=[pb.MemoryRegion(addr=9 << 32, size=1 << 18)]))
     stub.Publish(full)
     fingerprint = stub.Resolve(pb.ResolveRequest(agent_id="reader", model="m", version=1)).fingerprint
-    from tensorhub.proto import wire
 
     def lean(version: int) -> None:
         stub.Publish(pb.PublishRequest(agent_id="r1", replica_id=f"r1.{version}", model="m", version=version,

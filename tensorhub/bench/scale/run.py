@@ -185,7 +185,7 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
 
         # 1. the trainer's ranks
         request_bytes = []
-        cpu0 = _cpu(pid)
+        cpu0 = cpu_seconds(pid)
         for r in range(ranks):
             agent = f"rank{r}"
             stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=agent, name=agent,
@@ -194,12 +194,12 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
             request_bytes.append(req.ByteSize())
             stub.Publish(req, timeout=120)
             if r == 0:
-                rss_after_first, cpu_first = _rss(pid), _cpu(pid)
-        publish_cpu = _cpu(pid) - cpu0
+                rss_after_first, cpu_first = _rss(pid), cpu_seconds(pid)
+        publish_cpu = cpu_seconds(pid) - cpu0
         out.update(publish_request_bytes_first=request_bytes[0],
                    publish_request_bytes=int(np.median(request_bytes[1:])) if ranks > 1 else request_bytes[0],
                    server_cpu_publish_s=publish_cpu,
-                   server_cpu_publish_per_rank_s=(_cpu(pid) - cpu_first) / max(1, ranks - 1),
+                   server_cpu_publish_per_rank_s=(cpu_seconds(pid) - cpu_first) / max(1, ranks - 1),
                    server_bytes_per_trainer_replica=(_rss(pid) - rss_after_first) / max(1, ranks - 1))
 
         # 2. a sample of TP workers resolve from the trainer alone
@@ -217,14 +217,14 @@ def _one(model_cfg: Config, model: list, engines: int, ranks: int, cfg: ScaleCon
         numbering: dict[int, str] = {}  # per engine: the server's layout numbering it has numbers of
         knows = {e: {info.layout for info in _engine_resolve(stub, e, 1, fingerprint, set(), numbering).replicas}
                  for e in range(engines)}
-        rss0, cpu0 = _rss(pid), _cpu(pid)
+        rss0, cpu0 = _rss(pid), cpu_seconds(pid)
         for e in range(engines):  # an engine's workers' first announces in one Batch (engineshare)
             taken = stub.Batch(pb.BatchRequest(publishes=[
                 publish_request(f"engine{e}.{w}", *cuts.worker_rules(kinds, kv_heads, w, owner), 1 << 41, False,
                                 False) for w in range(cuts.TP)]), timeout=120)
             if any(o.code for o in taken.publishes):
                 raise RuntimeError(f"the server refused engine {e}'s first announces: {taken.publishes}")
-        relay_cpu = _cpu(pid) - cpu0
+        relay_cpu = cpu_seconds(pid) - cpu0
         out.update(server_cpu_relay_publish_per_replica_s=relay_cpu / readers,
                    server_bytes_per_relay_replica=(_rss(pid) - rss0) / readers)
         late = _resolve_sample(stub, pid, [f"late{e}.{w}" for e, w in _spread(engines, sample)], fingerprint, shapes)
@@ -406,7 +406,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
     # Every holder of the version before withdraws it before its buffers take this one: a trainer rank
     # its shards (an Unpublish), or, publishing with the cut, every rank's cut and shards sent by rank 0
     # (``Holdings.withdraw_together(group=)``); an engine's relays with its first Resolve (below).
-    cpu0 = _cpu(pid)
+    cpu0 = cpu_seconds(pid)
     together = together or cut_request is not None  # ranks that publish with the cut are a group too
     if together:  # the ranks withdraw together: rank 0 sends them all
         every = [(f"rank{r}", f"rank{r}.{v}") for r in range(ranks)
@@ -416,8 +416,8 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             _withdraw(stub, every[start:start + wire.MAX_BATCH], batch=True)
     for r in range(ranks) if not together else ():
         _withdraw(stub, [(f"rank{r}", f"rank{r}.{version - 1}")])
-    withdraw_cpu = _cpu(pid) - cpu0  # the trainer's; an engine's relays' go with its Resolve (below)
-    cpu0 = _cpu(pid)
+    withdraw_cpu = cpu_seconds(pid) - cpu0  # the trainer's; an engine's relays' go with its Resolve (below)
+    cpu0 = cpu_seconds(pid)
     if cut_request is not None:  # rank 0 asks for the readers' cut (its ranks share the answer)
         stub.ReaderCuts(pb.ReaderCutsRequest(model="m", fingerprint=fingerprint), timeout=120)
     batched = together and (cut_request is None or version > 2)
@@ -433,7 +433,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         if cut_request is not None:  # the first cut goes whole, alone; then the shards by their layout
             stub.Publish(cut_request(r), timeout=120)
         _publish_lean(stub, trainer_request(r))
-    publish_cpu = trainer_publish_cpu = _cpu(pid) - cpu0
+    publish_cpu = trainer_publish_cpu = cpu_seconds(pid) - cpu0
     leases: dict[int, str] = {}  # each engine's first answer's lease: it goes with the engine's Batch
     paces: dict[int, float] = {}  # each engine's first answer's pace (``ResolveResponse.pace_s``)
     pulling: dict[int, dict[str, int]] = {}  # each engine's workers' own messages while they pull
@@ -443,7 +443,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         wave0 = links.wave0_engines(engines, ranks, cuts.TP)
         for start in range(0, engines, wave0):
             wave = range(start, min(engines, start + wave0))
-            cpu = _cpu(pid)
+            cpu = cpu_seconds(pid)
             for e in wave:
                 answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests,
                                          release=False, named=read_before[e], withdrawals=[
@@ -455,17 +455,17 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
                 leases[e] = answer.lease_id
                 paces[e] = answer.pace_s
                 took(e, answer)
-            resolve_cpu += _cpu(pid) - cpu
-            cpu = _cpu(pid)
+            resolve_cpu += cpu_seconds(pid) - cpu
+            cpu = cpu_seconds(pid)
             for e in wave if not ahead else ():  # they start their pulls: the next wave's holders
                 _announce(stub, [relay_request(e, w) for w in range(cuts.TP)])
-            publish_cpu += _cpu(pid) - cpu
-        cpu = _cpu(pid)
+            publish_cpu += cpu_seconds(pid) - cpu
+        cpu = cpu_seconds(pid)
         for e in range(engines):
             pulling[e] = _pull_messages(stub, e, version, relay_chunks, pull_s, paces[e])
         for e in range(engines):
             _end(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
-        publish_cpu += _cpu(pid) - cpu
+        publish_cpu += cpu_seconds(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         full, lean = counters.holders_full - counters0.holders_full, counters.holders_lean - counters0.holders_lean
         answered_named = counters.answers_named - counters0.answers_named
@@ -474,12 +474,12 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
         parse_s = time.perf_counter() - t0
     for stage in range(0 if named else 2):
         if stage == 1:
-            cpu = _cpu(pid)
+            cpu = cpu_seconds(pid)
             for e in range(engines):  # (their own reports and asks between: not sent, see the docstring)
                 _relay_messages(stub, [relay_request(e, w) for w in range(cuts.TP)], relay_chunks, leases.pop(e))
-            publish_cpu += _cpu(pid) - cpu
+            publish_cpu += cpu_seconds(pid) - cpu
         counters0 = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
-        cpu = _cpu(pid)
+        cpu = cpu_seconds(pid)
         for e in range(engines):
             answer = _engine_resolve(stub, e, version, fingerprint, knows[e], numbering, sizes=requests,
                                      release=stage == 1, withdrawals=[] if stage else [
@@ -487,7 +487,7 @@ def _steady(stub, pid: int, ranks: int, engines: int, fingerprint: str, knows: d
             if stage == 0:
                 leases[e] = answer.lease_id
             took(e, answer)
-        resolve_cpu += _cpu(pid) - cpu
+        resolve_cpu += cpu_seconds(pid) - cpu
         counters = stub.Describe(pb.DescribeRequest(model="none"), timeout=60).control
         full += counters.holders_full - counters0.holders_full
         lean += counters.holders_lean - counters0.holders_lean
@@ -682,7 +682,7 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
     workers ask: the server ranks and searches coverage once per group), then a
     second worker of the same engine asks (a lookup): their CPU apart."""
     response, holders, decode = [], [], []
-    marks = [_cpu(pid)]  # the server's CPU before the sample and after each group's first resolve
+    marks = [cpu_seconds(pid)]  # the server's CPU before the sample and after each group's first resolve
     members = 0.0  # the server's CPU for the second workers' resolves
     request = None
     for agent in agents:
@@ -690,13 +690,13 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
         for who in (agent, agent + "-peer"):
             stub.RegisterAgent(pb.RegisterAgentRequest(agent_id=who, name=who, labels=pb.Labels(host=agent)),
                                timeout=60)
-        marks[-1] = _cpu(pid)  # registering is not resolving
+        marks[-1] = cpu_seconds(pid)  # registering is not resolving
         request = pb.ResolveRequest(agent_id=agent, model="m", version=1, known_fingerprint=fingerprint, group=group)
         answer = stub.Resolve(request, timeout=120)
-        marks.append(_cpu(pid))
+        marks.append(cpu_seconds(pid))
         stub.Resolve(pb.ResolveRequest(agent_id=agent + "-peer", model="m", version=1, known_fingerprint=fingerprint,
                                        group=group), timeout=120)
-        members += _cpu(pid) - marks[-1]
+        members += cpu_seconds(pid) - marks[-1]
         response.append(answer.ByteSize())
         holders.append(len(answer.replicas))
         t0 = time.perf_counter()  # the client's decode: every holder's regions and memory
@@ -704,7 +704,7 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
             table = wire.held_from_wire(info.held_table, shapes)
             wire.memory_regions_from_wire(info.memory, table.nbytes(shapes))
         decode.append(time.perf_counter() - t0)
-        marks.append(_cpu(pid))
+        marks.append(cpu_seconds(pid))
     # The first resolve is apart: it builds the coverage keys of every holder new since the grouping last
     # changed. Clock ticks (10 ms) over the whole sample: a mean, not a per-call figure.
     first_s = marks[1] - marks[0]
@@ -713,10 +713,6 @@ def _resolve_sample(stub, pid: int, agents: list[str], fingerprint: str, shapes)
     return {"response_bytes_max": max(response), "holders": max(holders), "decode_s": max(decode),
             "cpu_first_s": first_s, "cpu_per_resolve_s": groups, "cpu_per_member_s": members / len(agents),
             "request_bytes": request.ByteSize() if request else 0}
-
-
-def _cpu(pid: int) -> float:
-    return cpu_seconds(pid)
 
 
 def _rss(pid: int) -> int:
